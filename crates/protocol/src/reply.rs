@@ -1,0 +1,112 @@
+//! Encoders for reply frames, request frames (clients) and HTTP responses.
+
+use crate::wire::{HEADER_LEN, ReplyHeader, RequestHeader, Status};
+
+/// Append one reply frame (header + words) to `out`.
+pub fn encode_reply(out: &mut Vec<u8>, status: Status, request_id: u32, seq: u32, words: &[u32]) {
+    let h = ReplyHeader::new(status, request_id, words.len() as u32, seq);
+    out.reserve(HEADER_LEN + words.len() * 4);
+    out.extend_from_slice(&h.encode());
+    for w in words {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+}
+
+/// Append one request frame to `out`. `header.words` is written as given, so tests can build
+/// frames whose header disagrees with the payload.
+pub fn encode_request(out: &mut Vec<u8>, header: &RequestHeader, words: &[u32]) {
+    out.reserve(HEADER_LEN + words.len() * 4);
+    out.extend_from_slice(&header.encode());
+    for w in words {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+}
+
+/// Append an HTTP POST carrying one request frame, as the load generator sends it.
+pub fn encode_http_request(out: &mut Vec<u8>, host: &str, frame: &[u8]) {
+    out.extend_from_slice(b"POST /v1/submit HTTP/1.1\r\nHost: ");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\r\nContent-Type: application/octet-stream\r\nContent-Length: ");
+    out.extend_from_slice(frame.len().to_string().as_bytes());
+    out.extend_from_slice(b"\r\n\r\n");
+    out.extend_from_slice(frame);
+}
+
+/// The reason phrase of the HTTP statuses this server sends.
+pub fn http_reason(code: u16) -> &'static str {
+    match code {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        411 => "Length Required",
+        413 => "Content Too Large",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        503 => "Service Unavailable",
+        _ => "Unknown",
+    }
+}
+
+/// Append an HTTP/1.1 response head. `body_len` `None` selects `Transfer-Encoding: chunked`
+/// (streamed replies, one chunk per frame; see [`http_chunk`]).
+pub fn http_response_head(out: &mut Vec<u8>, code: u16, body_len: Option<usize>, close: bool) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(code.to_string().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(http_reason(code).as_bytes());
+    out.extend_from_slice(b"\r\nContent-Type: application/octet-stream\r\n");
+    match body_len {
+        Some(n) => {
+            out.extend_from_slice(b"Content-Length: ");
+            out.extend_from_slice(n.to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        None => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
+    }
+    if close {
+        out.extend_from_slice(b"Connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Append one chunk of a chunked body.
+pub fn http_chunk(out: &mut Vec<u8>, data: &[u8]) {
+    out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Append the last (empty) chunk of a chunked body.
+pub fn http_last_chunk(out: &mut Vec<u8>) {
+    out.extend_from_slice(b"0\r\n\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_head_has_length_or_chunked() {
+        let mut v = Vec::new();
+        http_response_head(&mut v, 200, Some(280), false);
+        let s = String::from_utf8(v).unwrap();
+        assert!(s.starts_with("HTTP/1.1 200 OK\r\n"));
+        assert!(s.contains("Content-Length: 280\r\n"));
+        assert!(s.ends_with("\r\n\r\n"));
+        let mut v = Vec::new();
+        http_response_head(&mut v, 503, None, true);
+        let s = String::from_utf8(v).unwrap();
+        assert!(s.contains("Transfer-Encoding: chunked\r\n"));
+        assert!(s.contains("Connection: close\r\n"));
+    }
+
+    #[test]
+    fn reply_frame_layout() {
+        let mut v = Vec::new();
+        encode_reply(&mut v, Status::Ok, 7, 0, &[1, 2]);
+        assert_eq!(v.len(), 32);
+        assert_eq!(&v[0..4], b"BGR1");
+        assert_eq!(u32::from_le_bytes(v[24..28].try_into().unwrap()), 1);
+    }
+}
