@@ -371,8 +371,14 @@ fn parse_http_head(cfg: &FramerConfig, buf: &[u8]) -> HeadParse {
         };
     };
     let bad = HeadParse::Reject(Reject::http(400, true));
-    let head = &buf[..head_len - 4];
-    let mut lines = head.split(|&c| c == b'\n').map(|l| l.strip_suffix(b"\r"));
+    // Every line of the head, the last header line included, ends in CRLF; a bare LF is
+    // malformed (`None` below).
+    let head = &buf[..head_len - 2];
+    let mut lines = head
+        .strip_suffix(b"\n")
+        .unwrap_or(head)
+        .split(|&c| c == b'\n')
+        .map(|l| l.strip_suffix(b"\r"));
     let Some(Some(request_line)) = lines.next() else {
         return bad;
     };
