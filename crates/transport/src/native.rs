@@ -1,0 +1,627 @@
+//! The native transport: one thread, timed epoll, nonblocking reads and writes.
+//!
+//! Each loop iteration: wait in `epoll_wait` (indefinitely when no request is outstanding;
+//! otherwise at most `poll_interval`, and the executor can cut the wait short through an
+//! eventfd when it sees the transport asleep), read readable connections and publish the
+//! requests they frame, notify the executor once per batch, reap the completion ring, and
+//! write replies. A GPU executor cannot write an eventfd; the timed wait is what bounds its
+//! completion latency.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bgs_protocol::{FramerConfig, Request, Status};
+use bgs_ring::{RingRegion, SLOT_WORDS};
+use rustix::event::epoll;
+use rustix::event::{EventfdFlags, Timespec, eventfd};
+use rustix::net::SocketFlags;
+use slab::Slab;
+
+use crate::conn::{ConnLimits, ConnState, RequestSink, Submit};
+use crate::stats::TransportStats;
+
+const LISTENER: u64 = u64::MAX;
+const DOORBELL: u64 = u64::MAX - 1;
+const SHUTDOWN: u64 = u64::MAX - 2;
+
+/// Settings of the native transport.
+#[derive(Debug, Clone)]
+pub struct NativeConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Most connections open at once; further connections are accepted and closed.
+    pub max_connections: usize,
+    /// Per-connection limits (in-flight requests, unsent reply bytes).
+    pub limits: ConnLimits,
+    /// Framing limits.
+    pub framer: FramerConfig,
+    /// Longest epoll wait while requests are outstanding.
+    pub poll_interval: Duration,
+    /// Floor mode: answer echo directly, without ring or executor.
+    pub floor: bool,
+    /// How long shutdown waits for outstanding replies.
+    pub drain_timeout: Duration,
+}
+
+impl Default for NativeConfig {
+    fn default() -> Self {
+        NativeConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7700)),
+            max_connections: 4096,
+            limits: ConnLimits::default(),
+            framer: FramerConfig::default(),
+            poll_interval: Duration::from_micros(100),
+            floor: false,
+            drain_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Stops a running transport from another thread or a signal handler.
+#[derive(Debug, Clone)]
+pub struct ShutdownHandle(Arc<UnixStream>);
+
+impl ShutdownHandle {
+    /// Ask the transport to stop (idempotent).
+    pub fn shutdown(&self) {
+        let _ = (&*self.0).write(&[1]);
+    }
+
+    /// A new descriptor for the same pipe, for a signal handler that writes one byte
+    /// (`signal_hook::low_level::pipe::register`).
+    pub fn signal_pipe(&self) -> io::Result<UnixStream> {
+        self.0.try_clone()
+    }
+}
+
+struct Conn {
+    stream: TcpStream,
+    generation: u32,
+    state: ConnState,
+    /// Bytes received but not yet consumed by the framer.
+    rbuf: Vec<u8>,
+    registered: (bool, bool),
+    /// The peer ended its byte stream.
+    eof: bool,
+    /// Lingering close: our side is shut down for writing after an error reply, and input
+    /// is discarded until the peer closes or this deadline passes. Closing at once with
+    /// unread input would make the kernel send a reset that can destroy the error reply
+    /// before the client reads it.
+    linger_until: Option<Instant>,
+}
+
+/// How long a connection closed by the server waits for the peer to finish sending.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// The native transport, bound and ready to [`run`](NativeTransport::run).
+pub struct NativeTransport {
+    cfg: NativeConfig,
+    listener: Option<TcpListener>,
+    local_addr: SocketAddr,
+    epoll: OwnedFd,
+    doorbell: Arc<OwnedFd>,
+    shutdown_rx: UnixStream,
+    shutdown_tx: ShutdownHandle,
+    region: Option<Arc<RingRegion>>,
+    conns: Slab<Conn>,
+    next_gen: u32,
+    outstanding: usize,
+    lingering: usize,
+    last_sweep: Instant,
+    stats: TransportStats,
+    scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for NativeTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NativeTransport")
+            .field("local_addr", &self.local_addr)
+            .field("conns", &self.conns.len())
+            .finish()
+    }
+}
+
+fn token_of(generation: u32, idx: usize) -> u64 {
+    (u64::from(generation) << 32) | idx as u64
+}
+
+impl NativeTransport {
+    /// Bind the listening socket. `region` is the shared rings (None only in floor mode).
+    pub fn bind(cfg: NativeConfig, region: Option<Arc<RingRegion>>) -> io::Result<Self> {
+        if cfg.framer.max_words as usize > SLOT_WORDS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "max words per request {} exceeds the ring's slot capacity {SLOT_WORDS}",
+                    cfg.framer.max_words
+                ),
+            ));
+        }
+        if region.is_none() && !cfg.floor {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the native transport needs a ring region unless it runs in floor mode",
+            ));
+        }
+        let listener = TcpListener::bind(cfg.listen)?;
+        listener.set_nonblocking(true)?;
+        let local_addr = listener.local_addr()?;
+        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        let doorbell = Arc::new(eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?);
+        let (shutdown_rx, tx) = UnixStream::pair()?;
+        shutdown_rx.set_nonblocking(true)?;
+        tx.set_nonblocking(true)?;
+        let ev = epoll::EventFlags::IN;
+        epoll::add(&epoll, &listener, epoll::EventData::new_u64(LISTENER), ev)?;
+        epoll::add(&epoll, &*doorbell, epoll::EventData::new_u64(DOORBELL), ev)?;
+        epoll::add(&epoll, &shutdown_rx, epoll::EventData::new_u64(SHUTDOWN), ev)?;
+        Ok(NativeTransport {
+            scratch: vec![0u8; 64 * 1024],
+            cfg,
+            listener: Some(listener),
+            local_addr,
+            epoll,
+            doorbell,
+            shutdown_rx,
+            shutdown_tx: ShutdownHandle(Arc::new(tx)),
+            region,
+            conns: Slab::new(),
+            next_gen: 1,
+            outstanding: 0,
+            lingering: 0,
+            last_sweep: Instant::now(),
+            stats: TransportStats::default(),
+        })
+    }
+
+    /// The address actually bound (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// A handle that stops [`run`](Self::run).
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        self.shutdown_tx.clone()
+    }
+
+    /// The function an executor calls when it publishes a completion while this transport
+    /// sleeps: it writes the transport's eventfd.
+    pub fn waker(&self) -> Arc<dyn Fn() + Send + Sync> {
+        let fd = self.doorbell.clone();
+        Arc::new(move || {
+            let _ = rustix::io::write(&*fd, &1u64.to_ne_bytes());
+        })
+    }
+
+    /// Serve until shut down; then drain outstanding replies (bounded) and close everything.
+    pub fn run(mut self) -> io::Result<TransportStats> {
+        let mut events = Vec::with_capacity(256);
+        let mut dirty: Vec<usize> = Vec::new();
+        loop {
+            self.reap(&mut dirty);
+            self.flush_dirty(&mut dirty);
+            let timeout = self.wait_timeout();
+            // Announce the sleep before waiting, so that an executor publishing after our
+            // last reap writes the doorbell; if something arrived in between, don't sleep.
+            let guard = self.region.as_ref().map(|r| r.completions().sleep_guard());
+            let timeout = match &self.region {
+                Some(r) if !r.completions().is_empty() => Some(Timespec::default()),
+                _ => timeout,
+            };
+            events.clear();
+            self.stats.epoll_waits += 1;
+            match epoll::wait(&self.epoll, rustix::buffer::spare_capacity(&mut events), timeout.as_ref()) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+            drop(guard);
+            let mut published = false;
+            let mut stop = false;
+            for ev in &events {
+                match ev.data.u64() {
+                    LISTENER => self.accept_all(),
+                    DOORBELL => {
+                        let mut b = [0u8; 8];
+                        let _ = rustix::io::read(&*self.doorbell, &mut b);
+                    }
+                    SHUTDOWN => stop = true,
+                    idx => {
+                        let idx = idx as usize;
+                        if self.on_ready(idx, ev.flags) {
+                            published = true;
+                        }
+                        dirty.push(idx);
+                    }
+                }
+            }
+            if published {
+                if let Some(r) = &self.region {
+                    r.requests().notify();
+                }
+            }
+            self.flush_dirty(&mut dirty);
+            if stop {
+                break;
+            }
+            if self.lingering > 0 {
+                self.sweep_lingering();
+            }
+        }
+        self.drain();
+        Ok(self.stats)
+    }
+
+    fn wait_timeout(&self) -> Option<Timespec> {
+        let d = match (self.outstanding, self.lingering) {
+            (0, 0) => return None,
+            (0, _) => Duration::from_millis(250),
+            _ => self.cfg.poll_interval,
+        };
+        Some(Timespec {
+            tv_sec: d.as_secs() as _,
+            tv_nsec: d.subsec_nanos() as _,
+        })
+    }
+
+    fn accept_all(&mut self) {
+        let Some(listener) = &self.listener else {
+            return;
+        };
+        loop {
+            let fd = match rustix::net::accept_with(
+                listener,
+                SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+            ) {
+                Ok(fd) => fd,
+                Err(rustix::io::Errno::AGAIN) => return,
+                Err(rustix::io::Errno::INTR | rustix::io::Errno::CONNABORTED) => continue,
+                Err(e) => {
+                    // EMFILE/ENFILE/ENOBUFS: leave the rest in the backlog for now.
+                    tracing::warn!("accept failed: {e}");
+                    return;
+                }
+            };
+            let stream = TcpStream::from(fd);
+            if self.conns.len() >= self.cfg.max_connections {
+                self.stats.conns_refused += 1;
+                drop(stream);
+                continue;
+            }
+            // Small replies must not wait for delayed ACKs (the paper's 40 ms token gaps).
+            if let Err(e) = stream.set_nodelay(true) {
+                tracing::warn!("TCP_NODELAY failed: {e}");
+            }
+            let generation = self.next_gen;
+            self.next_gen = self.next_gen.wrapping_add(1).max(1);
+            let entry = self.conns.vacant_entry();
+            let idx = entry.key();
+            if epoll::add(
+                &self.epoll,
+                &stream,
+                epoll::EventData::new_u64(idx as u64),
+                epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
+            )
+            .is_err()
+            {
+                continue;
+            }
+            entry.insert(Conn {
+                stream,
+                generation,
+                state: ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits),
+                rbuf: Vec::new(),
+                registered: (true, false),
+                eof: false,
+                linger_until: None,
+            });
+            self.stats.conns_accepted += 1;
+        }
+    }
+
+    /// Handle readiness of connection `idx`; returns true if requests were published.
+    fn on_ready(&mut self, idx: usize, flags: epoll::EventFlags) -> bool {
+        let Some(conn) = self.conns.get_mut(idx) else {
+            return false;
+        };
+        if flags.contains(epoll::EventFlags::OUT) {
+            write_out(conn, &mut self.stats);
+        }
+        if conn.linger_until.is_some() {
+            match (&conn.stream).read(&mut self.scratch) {
+                Ok(0) => self.close(idx),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(_) => self.close(idx),
+            }
+            return false;
+        }
+        if !(flags.intersects(
+            epoll::EventFlags::IN
+                | epoll::EventFlags::RDHUP
+                | epoll::EventFlags::HUP
+                | epoll::EventFlags::ERR,
+        )) || !conn.state.wants_input()
+        {
+            return false;
+        }
+        let before = conn.state.queued();
+        let n = match (&conn.stream).read(&mut self.scratch) {
+            Ok(0) => {
+                conn.state.on_eof();
+                conn.eof = true;
+                conn.rbuf = Vec::new();
+                return false;
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return false,
+            Err(_) => {
+                self.stats.io_errors += 1;
+                self.close(idx);
+                return false;
+            }
+        };
+        self.stats.bytes_in += n as u64;
+        let mut sink = RingSink {
+            region: self.region.as_deref(),
+            floor: self.cfg.floor,
+            now_ns: now_ns(),
+        };
+        let conn = &mut self.conns[idx];
+        if conn.rbuf.is_empty() {
+            // Common case: decode straight from the scratch buffer, keep only a partial tail.
+            let used = conn.state.ingest(&self.scratch[..n], &mut sink, &mut self.stats);
+            conn.rbuf.extend_from_slice(&self.scratch[used..n]);
+        } else {
+            conn.rbuf.extend_from_slice(&self.scratch[..n]);
+            let used = conn.state.ingest(&conn.rbuf, &mut sink, &mut self.stats);
+            conn.rbuf.drain(..used);
+        }
+        if conn.state.read_closed() {
+            conn.rbuf = Vec::new();
+        }
+        let added = conn.state.queued() - before;
+        self.outstanding += added;
+        added > 0
+    }
+
+    /// Reap every completion in the ring and hand it to its connection.
+    fn reap(&mut self, dirty: &mut Vec<usize>) {
+        let Some(region) = self.region.clone() else {
+            return;
+        };
+        let mut buf = [0u32; SLOT_WORDS];
+        loop {
+            let c = region.completions().try_pop(|e| {
+                let n = (e.words as usize).min(SLOT_WORDS);
+                buf[..n].copy_from_slice(&e.payload[..n]);
+                (e.conn, e.conn_seq, e.status, e.final_ != 0, e.stream_seq, e.request_id, n)
+            });
+            let Some((token, seq, status, final_, stream_seq, request_id, n)) = c else {
+                break;
+            };
+            self.stats.completions += 1;
+            let idx = (token & 0xffff_ffff) as usize;
+            let generation = (token >> 32) as u32;
+            let status = Status::from_u16(status).unwrap_or(Status::Internal);
+            match self.conns.get_mut(idx) {
+                Some(conn) if conn.generation == generation => {
+                    let before = conn.state.queued();
+                    if conn.state.complete(seq, status, final_, stream_seq, request_id, &buf[..n]) {
+                        self.stats.replies += 1;
+                    }
+                    self.outstanding -= before - conn.state.queued();
+                    dirty.push(idx);
+                }
+                // Its connection closed; `close` already stopped counting it as outstanding.
+                _ => self.stats.stale_completions += 1,
+            }
+        }
+    }
+
+    /// Write what is ready, resume reading where limits allowed it again, update epoll
+    /// interest, and close finished connections.
+    fn flush_dirty(&mut self, dirty: &mut Vec<usize>) {
+        dirty.sort_unstable();
+        dirty.dedup();
+        for idx in dirty.drain(..) {
+            let Some(conn) = self.conns.get_mut(idx) else {
+                continue;
+            };
+            // Input held back by the in-flight limit may now fit.
+            if !conn.rbuf.is_empty() && conn.state.wants_input() {
+                let mut sink = RingSink {
+                    region: self.region.as_deref(),
+                    floor: self.cfg.floor,
+                    now_ns: now_ns(),
+                };
+                let before = conn.state.queued();
+                let used = conn.state.ingest(&conn.rbuf, &mut sink, &mut self.stats);
+                conn.rbuf.drain(..used);
+                let added = conn.state.queued() - before;
+                self.outstanding += added;
+                if added > 0 {
+                    if let Some(r) = &self.region {
+                        r.requests().notify();
+                    }
+                }
+            }
+            if !conn.state.unsent().is_empty() && !write_out(conn, &mut self.stats) {
+                self.stats.io_errors += 1;
+                self.close(idx);
+                continue;
+            }
+            if conn.linger_until.is_some() {
+                continue;
+            }
+            if conn.state.finished() {
+                if conn.eof {
+                    self.close(idx);
+                } else {
+                    self.start_linger(idx);
+                }
+                continue;
+            }
+            let want = (
+                conn.state.wants_input(),
+                !conn.state.unsent().is_empty(),
+            );
+            if want != conn.registered {
+                let mut fl = epoll::EventFlags::RDHUP;
+                if want.0 {
+                    fl |= epoll::EventFlags::IN;
+                }
+                if want.1 {
+                    fl |= epoll::EventFlags::OUT;
+                }
+                let _ = epoll::modify(
+                    &self.epoll,
+                    &conn.stream,
+                    epoll::EventData::new_u64(idx as u64),
+                    fl,
+                );
+                conn.registered = want;
+            }
+        }
+    }
+
+    /// Everything owed has been written and the server ends the connection (an error that
+    /// closes, `Connection: close`, shutdown): send FIN and discard input until the peer
+    /// closes too.
+    fn start_linger(&mut self, idx: usize) {
+        let conn = &mut self.conns[idx];
+        if conn.stream.shutdown(std::net::Shutdown::Write).is_err() {
+            self.close(idx);
+            return;
+        }
+        conn.rbuf = Vec::new();
+        conn.linger_until = Some(Instant::now() + LINGER);
+        let _ = epoll::modify(
+            &self.epoll,
+            &conn.stream,
+            epoll::EventData::new_u64(idx as u64),
+            epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
+        );
+        conn.registered = (true, false);
+        self.lingering += 1;
+    }
+
+    fn sweep_lingering(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < Duration::from_millis(100) {
+            return;
+        }
+        self.last_sweep = now;
+        let expired: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.linger_until.is_some_and(|t| t <= now))
+            .map(|(i, _)| i)
+            .collect();
+        for idx in expired {
+            self.close(idx);
+        }
+    }
+
+    fn close(&mut self, idx: usize) {
+        if let Some(conn) = self.conns.try_remove(idx) {
+            if conn.linger_until.is_some() {
+                self.lingering -= 1;
+            }
+            // Requests still in the executor will complete into a stale token; they no longer
+            // count as outstanding for this loop's wait decisions.
+            self.outstanding -= conn.state.queued();
+            let _ = epoll::delete(&self.epoll, &conn.stream);
+            self.stats.conns_closed += 1;
+            drop(conn);
+        }
+    }
+
+    /// Stop accepting and reading; give outstanding requests `drain_timeout` to complete.
+    fn drain(&mut self) {
+        self.listener = None;
+        let mut b = [0u8; 64];
+        let _ = (&self.shutdown_rx).read(&mut b);
+        let deadline = Instant::now() + self.cfg.drain_timeout;
+        let mut dirty: Vec<usize> = self.conns.iter().map(|(i, _)| i).collect();
+        for (_, c) in self.conns.iter_mut() {
+            c.state.on_eof();
+        }
+        self.flush_dirty(&mut dirty);
+        while self.outstanding > 0 && Instant::now() < deadline {
+            self.reap(&mut dirty);
+            self.flush_dirty(&mut dirty);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let idxs: Vec<usize> = self.conns.iter().map(|(i, _)| i).collect();
+        for idx in idxs {
+            self.close(idx);
+        }
+    }
+}
+
+/// Write as much as the socket takes. Returns false on a fatal write error.
+fn write_out(conn: &mut Conn, stats: &mut TransportStats) -> bool {
+    while !conn.state.unsent().is_empty() {
+        match (&conn.stream).write(conn.state.unsent()) {
+            Ok(0) => return false,
+            Ok(n) => {
+                stats.bytes_out += n as u64;
+                conn.state.advance(n);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
+fn now_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// Publishes framed requests into the request ring (or answers them in floor mode).
+struct RingSink<'a> {
+    region: Option<&'a RingRegion>,
+    floor: bool,
+    now_ns: u64,
+}
+
+impl RequestSink for RingSink<'_> {
+    fn submit(&mut self, token: u64, conn_seq: u32, r: &Request<'_>) -> Submit {
+        if self.floor {
+            return if r.header.op == bgs_protocol::Op::Echo as u16 {
+                Submit::EchoNow
+            } else {
+                Submit::Unsupported
+            };
+        }
+        let Some(region) = self.region else {
+            return Submit::Busy;
+        };
+        let h = &r.header;
+        let pushed = region.requests().try_push(|e| {
+            e.conn = token;
+            e.conn_seq = conn_seq;
+            e.op = h.op;
+            e.version = h.version;
+            e.request_id = h.request_id;
+            e.words = h.words;
+            e.param = h.param;
+            e.flags = h.flags;
+            e.publish_ns = self.now_ns;
+            bgs_protocol::wire::words_from_le(r.payload, &mut e.payload[..h.words as usize]);
+        });
+        match pushed {
+            Ok(()) => Submit::Queued,
+            Err(_) => Submit::Busy,
+        }
+    }
+}
