@@ -16,7 +16,11 @@ fn main() {
         .is_some_and(|o| !o.stdout.is_empty());
     let suffix = if dirty { "-dirty" } else { "" };
     println!("cargo:rustc-env=BGS_GIT_REV={rev}{suffix}");
-    for p in ["../../.git/HEAD", "../../.git/index", "../../.git/refs/heads"] {
+    for p in [
+        "../../.git/HEAD",
+        "../../.git/index",
+        "../../.git/refs/heads",
+    ] {
         println!("cargo:rerun-if-changed={p}");
     }
 }

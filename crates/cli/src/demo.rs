@@ -50,10 +50,7 @@ impl ChildServer {
         BufReader::new(child.stdout.take().context("server stdout")?)
             .read_line(&mut line)
             .context("reading the server's address")?;
-        let addr = line
-            .split_whitespace()
-            .nth(3)
-            .and_then(|a| a.parse().ok());
+        let addr = line.split_whitespace().nth(3).and_then(|a| a.parse().ok());
         let Some(addr) = addr else {
             let _ = child.kill();
             bail!("the demo server did not print its address (got {line:?})");
@@ -64,10 +61,10 @@ impl ChildServer {
 
 impl Drop for ChildServer {
     fn drop(&mut self) {
-        if let Ok(pid) = i32::try_from(self.child.id()) {
-            if let Some(pid) = rustix::process::Pid::from_raw(pid) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-            }
+        if let Ok(pid) = i32::try_from(self.child.id())
+            && let Some(pid) = rustix::process::Pid::from_raw(pid)
+        {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
         }
         let _ = self.child.wait();
     }
@@ -84,32 +81,63 @@ pub fn run(args: &DemoArgs) -> Result<()> {
         "bgs demo: native transport + CPU executor ({} slots) on loopback; {} connections, {} req/s, {} s per run",
         args.slots, args.connections, args.rate, args.duration
     );
+    // Client and server on disjoint CPUs where there are several, so that CPU per request
+    // is not mixed between them (see docs/load.md on loopback accounting).
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut pin_server: Vec<String> = Vec::new();
+    if cpus >= 2 {
+        pin_server = vec!["--cpus".into(), "0".into()];
+        crate::affinity::pin(&format!("1-{}", cpus - 1))?;
+        println!(
+            "server pinned to CPU 0, load generator to CPUs 1-{}",
+            cpus - 1
+        );
+    }
     let mut rows = Vec::new();
     {
-        let server = ChildServer::start(&["--slots".into(), args.slots.to_string()])?;
+        let mut a = vec!["--slots".into(), args.slots.to_string()];
+        a.extend(pin_server.iter().cloned());
+        let server = ChildServer::start(&a)?;
         for (path, op, repeat) in runs {
             let report = run_one(args, server.addr, server.child.id(), op, repeat)?;
             rows.push((path, op, repeat, report));
         }
     }
     {
-        let server = ChildServer::start(&["--floor".into()])?;
+        let mut a = vec!["--floor".to_string()];
+        a.extend(pin_server.iter().cloned());
+        let server = ChildServer::start(&a)?;
         let report = run_one(args, server.addr, server.child.id(), Op::Echo, 1)?;
         rows.push(("floor", Op::Echo, 1, report));
     }
     println!();
     println!(
         "{:<6} {:<6} {:>3} {:>9} {:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10}",
-        "path", "op", "r", "offered/s", "achieved/s", "p50 us", "p99 us", "p99.9 us", "fail",
-        "srv us/req", "host us/req"
+        "path",
+        "op",
+        "r",
+        "offered/s",
+        "achieved/s",
+        "p50 us",
+        "p99 us",
+        "p99.9 us",
+        "fail",
+        "srv us/req",
+        "host us/req"
     );
     let mut failed = 0;
     for (path, op, repeat, r) in &rows {
-        let (p50, p99, p999) = r
-            .latency
-            .map_or((f64::NAN, f64::NAN, f64::NAN), |l| (l.p50_us, l.p99_us, l.p999_us));
-        let srv = r.server_cpu.as_ref().map_or(f64::NAN, |c| c.per_request.run_us);
-        let host = r.host_cpu.as_ref().map_or(f64::NAN, |c| c.per_request.busy_us);
+        let (p50, p99, p999) = r.latency.map_or((f64::NAN, f64::NAN, f64::NAN), |l| {
+            (l.p50_us, l.p99_us, l.p999_us)
+        });
+        let srv = r
+            .server_cpu
+            .as_ref()
+            .map_or(f64::NAN, |c| c.per_request.run_us);
+        let host = r
+            .host_cpu
+            .as_ref()
+            .map_or(f64::NAN, |c| c.per_request.busy_us);
         failed += r.failures + r.warmup_failures;
         println!(
             "{:<6} {:<6} {:>3} {:>9.0} {:>10.0} {:>8.1} {:>8.1} {:>8.1} {:>6} {:>10.1} {:>11.1}",

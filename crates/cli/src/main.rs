@@ -1,5 +1,6 @@
 //! `bgs`: serve, load and demo for bpf-gpu-server.
 
+mod affinity;
 mod demo;
 mod meta;
 mod serve;
@@ -12,7 +13,11 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
-#[command(name = "bgs", version, about = "bpf-gpu-server: small models and short GPU kernels over TCP")]
+#[command(
+    name = "bgs",
+    version,
+    about = "bpf-gpu-server: small models and short GPU kernels over TCP"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -102,6 +107,9 @@ pub struct LoadArgs {
     /// Write the report as JSON (with date, machine, command and git revision).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Pin the load generator to these CPUs (e.g. `1` or `2-3`).
+    #[arg(long)]
+    cpus: Option<String>,
     /// Exit with status 1 if any request failed (wrong, error, timed out, connection failed).
     #[arg(long)]
     strict: bool,
@@ -166,6 +174,9 @@ fn main() {
 fn load(args: &LoadArgs) -> Result<()> {
     use std::io::IsTerminal;
     let cfg = args.config(std::io::stdout().is_terminal())?;
+    if let Some(list) = &args.cpus {
+        affinity::pin(list)?;
+    }
     let report = bgs_load::run(&cfg).context("load run failed")?;
     println!("{report}");
     if let Some(path) = &args.json {

@@ -6,7 +6,9 @@ use serde_json::{Value, json};
 pub const GIT_REV: &str = env!("BGS_GIT_REV");
 
 fn read_trim(path: &str) -> Option<String> {
-    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
 }
 
 /// A description of this machine.

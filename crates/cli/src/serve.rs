@@ -60,6 +60,9 @@ pub struct ServeArgs {
     /// Request ring slots (power of two); admission refuses with busy when it is full.
     #[arg(long, default_value_t = 4096)]
     pub ring_slots: u32,
+    /// Pin the server (all its threads) to these CPUs (e.g. `0` or `0-1`).
+    #[arg(long)]
+    pub cpus: Option<String>,
     /// Longest epoll wait while requests are outstanding, in microseconds.
     #[arg(long, default_value_t = 100)]
     pub poll_us: u64,
@@ -67,13 +70,22 @@ pub struct ServeArgs {
 
 pub fn run(args: &ServeArgs) -> Result<()> {
     if args.max_words as usize > SLOT_WORDS {
-        bail!("--max-words {} is above the ring slot capacity of {SLOT_WORDS} words", args.max_words);
+        bail!(
+            "--max-words {} is above the ring slot capacity of {SLOT_WORDS} words",
+            args.max_words
+        );
     }
     if !args.ring_slots.is_power_of_two() || args.ring_slots < 2 {
-        bail!("--ring-slots must be a power of two, at least 2 (got {})", args.ring_slots);
+        bail!(
+            "--ring-slots must be a power of two, at least 2 (got {})",
+            args.ring_slots
+        );
     }
     if args.max_inflight == 0 || args.max_connections == 0 {
         bail!("--max-inflight and --max-connections must be at least 1");
+    }
+    if let Some(list) = &args.cpus {
+        crate::affinity::pin(list)?;
     }
     let executor_kind = match args.executor {
         ExecutorKind::Cpu => ExecutorKind::Cpu,
@@ -109,7 +121,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             request_slots: args.ring_slots,
             completion_slots: args.ring_slots.saturating_mul(2),
         };
-        Some(Arc::new(RingRegion::new(ring).context("creating the shared rings")?))
+        Some(Arc::new(
+            RingRegion::new(ring).context("creating the shared rings")?,
+        ))
     };
     let transport = NativeTransport::bind(cfg, region.clone())
         .with_context(|| format!("binding {}", args.listen))?;
@@ -127,7 +141,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 }
                 ecfg.slots = n;
             }
-            Some(CpuExecutor::start(region.clone(), &ecfg, Some(transport.waker()))?)
+            Some(CpuExecutor::start(
+                region.clone(),
+                &ecfg,
+                Some(transport.waker()),
+            )?)
         }
         _ => None,
     };
@@ -149,7 +167,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             "bgs: executor: {} requests, {} completions, {} completion-ring stalls, {} sleeps",
             es.requests.load(std::sync::atomic::Ordering::Relaxed),
             es.completions.load(std::sync::atomic::Ordering::Relaxed),
-            es.completion_stalls.load(std::sync::atomic::Ordering::Relaxed),
+            es.completion_stalls
+                .load(std::sync::atomic::Ordering::Relaxed),
             es.sleeps.load(std::sync::atomic::Ordering::Relaxed),
         );
     }

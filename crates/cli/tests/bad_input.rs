@@ -33,7 +33,8 @@ fn expect_error(addr: SocketAddr, bytes: &[u8], status: Status, id: u32, closes:
     assert_eq!(r.header.status, status as u16, "{status:?}: {r:?}");
     assert_eq!(r.header.request_id, id, "{status:?}");
     if closes {
-        c.expect_closed(T).expect("connection closed after a framing error");
+        c.expect_closed(T)
+            .expect("connection closed after a framing error");
     } else {
         let h = RequestHeader::new(Op::Echo, 77, 1, 0);
         let r = c.request(&h, &[42]).unwrap();
@@ -59,7 +60,13 @@ fn run_cases(addr: SocketAddr) {
     h.version = 2;
     expect_error(addr, &frame(&h, &[1]), Status::BadVersion, 0, true);
     let h = RequestHeader::new(Op::Echo, 10, 65, 0);
-    expect_error(addr, &frame(&h, &[0; 65]), Status::PayloadTooLarge, 10, true);
+    expect_error(
+        addr,
+        &frame(&h, &[0; 65]),
+        Status::PayloadTooLarge,
+        10,
+        true,
+    );
     let mut h = good;
     h.flags = 4;
     h.request_id = 11;
@@ -93,7 +100,10 @@ fn run_cases(addr: SocketAddr) {
         let r = c.read_reply(T).unwrap();
         assert_eq!((r.header.status, r.header.request_id), (0, id));
     }
-    assert_eq!(c.read_reply(T).unwrap().header.status, Status::BadMagic as u16);
+    assert_eq!(
+        c.read_reply(T).unwrap().header.status,
+        Status::BadMagic as u16
+    );
     c.expect_closed(T).unwrap();
 
     // Random garbage: bad magic and close (binary mode), or 400 and close (looks like HTTP).

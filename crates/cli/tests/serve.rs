@@ -19,7 +19,10 @@ fn gemm8_100k_requests_128_connections_exact_replay() {
         println!("{args:?}\n{report}");
         assert_eq!(report.failures, 0, "{report}");
         assert_eq!(report.counts.ok + report.counts.busy, 100_000, "{report}");
-        assert_eq!(report.counts.busy, 0, "default ring never fills at this rate: {report}");
+        assert_eq!(
+            report.counts.busy, 0,
+            "default ring never fills at this rate: {report}"
+        );
     }
 }
 
@@ -39,7 +42,10 @@ fn fft32_and_echo_over_http_with_repeats() {
             cfg.requests = Some(3000);
             cfg.rate = 5000.0;
             let report = bgs_load::run(&cfg).expect("load run");
-            assert_eq!(report.failures, 0, "{op:?} r={repeat} http={http}: {report}");
+            assert_eq!(
+                report.failures, 0,
+                "{op:?} r={repeat} http={http}: {report}"
+            );
             assert_eq!(report.counts.ok, 3000, "{report}");
         }
     }

@@ -295,10 +295,10 @@ impl Emit for CompletionSink<'_> {
         // transport, through its eventfd) are both told; each costs a load when nobody sleeps.
         let ring = self.region.completions();
         ring.notify();
-        if let Some(w) = self.waker {
-            if ring.has_sleepers() {
-                w();
-            }
+        if let Some(w) = self.waker
+            && ring.has_sleepers()
+        {
+            w();
         }
     }
 }

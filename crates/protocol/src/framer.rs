@@ -193,10 +193,10 @@ impl Framer {
             Mode::Binary => self.decode_binary(buf),
             Mode::Http => self.decode_http(buf),
         };
-        if let Decoded::Reject { reject, .. } = &out {
-            if reject.close {
-                self.closed = true;
-            }
+        if let Decoded::Reject { reject, .. } = &out
+            && reject.close
+        {
+            self.closed = true;
         }
         out
     }

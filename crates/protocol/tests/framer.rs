@@ -28,7 +28,11 @@ fn run(cfg: FramerConfig, stream: &[u8], chunks: &[usize]) -> Vec<Item> {
     let mut pos = 0;
     let mut sizes = chunks.iter().copied().cycle();
     while pos < stream.len() {
-        let n = sizes.next().unwrap_or(stream.len()).max(1).min(stream.len() - pos);
+        let n = sizes
+            .next()
+            .unwrap_or(stream.len())
+            .max(1)
+            .min(stream.len() - pos);
         buf.extend_from_slice(&stream[pos..pos + n]);
         pos += n;
         loop {
@@ -101,7 +105,10 @@ fn valid_frames_of_each_op() {
     let items = whole(cfg(), &s);
     assert_eq!(items.len(), 4);
     for (i, it) in items.iter().enumerate() {
-        let Item::Req { header, framing, .. } = it else {
+        let Item::Req {
+            header, framing, ..
+        } = it
+        else {
             panic!("{it:?}")
         };
         assert_eq!(header.request_id, i as u32 + 1);
@@ -121,14 +128,23 @@ fn framing_errors_close_and_report() {
     // Bad version.
     let mut bad = frame(0, 6, 0, &[7]);
     bad[4] = 2;
-    assert_eq!(whole(cfg(), &bad), vec![rej(0, Some(Status::BadVersion), None, true)]);
+    assert_eq!(
+        whole(cfg(), &bad),
+        vec![rej(0, Some(Status::BadVersion), None, true)]
+    );
     // Too many words: detected from the header alone, id known.
     let big = frame(0, 7, 0, &[0; 65]);
-    assert_eq!(whole(cfg(), &big[..16]), vec![rej(7, Some(Status::PayloadTooLarge), None, true)]);
+    assert_eq!(
+        whole(cfg(), &big[..16]),
+        vec![rej(7, Some(Status::PayloadTooLarge), None, true)]
+    );
     // Nonzero flags.
     let mut f = frame(0, 8, 0, &[1]);
     f[20] = 1;
-    assert_eq!(whole(cfg(), &f), vec![rej(8, Some(Status::BadFlags), None, true)]);
+    assert_eq!(
+        whole(cfg(), &f),
+        vec![rej(8, Some(Status::BadFlags), None, true)]
+    );
 }
 
 #[test]
@@ -149,7 +165,10 @@ fn semantic_errors_keep_connection() {
         generate: true,
         ..cfg()
     };
-    assert!(matches!(whole(g, &frame(3, 2, 4, &[1]))[0], Item::Req { .. }));
+    assert!(matches!(
+        whole(g, &frame(3, 2, 4, &[1]))[0],
+        Item::Req { .. }
+    ));
 }
 
 #[test]
@@ -191,7 +210,10 @@ fn http_requests_and_errors() {
         one(b"POST /other HTTP/1.1\r\nContent-Length: 2\r\n\r\nab"),
         vec![rej(0, None, Some(404), false)]
     );
-    assert_eq!(one(b"POST /v1/submit HTTP/2\r\n\r\n"), vec![rej(0, None, Some(400), true)]);
+    assert_eq!(
+        one(b"POST /v1/submit HTTP/2\r\n\r\n"),
+        vec![rej(0, None, Some(400), true)]
+    );
     assert_eq!(
         one(b"POST /v1/submit HTTP/1.1\r\nbad header\r\n\r\n"),
         vec![rej(0, None, Some(400), true)]
@@ -206,7 +228,10 @@ fn http_requests_and_errors() {
     // A frame error inside the body: the error frame is the body of a 400.
     let mut bad = f.clone();
     bad[0] = b'X';
-    assert_eq!(one(&http(&bad)), vec![rej(0, Some(Status::BadMagic), Some(400), true)]);
+    assert_eq!(
+        one(&http(&bad)),
+        vec![rej(0, Some(Status::BadMagic), Some(400), true)]
+    );
     // A semantic error keeps the connection.
     assert_eq!(
         one(&http(&frame(1, 3, 0, &[1]))),
@@ -218,7 +243,8 @@ fn http_requests_and_errors() {
     short.extend([0u8; 6]);
     assert_eq!(one(&short), vec![rej(0, None, Some(400), false)]);
     // Connection: close.
-    let mut c = b"POST /v1/submit HTTP/1.1\r\nConnection: close\r\nContent-Length: 32\r\n\r\n".to_vec();
+    let mut c =
+        b"POST /v1/submit HTTP/1.1\r\nConnection: close\r\nContent-Length: 32\r\n\r\n".to_vec();
     c.extend(&f);
     assert!(matches!(
         one(&c)[0],
@@ -230,7 +256,13 @@ fn http_requests_and_errors() {
 }
 
 fn arb_frame() -> impl Strategy<Value = Vec<u8>> {
-    (0u16..4, any::<u32>(), 0u32..300, prop::collection::vec(any::<u32>(), 0..70), any::<bool>())
+    (
+        0u16..4,
+        any::<u32>(),
+        0u32..300,
+        prop::collection::vec(any::<u32>(), 0..70),
+        any::<bool>(),
+    )
         .prop_map(|(op, id, param, mut words, one_shot)| {
             if one_shot {
                 words.resize(64, 7);

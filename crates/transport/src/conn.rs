@@ -216,7 +216,11 @@ impl ConnState {
                 encode_reply(&mut out, status, reject.request_id, 0, &[]);
             }
             Some(code) => {
-                let body = if reject.status.is_some() { HEADER_LEN } else { 0 };
+                let body = if reject.status.is_some() {
+                    HEADER_LEN
+                } else {
+                    0
+                };
                 http_response_head(&mut out, code, Some(body), reject.close);
                 if let Some(status) = reject.status {
                     encode_reply(&mut out, status, reject.request_id, 0, &[]);
@@ -337,7 +341,11 @@ mod tests {
     impl RequestSink for Recorder {
         fn submit(&mut self, _token: u64, conn_seq: u32, r: &Request<'_>) -> Submit {
             self.seen.push((conn_seq, r.header.request_id));
-            if self.busy { Submit::Busy } else { Submit::Queued }
+            if self.busy {
+                Submit::Busy
+            } else {
+                Submit::Queued
+            }
         }
     }
 
@@ -386,7 +394,15 @@ mod tests {
             .collect();
         assert_eq!(
             ids,
-            vec![(10, 0), (11, 0), (12, 0), (13, 0), (14, 0), (99, 18), (15, 0)]
+            vec![
+                (10, 0),
+                (11, 0),
+                (12, 0),
+                (13, 0),
+                (14, 0),
+                (99, 18),
+                (15, 0)
+            ]
         );
         assert_eq!(c.pending(), 0);
         // A duplicate completion is ignored.

@@ -158,7 +158,12 @@ impl NativeTransport {
         let ev = epoll::EventFlags::IN;
         epoll::add(&epoll, &listener, epoll::EventData::new_u64(LISTENER), ev)?;
         epoll::add(&epoll, &*doorbell, epoll::EventData::new_u64(DOORBELL), ev)?;
-        epoll::add(&epoll, &shutdown_rx, epoll::EventData::new_u64(SHUTDOWN), ev)?;
+        epoll::add(
+            &epoll,
+            &shutdown_rx,
+            epoll::EventData::new_u64(SHUTDOWN),
+            ev,
+        )?;
         Ok(NativeTransport {
             scratch: vec![0u8; 64 * 1024],
             cfg,
@@ -214,7 +219,11 @@ impl NativeTransport {
             };
             events.clear();
             self.stats.epoll_waits += 1;
-            match epoll::wait(&self.epoll, rustix::buffer::spare_capacity(&mut events), timeout.as_ref()) {
+            match epoll::wait(
+                &self.epoll,
+                rustix::buffer::spare_capacity(&mut events),
+                timeout.as_ref(),
+            ) {
                 Ok(_) => {}
                 Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(e.into()),
@@ -239,10 +248,8 @@ impl NativeTransport {
                     }
                 }
             }
-            if published {
-                if let Some(r) = &self.region {
-                    r.requests().notify();
-                }
+            if published && let Some(r) = &self.region {
+                r.requests().notify();
             }
             self.flush_dirty(&mut dirty);
             if stop {
@@ -375,7 +382,9 @@ impl NativeTransport {
         let conn = &mut self.conns[idx];
         if conn.rbuf.is_empty() {
             // Common case: decode straight from the scratch buffer, keep only a partial tail.
-            let used = conn.state.ingest(&self.scratch[..n], &mut sink, &mut self.stats);
+            let used = conn
+                .state
+                .ingest(&self.scratch[..n], &mut sink, &mut self.stats);
             conn.rbuf.extend_from_slice(&self.scratch[used..n]);
         } else {
             conn.rbuf.extend_from_slice(&self.scratch[..n]);
@@ -400,7 +409,15 @@ impl NativeTransport {
             let c = region.completions().try_pop(|e| {
                 let n = (e.words as usize).min(SLOT_WORDS);
                 buf[..n].copy_from_slice(&e.payload[..n]);
-                (e.conn, e.conn_seq, e.status, e.final_ != 0, e.stream_seq, e.request_id, n)
+                (
+                    e.conn,
+                    e.conn_seq,
+                    e.status,
+                    e.final_ != 0,
+                    e.stream_seq,
+                    e.request_id,
+                    n,
+                )
             });
             let Some((token, seq, status, final_, stream_seq, request_id, n)) = c else {
                 break;
@@ -412,7 +429,10 @@ impl NativeTransport {
             match self.conns.get_mut(idx) {
                 Some(conn) if conn.generation == generation => {
                     let before = conn.state.queued();
-                    if conn.state.complete(seq, status, final_, stream_seq, request_id, &buf[..n]) {
+                    if conn
+                        .state
+                        .complete(seq, status, final_, stream_seq, request_id, &buf[..n])
+                    {
                         self.stats.replies += 1;
                     }
                     self.outstanding -= before - conn.state.queued();
@@ -445,10 +465,10 @@ impl NativeTransport {
                 conn.rbuf.drain(..used);
                 let added = conn.state.queued() - before;
                 self.outstanding += added;
-                if added > 0 {
-                    if let Some(r) = &self.region {
-                        r.requests().notify();
-                    }
+                if added > 0
+                    && let Some(r) = &self.region
+                {
+                    r.requests().notify();
                 }
             }
             if !conn.state.unsent().is_empty() && !write_out(conn, &mut self.stats) {
@@ -467,10 +487,7 @@ impl NativeTransport {
                 }
                 continue;
             }
-            let want = (
-                conn.state.wants_input(),
-                !conn.state.unsent().is_empty(),
-            );
+            let want = (conn.state.wants_input(), !conn.state.unsent().is_empty());
             if want != conn.registered {
                 let mut fl = epoll::EventFlags::RDHUP;
                 if want.0 {

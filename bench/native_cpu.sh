@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Benchmark for the native transport + CPU executor versus floor mode (issue 2):
+#  (1) process CPU per request at 1,000 req/s with 128 connections, full path vs floor mode,
+#      alternating conditions in one run;
+#  (2) the highest offered rate sustained with zero failures and p99 under 1 ms.
+# Server pinned to CPU 0, load generator to the other CPUs. Writes one JSON per run and a
+# summary under bench/results/<date>-native-cpu/.
+# Usage: bash bench/native_cpu.sh [seconds_per_run]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-10}
+cargo build --release --locked -p bgs >/dev/null
+bgs=./target/release/bgs
+ncpu=$(nproc)
+client_cpus="1-$((ncpu - 1))"
+out=bench/results/$(date -u +%Y%m%d)-native-cpu
+mkdir -p "$out"
+rev=$(git rev-parse --short=12 HEAD)
+
+port=7790
+start_server() { # args...
+  port=$((port + 1))
+  "$bgs" serve --listen 127.0.0.1:$port --cpus 0 "$@" >"$out/server.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 50); do grep -q listening "$out/server.log" 2>/dev/null && return; sleep 0.1; done
+  echo "server did not start" >&2; exit 1
+}
+stop_server() { kill -TERM "$server_pid"; wait "$server_pid" || true; }
+
+run_load() { # name op rate extra...
+  local name=$1 op=$2 rate=$3; shift 3
+  "$bgs" load --target 127.0.0.1:$port --op "$op" --repeat 1 --rate "$rate" --connections 128 \
+    --duration "$secs" --warmup 2 --cpus "$client_cpus" --server-pid "$server_pid" \
+    --json "$out/$name.json" "$@" >"$out/$name.txt" 2>&1 || true
+}
+
+# (1) CPU per request at 1,000 req/s, alternating full / floor, two rounds.
+for round in 1 2; do
+  for op in gemm8 fft32; do
+    start_server --slots 1; run_load "cpu1k-full-$op-r$round" "$op" 1000; stop_server
+    start_server --floor;   run_load "cpu1k-floor-$op-r$round" echo 1000; stop_server
+  done
+done
+
+# (2) Highest sustained rate with zero failures and p99 < 1 ms.
+rates="2000 5000 10000 15000 20000 30000 40000 60000 80000"
+for op in gemm8 fft32; do
+  for path in full floor; do
+    for rate in $rates; do
+      if [ "$path" = full ]; then start_server --slots 1; lop=$op; else start_server --floor; lop=echo; fi
+      run_load "sat-$path-$op-$rate" "$lop" "$rate"
+      stop_server
+      ok=$(python3 -c "
+import json,sys; r=json.load(open('$out/sat-$path-$op-$rate.json'))['report']
+lat=r.get('latency') or {}
+good = r['failures']==0 and r['warmup_failures']==0 and r['counts']['busy']==0 and lat.get('p99_us',1e9)<1000 and r['achieved_rate']>=0.98*r['offered_rate']
+print('yes' if good else 'no')" 2>/dev/null || echo no)
+      [ "$ok" = yes ] || break
+    done
+  done
+done
+
+python3 bench/summarize_native.py "$out" "$rev" >"$out/summary.json"
+cat "$out/summary.json"
