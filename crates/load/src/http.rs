@@ -1,0 +1,288 @@
+//! An incremental HTTP/1.1 response parser for pipelined keep-alive connections.
+//!
+//! Stateless by design: the caller keeps all unconsumed bytes and calls [`parse_response`]
+//! again when more arrive. Re-parsing a partial response from its start costs little because
+//! responses here are a few hundred bytes, and it makes "split anywhere, coalesced with the next
+//! response" correct by construction.
+
+/// Longest response head accepted; a server sending more is broken, not slow.
+pub(crate) const MAX_HEAD: usize = 16 * 1024;
+/// Largest body accepted (a reply frame is a few hundred bytes; streams stay far below this).
+pub(crate) const MAX_BODY: usize = 16 * 1024 * 1024;
+
+/// A complete response at the front of the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Parsed {
+    /// Bytes of the whole response (head and body, chunk framing included).
+    pub consumed: usize,
+    /// Bytes of the head including the blank line.
+    pub head_len: usize,
+    /// Status code.
+    pub status: u16,
+    /// The server will close the connection after this response.
+    pub close: bool,
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn trim(s: &[u8]) -> &[u8] {
+    s.trim_ascii()
+}
+
+/// Parse one response from the front of `buf`. `Ok(None)`: incomplete. On `Ok(Some)`, `body`
+/// holds the body (chunks concatenated); otherwise its contents are unspecified.
+pub(crate) fn parse_response(buf: &[u8], body: &mut Vec<u8>) -> Result<Option<Parsed>, String> {
+    let window = &buf[..buf.len().min(MAX_HEAD)];
+    let Some(end) = find(window, b"\r\n\r\n") else {
+        if buf.len() >= MAX_HEAD {
+            return Err("HTTP response head too long".into());
+        }
+        // Reject garbage early instead of waiting for a blank line that never comes.
+        let n = buf.len().min(5);
+        if buf[..n] != b"HTTP/"[..n] {
+            return Err("response does not start with HTTP/".into());
+        }
+        return Ok(None);
+    };
+    let head_len = end + 4;
+    let head = &buf[..end];
+    let mut lines = head
+        .split(|&c| c == b'\n')
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l));
+    let status_line = lines.next().unwrap_or_default();
+    let mut parts = status_line.splitn(3, |&c| c == b' ');
+    let version = parts.next().unwrap_or_default();
+    let mut close = match version {
+        b"HTTP/1.1" => false,
+        b"HTTP/1.0" => true,
+        _ => return Err("bad HTTP status line".into()),
+    };
+    let code = parts.next().unwrap_or_default();
+    if code.len() != 3 || !code.iter().all(u8::is_ascii_digit) {
+        return Err("bad HTTP status code".into());
+    }
+    let status = code.iter().fold(0u16, |a, d| a * 10 + u16::from(d - b'0'));
+    let mut content_length: Option<usize> = None;
+    let mut chunked = false;
+    for line in lines {
+        let Some(colon) = line.iter().position(|&c| c == b':') else {
+            return Err("HTTP header line without ':'".into());
+        };
+        let (name, value) = (trim(&line[..colon]), trim(&line[colon + 1..]));
+        if name.eq_ignore_ascii_case(b"content-length") {
+            if value.is_empty() || value.len() > 12 || !value.iter().all(u8::is_ascii_digit) {
+                return Err("bad Content-Length".into());
+            }
+            let v = value
+                .iter()
+                .fold(0usize, |a, d| a * 10 + usize::from(d - b'0'));
+            if content_length.is_some_and(|c| c != v) {
+                return Err("conflicting Content-Length headers".into());
+            }
+            content_length = Some(v);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            chunked = value
+                .split(|&c| c == b',')
+                .any(|t| trim(t).eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for t in value.split(|&c| c == b',').map(trim) {
+                if t.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if t.eq_ignore_ascii_case(b"keep-alive") {
+                    close = false;
+                }
+            }
+        }
+    }
+    body.clear();
+    let consumed = if chunked {
+        match parse_chunked(&buf[head_len..], body)? {
+            Some(n) => head_len + n,
+            None => return Ok(None),
+        }
+    } else {
+        // No length at all: only bodiless responses are possible on a pipelined connection.
+        let len = content_length.unwrap_or(0);
+        if len > MAX_BODY {
+            return Err("HTTP body too large".into());
+        }
+        if buf.len() < head_len + len {
+            return Ok(None);
+        }
+        body.extend_from_slice(&buf[head_len..head_len + len]);
+        head_len + len
+    };
+    Ok(Some(Parsed {
+        consumed,
+        head_len,
+        status,
+        close,
+    }))
+}
+
+/// Parse a chunked body; `Some(bytes consumed)` when the last chunk and trailers are complete.
+fn parse_chunked(b: &[u8], body: &mut Vec<u8>) -> Result<Option<usize>, String> {
+    let mut pos = 0;
+    loop {
+        let Some(eol) = find(&b[pos..], b"\r\n") else {
+            if b.len() - pos > 64 {
+                return Err("chunk size line too long".into());
+            }
+            return Ok(None);
+        };
+        let line = &b[pos..pos + eol];
+        // Chunk extensions (";name=value") are allowed and ignored.
+        let size_hex = trim(line.split(|&c| c == b';').next().unwrap_or_default());
+        if size_hex.is_empty() || size_hex.len() > 8 || !size_hex.iter().all(u8::is_ascii_hexdigit)
+        {
+            return Err("bad chunk size".into());
+        }
+        let size = usize::from_str_radix(std::str::from_utf8(size_hex).unwrap_or("x"), 16)
+            .map_err(|_| "bad chunk size".to_string())?;
+        pos += eol + 2;
+        if size == 0 {
+            // Trailer fields, then an empty line.
+            loop {
+                let Some(eol) = find(&b[pos..], b"\r\n") else {
+                    return Ok(None);
+                };
+                pos += eol + 2;
+                if eol == 0 {
+                    return Ok(Some(pos));
+                }
+            }
+        }
+        if body.len() + size > MAX_BODY {
+            return Err("HTTP body too large".into());
+        }
+        if b.len() < pos + size + 2 {
+            return Ok(None);
+        }
+        if &b[pos + size..pos + size + 2] != b"\r\n" {
+            return Err("chunk data not followed by CRLF".into());
+        }
+        body.extend_from_slice(&b[pos..pos + size]);
+        pos += size + 2;
+    }
+}
+
+/// The header fields of a complete head (`head_len` bytes), for callers that want them.
+pub(crate) fn header_fields(head: &[u8]) -> Vec<(String, String)> {
+    let text = String::from_utf8_lossy(head);
+    text.split("\r\n")
+        .skip(1)
+        .filter_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            Some((n.trim().to_string(), v.trim().to_string()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bgs_protocol::Status;
+    use bgs_protocol::reply::{encode_reply, http_chunk, http_last_chunk, http_response_head};
+
+    /// (status, close, body) of each response.
+    type Responses = Vec<(u16, bool, Vec<u8>)>;
+
+    fn stream() -> (Vec<u8>, Responses) {
+        let mut out = Vec::new();
+        let mut expect = Vec::new();
+        // 1: Content-Length with one frame.
+        let mut f = Vec::new();
+        encode_reply(&mut f, Status::Ok, 1, 0, &[1, 2, 3]);
+        http_response_head(&mut out, 200, Some(f.len()), false);
+        out.extend_from_slice(&f);
+        expect.push((200, false, f.clone()));
+        // 2: chunked with two frames and a chunk extension.
+        let mut f2 = Vec::new();
+        encode_reply(&mut f2, Status::Token, 2, 0, &[7]);
+        let mut f3 = Vec::new();
+        encode_reply(&mut f3, Status::Ok, 2, 1, &[]);
+        http_response_head(&mut out, 200, None, false);
+        http_chunk(&mut out, &f2);
+        out.extend_from_slice(format!("{:x};ext=1\r\n", f3.len()).as_bytes());
+        out.extend_from_slice(&f3);
+        out.extend_from_slice(b"\r\n");
+        http_last_chunk(&mut out);
+        expect.push((200, false, [f2, f3].concat()));
+        // 3: 503 busy with a busy frame.
+        let mut f4 = Vec::new();
+        encode_reply(&mut f4, Status::Busy, 3, 0, &[]);
+        http_response_head(&mut out, 503, Some(f4.len()), false);
+        out.extend_from_slice(&f4);
+        expect.push((503, false, f4));
+        // 4: bodiless 404, then a closing 400.
+        out.extend_from_slice(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+        expect.push((404, false, vec![]));
+        out.extend_from_slice(
+            b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\ncontent-length: 2\r\n\r\nhi",
+        );
+        expect.push((400, true, b"hi".to_vec()));
+        (out, expect)
+    }
+
+    /// Feed `data` in pieces cut at `cuts`, parsing greedily like the load engine does.
+    fn feed(data: &[u8], cuts: &[usize]) -> Responses {
+        let mut got = Vec::new();
+        let mut buf = Vec::new();
+        let mut body = Vec::new();
+        let mut prev = 0;
+        for &c in cuts.iter().chain(std::iter::once(&data.len())) {
+            buf.extend_from_slice(&data[prev..c]);
+            prev = c;
+            while let Some(p) = parse_response(&buf, &mut body).unwrap() {
+                got.push((p.status, p.close, body.clone()));
+                buf.drain(..p.consumed);
+            }
+        }
+        assert!(buf.is_empty());
+        got
+    }
+
+    #[test]
+    fn parses_every_split_and_coalesced() {
+        let (data, expect) = stream();
+        assert_eq!(feed(&data, &[]), expect);
+        for cut in 0..=data.len() {
+            assert_eq!(feed(&data, &[cut]), expect, "cut at {cut}");
+        }
+        let all: Vec<usize> = (1..data.len()).collect();
+        assert_eq!(feed(&data, &all), expect);
+    }
+
+    #[test]
+    fn rejects_garbage() {
+        let mut b = Vec::new();
+        assert!(parse_response(b"BGR1xxxx", &mut b).is_err());
+        assert!(parse_response(b"HTTP/1.1 2x0 OK\r\n\r\n", &mut b).is_err());
+        assert!(parse_response(b"HTTP/2 200 OK\r\n\r\n", &mut b).is_err());
+        assert!(
+            parse_response(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                &mut b
+            )
+            .is_err()
+        );
+        assert!(
+            parse_response(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nabc\r\n",
+                &mut b
+            )
+            .is_err()
+        );
+        assert_eq!(parse_response(b"HTT", &mut b), Ok(None));
+        let h = header_fields(b"HTTP/1.1 200 OK\r\nA: b\r\nContent-Length:  3 ");
+        assert_eq!(
+            h,
+            vec![
+                ("A".into(), "b".into()),
+                ("Content-Length".into(), "3".into())
+            ]
+        );
+    }
+}

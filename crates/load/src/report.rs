@@ -1,0 +1,279 @@
+//! The report of a run: JSON via serde, a compact table via `Display`.
+
+use std::fmt;
+
+use bgs_cpuacct::{HostDelta, HostPerRequest, ProcessDelta, ProcessPerRequest};
+use serde::Serialize;
+
+pub use crate::engine::Counts;
+
+/// The configuration a report was produced with.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReportConfig {
+    /// Server address.
+    pub target: String,
+    /// Operation name.
+    pub op: String,
+    /// Repeat count (gemm8/fft32).
+    pub repeat: u32,
+    /// Payload words per request.
+    pub words: u32,
+    /// Offered rate asked for (requests/s).
+    pub rate: f64,
+    /// Connections.
+    pub connections: usize,
+    /// Max requests in flight per connection.
+    pub pipeline: usize,
+    /// HTTP mode.
+    pub http: bool,
+    /// Warm-up seconds.
+    pub warmup_s: f64,
+    /// Measured duration asked for, seconds.
+    pub duration_s: Option<f64>,
+    /// Measured requests asked for.
+    pub requests: Option<u64>,
+    /// Per-request timeout, seconds.
+    pub timeout_s: f64,
+    /// Distinct payloads replayed.
+    pub distinct_payloads: usize,
+    /// Payload seed.
+    pub seed: u64,
+    /// Client I/O threads.
+    pub threads: usize,
+}
+
+/// Latency of measured ok replies, from scheduled send time to complete reply, in µs.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Latency {
+    /// Replies measured.
+    pub count: u64,
+    /// Smallest.
+    pub min_us: f64,
+    /// Mean.
+    pub mean_us: f64,
+    /// Median.
+    pub p50_us: f64,
+    /// 90th percentile.
+    pub p90_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// 99.9th percentile.
+    pub p999_us: f64,
+    /// Largest.
+    pub max_us: f64,
+}
+
+impl Latency {
+    /// Summary of a nanosecond histogram (None when it is empty).
+    pub fn from_histogram(h: &hdrhistogram::Histogram<u64>) -> Option<Latency> {
+        let us = |v: u64| v as f64 / 1000.0;
+        (!h.is_empty()).then(|| Latency {
+            count: h.len(),
+            min_us: us(h.min()),
+            mean_us: h.mean() / 1000.0,
+            p50_us: us(h.value_at_quantile(0.50)),
+            p90_us: us(h.value_at_quantile(0.90)),
+            p99_us: us(h.value_at_quantile(0.99)),
+            p999_us: us(h.value_at_quantile(0.999)),
+            max_us: us(h.max()),
+        })
+    }
+}
+
+/// CPU of one process over the measured interval.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProcessCpuReport {
+    /// Process id.
+    pub pid: u32,
+    /// The raw delta (with a per-thread breakdown).
+    pub delta: ProcessDelta,
+    /// Per measured ok request.
+    pub per_request: ProcessPerRequest,
+}
+
+/// Host CPU over the measured interval.
+#[derive(Clone, Debug, Serialize)]
+pub struct HostCpuReport {
+    /// The raw delta (aggregate and per CPU).
+    pub delta: HostDelta,
+    /// Per measured ok request.
+    pub per_request: HostPerRequest,
+}
+
+/// Everything a run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct LoadReport {
+    /// The configuration.
+    pub config: ReportConfig,
+    /// Wall-clock start (Unix ms).
+    pub started_unix_ms: u64,
+    /// Measured requests scheduled (after warm-up).
+    pub scheduled: u64,
+    /// Warm-up requests scheduled.
+    pub warmup_scheduled: u64,
+    /// Outcomes of measured requests.
+    pub counts: Counts,
+    /// Outcomes of warm-up requests.
+    pub warmup_counts: Counts,
+    /// wrong + error + timed_out + conn_failed of measured requests.
+    pub failures: u64,
+    /// The same for warm-up requests.
+    pub warmup_failures: u64,
+    /// Replies that arrived after their request was counted as timed out.
+    pub late_replies: u64,
+    /// Measured requests scheduled / send interval (requests/s).
+    pub offered_rate: f64,
+    /// Measured ok replies / measured interval (requests/s).
+    pub achieved_rate: f64,
+    /// From the first measured scheduled send to the last measured send, plus one period (s).
+    pub send_interval_s: f64,
+    /// From the first measured scheduled send to the last measured outcome (s).
+    pub measured_interval_s: f64,
+    /// Latency of measured ok replies (None when there were none).
+    pub latency: Option<Latency>,
+    /// How late measured requests were written after their scheduled time (client lag; it is
+    /// already inside `latency`, which counts from the scheduled time).
+    pub send_lag: Option<Latency>,
+    /// Bytes written (all requests, warm-up included).
+    pub request_bytes: u64,
+    /// Bytes read (all replies, warm-up included).
+    pub reply_bytes: u64,
+    /// Server process CPU, when its pid is known.
+    pub server_cpu: Option<ProcessCpuReport>,
+    /// Whole-host CPU.
+    pub host_cpu: Option<HostCpuReport>,
+    /// This load generator's own CPU.
+    pub client_cpu: Option<ProcessCpuReport>,
+    /// The first failures, described.
+    pub failure_samples: Vec<String>,
+    /// Anything worth knowing about how the numbers were obtained.
+    pub notes: Vec<String>,
+}
+
+impl LoadReport {
+    /// No failures at all, warm-up included, and every scheduled request classified.
+    pub fn is_clean(&self) -> bool {
+        self.failures == 0
+            && self.warmup_failures == 0
+            && self.counts.total() == self.scheduled
+            && self.warmup_counts.total() == self.warmup_scheduled
+    }
+
+    /// The report as pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}
+
+fn f(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:.2}")
+    } else {
+        "-".into()
+    }
+}
+
+impl fmt::Display for LoadReport {
+    fn fmt(&self, out: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        writeln!(
+            out,
+            "{} x{} -> {} ({}): {} conns, pipeline {}, {} thread(s)",
+            c.op,
+            c.repeat,
+            c.target,
+            if c.http { "HTTP" } else { "binary" },
+            c.connections,
+            c.pipeline,
+            c.threads
+        )?;
+        writeln!(
+            out,
+            "  rate      offered {:>10.1}/s  achieved {:>10.1}/s  (asked {:.1}/s, {:.2} s)",
+            self.offered_rate, self.achieved_rate, c.rate, self.measured_interval_s
+        )?;
+        match &self.latency {
+            Some(l) => writeln!(
+                out,
+                "  latency   p50 {} us  p90 {} us  p99 {} us  p99.9 {} us  max {} us  mean {} us",
+                f(l.p50_us),
+                f(l.p90_us),
+                f(l.p99_us),
+                f(l.p999_us),
+                f(l.max_us),
+                f(l.mean_us)
+            )?,
+            None => writeln!(out, "  latency   (no ok replies)")?,
+        }
+        if let Some(l) = &self.send_lag {
+            writeln!(
+                out,
+                "  send lag  p50 {} us  p99 {} us  max {} us (client behind schedule)",
+                f(l.p50_us),
+                f(l.p99_us),
+                f(l.max_us)
+            )?;
+        }
+        let k = &self.counts;
+        writeln!(
+            out,
+            "  requests  {} scheduled: ok {}  busy {}  failures {} (wrong {}, error {}, timed out {}, conn failed {})",
+            self.scheduled,
+            k.ok,
+            k.busy,
+            self.failures,
+            k.wrong,
+            k.error,
+            k.timed_out,
+            k.conn_failed
+        )?;
+        writeln!(
+            out,
+            "  warm-up   {} scheduled: ok {}  busy {}  failures {}",
+            self.warmup_scheduled,
+            self.warmup_counts.ok,
+            self.warmup_counts.busy,
+            self.warmup_failures
+        )?;
+        match &self.server_cpu {
+            Some(s) => writeln!(
+                out,
+                "  server    pid {} ({} threads): user+sys {} us/req (user {}, sys {}), schedstat {} us/req",
+                s.pid,
+                s.delta.thread_count,
+                f(s.per_request.busy_us),
+                f(s.per_request.user_us),
+                f(s.per_request.system_us),
+                f(s.per_request.run_us)
+            )?,
+            None => writeln!(out, "  server    CPU not accounted (see notes)")?,
+        }
+        if let Some(h) = &self.host_cpu {
+            let p = &h.per_request;
+            writeln!(
+                out,
+                "  host      busy {} us/req: user {}, sys {}, softirq {}, irq {}",
+                f(p.busy_us),
+                f(p.user_us),
+                f(p.system_us),
+                f(p.softirq_us),
+                f(p.irq_us)
+            )?;
+        }
+        if let Some(cl) = &self.client_cpu {
+            writeln!(
+                out,
+                "  client    user+sys {} us/req, schedstat {} us/req",
+                f(cl.per_request.busy_us),
+                f(cl.per_request.run_us)
+            )?;
+        }
+        for s in &self.failure_samples {
+            writeln!(out, "  failure:  {s}")?;
+        }
+        for n in &self.notes {
+            writeln!(out, "  note:     {n}")?;
+        }
+        Ok(())
+    }
+}
