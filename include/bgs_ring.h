@@ -56,6 +56,14 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 #define BGS_RING_COMPLETION_SLOT_SIZE 1088u
 #define BGS_RING_DEFAULT_REQUEST_SLOTS 4096u
 #define BGS_RING_DEFAULT_COMPLETION_SLOTS 8192u
+#define BGS_RING_OP_REJECT 0xffffu                       /* request entry carrying a framer rejection; status in param */
+#define BGS_ROUTE_HTTP 0x1u                              /* reply as an HTTP response */
+#define BGS_ROUTE_CLOSE 0x2u                             /* close after this reply */
+#define BGS_ROUTE_NO_FRAME 0x4u                          /* HTTP error without a frame body */
+#define BGS_ROUTE_EOF 0x8u                               /* completion marker: peer ended its stream */
+#define BGS_ROUTE_RESET 0x10u                            /* completion marker: connection failed */
+#define BGS_ROUTE_HTTP_STATUS_SHIFT 0x10u                /* HTTP status override shift */
+#define BGS_ROUTE_HTTP_STATUS_MASK 0x3ffu                /* HTTP status override mask */
 
 /* Region header at offset 0. Counters, waiters and doorbells are accessed atomically only. */
 struct bgs_ring_header {
@@ -125,7 +133,8 @@ struct bgs_request_entry {
     bgs_u32 param;                           /*   24: repeat count / max new tokens */
     bgs_u32 flags;                           /*   28: request flags */
     bgs_u64 publish_ns;                      /*   32: CLOCK_MONOTONIC ns at publish */
-    bgs_u32 reserved[4];                     /*   40: zero */
+    bgs_u32 route;                           /*   40: BGS_ROUTE_* bits */
+    bgs_u32 reserved[3];                     /*   44: zero */
     bgs_u32 payload[256];                    /*   56: payload words */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_request_entry) == 1080, "sizeof bgs_request_entry");
@@ -138,7 +147,8 @@ BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_request_entry, words) == 20, "bgs_requ
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_request_entry, param) == 24, "bgs_request_entry.param");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_request_entry, flags) == 28, "bgs_request_entry.flags");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_request_entry, publish_ns) == 32, "bgs_request_entry.publish_ns");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_request_entry, reserved) == 40, "bgs_request_entry.reserved");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_request_entry, route) == 40, "bgs_request_entry.route");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_request_entry, reserved) == 44, "bgs_request_entry.reserved");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_request_entry, payload) == 56, "bgs_request_entry.payload");
 
 /* A completion: a completion slot minus its leading seq (slot offset 8). */
@@ -150,7 +160,8 @@ struct bgs_completion_entry {
     bgs_u32 request_id;                      /*   16: the request's id */
     bgs_u32 words;                           /*   20: valid payload words */
     bgs_u32 stream_seq;                      /*   24: token index of a streamed completion */
-    bgs_u32 reserved[7];                     /*   28: zero */
+    bgs_u32 route;                           /*   28: BGS_ROUTE_* bits */
+    bgs_u32 reserved[6];                     /*   32: zero */
     bgs_u32 payload[256];                    /*   56: payload words */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_completion_entry) == 1080, "sizeof bgs_completion_entry");
@@ -161,7 +172,8 @@ BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, final_) == 14, "bgs_
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, request_id) == 16, "bgs_completion_entry.request_id");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, words) == 20, "bgs_completion_entry.words");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, stream_seq) == 24, "bgs_completion_entry.stream_seq");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, reserved) == 28, "bgs_completion_entry.reserved");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, route) == 28, "bgs_completion_entry.route");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, reserved) == 32, "bgs_completion_entry.reserved");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, payload) == 56, "bgs_completion_entry.payload");
 
 /* A request slot. seq: pos = free for position pos; pos + 1 = published; the consumer frees it with pos + capacity. */

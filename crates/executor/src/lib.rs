@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bgs_adapters::{Adapter, Emit, OneShotCpu};
 use bgs_protocol::{Op, Status};
-use bgs_ring::{RingRegion, SLOT_WORDS};
+use bgs_ring::{OP_REJECT, RingRegion, SLOT_WORDS};
 
 /// Called after a completion is published while the completion consumer announced that it
 /// sleeps (see `bgs_ring` sleep guards); the native transport passes an eventfd writer.
@@ -159,6 +159,7 @@ struct Job {
     op: u16,
     request_id: u32,
     param: u32,
+    route: u32,
     words: usize,
     payload: [u32; SLOT_WORDS],
 }
@@ -181,6 +182,7 @@ impl SlotWorker {
             op: 0,
             request_id: 0,
             param: 0,
+            route: 0,
             words: 0,
             payload: [0; SLOT_WORDS],
         };
@@ -218,6 +220,7 @@ impl SlotWorker {
                 job.op = e.op;
                 job.request_id = e.request_id;
                 job.param = e.param;
+                job.route = e.route;
                 job.words = n;
                 job.payload[..n].copy_from_slice(&e.payload[..n]);
             })
@@ -234,6 +237,14 @@ impl SlotWorker {
             final_sent: false,
         };
         match Op::from_u16(job.op) {
+            // A rejection the framer placed in the connection's order: answer it as is.
+            None if job.op == OP_REJECT => {
+                let status = u16::try_from(job.param)
+                    .ok()
+                    .and_then(Status::from_u16)
+                    .unwrap_or(Status::Internal);
+                sink.emit(status, true, 0, &[]);
+            }
             Some(op) => self
                 .adapter
                 .run(op, job.param, &job.payload[..job.words], &mut sink),
@@ -274,6 +285,7 @@ impl Emit for CompletionSink<'_> {
                 e.request_id = self.job.request_id;
                 e.words = n as u32;
                 e.stream_seq = stream_seq;
+                e.route = self.job.route;
                 e.payload[..n].copy_from_slice(&words[..n]);
             });
             if pushed.is_ok() {
@@ -300,5 +312,91 @@ impl Emit for CompletionSink<'_> {
         {
             w();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bgs_ring::RingConfig;
+    use std::time::Instant;
+
+    fn region() -> Arc<RingRegion> {
+        Arc::new(
+            RingRegion::new(RingConfig {
+                request_slots: 8,
+                completion_slots: 8,
+            })
+            .unwrap(),
+        )
+    }
+
+    fn collect(region: &RingRegion, n: usize) -> Vec<(u32, u16, u32, Vec<u32>)> {
+        let mut out = Vec::new();
+        let end = Instant::now() + Duration::from_secs(10);
+        while out.len() < n && Instant::now() < end {
+            if let Some(c) = region.completions().try_pop(|e| {
+                (
+                    e.conn_seq,
+                    e.status,
+                    e.route,
+                    e.payload[..e.words as usize].to_vec(),
+                )
+            }) {
+                out.push(c);
+            } else {
+                region
+                    .completions()
+                    .wait_nonempty(Duration::from_millis(10));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn executes_requests_and_passes_rejections_through() {
+        let region = region();
+        let exec = CpuExecutor::start(
+            region.clone(),
+            &CpuExecutorConfig {
+                slots: 2,
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap();
+        region
+            .requests()
+            .try_push(|e| {
+                e.conn = 5;
+                e.conn_seq = 0;
+                e.op = Op::Echo as u16;
+                e.words = 2;
+                e.route = bgs_ring::route::HTTP;
+                e.payload[..2].copy_from_slice(&[9, 8]);
+            })
+            .unwrap();
+        region
+            .requests()
+            .try_push(|e| {
+                e.conn = 5;
+                e.conn_seq = 1;
+                e.op = OP_REJECT;
+                e.param = Status::BadParam as u32;
+                e.words = 0;
+                e.route = bgs_ring::route::CLOSE;
+            })
+            .unwrap();
+        region.requests().notify();
+        let got = collect(&region, 2);
+        assert_eq!(
+            got,
+            vec![
+                (0, Status::Ok as u16, bgs_ring::route::HTTP, vec![9, 8]),
+                (1, Status::BadParam as u16, bgs_ring::route::CLOSE, vec![]),
+            ]
+        );
+        exec.shutdown();
     }
 }

@@ -212,7 +212,8 @@ fn ring_structs() -> Vec<StructDesc> {
                 field!(R, param, U32, "repeat count / max new tokens"),
                 field!(R, flags, U32, "request flags"),
                 field!(R, publish_ns, U64, "CLOCK_MONOTONIC ns at publish"),
-                field!(R, reserved, U32; 4, "zero"),
+                field!(R, route, U32, "BGS_ROUTE_* bits"),
+                field!(R, reserved, U32; 3, "zero"),
                 field!(R, payload, U32; SLOT_WORDS, "payload words"),
             ],
         },
@@ -228,7 +229,8 @@ fn ring_structs() -> Vec<StructDesc> {
                 field!(C, request_id, U32, "the request's id"),
                 field!(C, words, U32, "valid payload words"),
                 field!(C, stream_seq, U32, "token index of a streamed completion"),
-                field!(C, reserved, U32; 7, "zero"),
+                field!(C, route, U32, "BGS_ROUTE_* bits"),
+                field!(C, reserved, U32; 6, "zero"),
                 field!(C, payload, U32; SLOT_WORDS, "payload words"),
             ],
         },
@@ -466,6 +468,46 @@ pub fn render_ring() -> String {
         format!("{DEFAULT_COMPLETION_SLOTS}u"),
         "",
     );
+    define(
+        &mut out,
+        "BGS_RING_OP_REJECT",
+        format!("{:#x}u", crate::layout::OP_REJECT),
+        "request entry carrying a framer rejection; status in param",
+    );
+    {
+        use crate::layout::route;
+        for (name, v, c) in [
+            ("BGS_ROUTE_HTTP", route::HTTP, "reply as an HTTP response"),
+            ("BGS_ROUTE_CLOSE", route::CLOSE, "close after this reply"),
+            (
+                "BGS_ROUTE_NO_FRAME",
+                route::NO_FRAME,
+                "HTTP error without a frame body",
+            ),
+            (
+                "BGS_ROUTE_EOF",
+                route::EOF,
+                "completion marker: peer ended its stream",
+            ),
+            (
+                "BGS_ROUTE_RESET",
+                route::RESET,
+                "completion marker: connection failed",
+            ),
+            (
+                "BGS_ROUTE_HTTP_STATUS_SHIFT",
+                route::HTTP_STATUS_SHIFT,
+                "HTTP status override shift",
+            ),
+            (
+                "BGS_ROUTE_HTTP_STATUS_MASK",
+                route::HTTP_STATUS_MASK,
+                "HTTP status override mask",
+            ),
+        ] {
+            define(&mut out, name, format!("{v:#x}u"), c);
+        }
+    }
     out.push('\n');
     for s in ring_structs() {
         emit_struct(&mut out, &s);

@@ -117,7 +117,9 @@ pub struct RequestEntry {
     pub flags: u32,
     /// CLOCK_MONOTONIC nanoseconds when the producer published the entry.
     pub publish_ns: u64,
-    pub(crate) reserved: [u32; 4],
+    /// How the reply travels back (`route::*` bits); executors copy it into every completion.
+    pub route: u32,
+    pub(crate) reserved: [u32; 3],
     /// Payload words (the first `words` are valid).
     pub payload: [u32; SLOT_WORDS],
 }
@@ -141,7 +143,9 @@ pub struct CompletionEntry {
     pub words: u32,
     /// Token index of a streamed completion, else 0.
     pub stream_seq: u32,
-    pub(crate) reserved: [u32; 7],
+    /// The request's `route` bits (`route::*`), plus the completion-only markers.
+    pub route: u32,
+    pub(crate) reserved: [u32; 6],
     /// Payload words (the first `words` are valid).
     pub payload: [u32; SLOT_WORDS],
 }
@@ -196,7 +200,8 @@ impl Default for RequestEntry {
             param: 0,
             flags: 0,
             publish_ns: 0,
-            reserved: [0; 4],
+            route: 0,
+            reserved: [0; 3],
             payload: [0; SLOT_WORDS],
         }
     }
@@ -212,7 +217,8 @@ impl Default for CompletionEntry {
             request_id: 0,
             words: 0,
             stream_seq: 0,
-            reserved: [0; 7],
+            route: 0,
+            reserved: [0; 6],
             payload: [0; SLOT_WORDS],
         }
     }
@@ -284,4 +290,29 @@ impl Geometry {
             total_size,
         })
     }
+}
+
+/// Internal op of a request-ring entry that carries a rejection found by the framer (BPF) in
+/// its place in the connection's order: the executor answers it with a completion whose status
+/// is the entry's `param`, without running an adapter.
+pub const OP_REJECT: u16 = 0xffff;
+
+/// Bits of `RequestEntry::route` / `CompletionEntry::route`: how a reply travels back. Set by
+/// the transport (or BPF framer) that framed the request; executors copy them unchanged.
+pub mod route {
+    /// The request arrived as an HTTP POST: wrap the reply in an HTTP response.
+    pub const HTTP: u32 = 1 << 0;
+    /// Close the connection after this reply (a closing error, or HTTP without keep-alive).
+    pub const CLOSE: u32 = 1 << 1;
+    /// HTTP rejection without an error frame (404, 405, 411, 431, malformed head).
+    pub const NO_FRAME: u32 = 1 << 2;
+    /// Completion-only marker: the peer ended its byte stream; no reply, close once every
+    /// earlier reply of the connection is sent.
+    pub const EOF: u32 = 1 << 3;
+    /// Completion-only marker: the connection failed (reset); drop what is unsent and close.
+    pub const RESET: u32 = 1 << 4;
+    /// Shift of the HTTP status code override (10 bits; 0 = derive it from the frame status).
+    pub const HTTP_STATUS_SHIFT: u32 = 16;
+    /// Mask of the HTTP status code override after shifting.
+    pub const HTTP_STATUS_MASK: u32 = 0x3ff;
 }

@@ -634,6 +634,19 @@ impl RequestSink for RingSink<'_> {
             e.param = h.param;
             e.flags = h.flags;
             e.publish_ns = self.now_ns;
+            // The native transport keeps each item's framing in its ConnState; the route bits
+            // are informational here.
+            e.route = match r.framing {
+                bgs_protocol::Framing::Binary => 0,
+                bgs_protocol::Framing::Http { keep_alive } => {
+                    bgs_ring::route::HTTP
+                        | if keep_alive {
+                            0
+                        } else {
+                            bgs_ring::route::CLOSE
+                        }
+                }
+            };
             bgs_protocol::wire::words_from_le(r.payload, &mut e.payload[..h.words as usize]);
         });
         match pushed {
