@@ -31,6 +31,20 @@ pub enum ExecutorKind {
     Gpu,
 }
 
+/// GPU dispatchers.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum DispatcherKind {
+    /// A device-launched scheduler graph (no host thread on the request path).
+    Device,
+    /// A host thread polls the ring and launches graphs (for comparison).
+    Host,
+}
+
+enum Executor {
+    Cpu(CpuExecutor),
+    Gpu(bgs_executor_gpu::GpuExecutor),
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
     /// Address to listen on (port 0 picks a free port; the chosen address is printed).
@@ -42,9 +56,16 @@ pub struct ServeArgs {
     /// Executor.
     #[arg(long, value_enum, default_value = "cpu")]
     pub executor: ExecutorKind,
-    /// Executor slots (requests executing at once). Default: CPU count for the CPU executor.
+    /// Executor slots (requests executing at once). Default: CPU count for the CPU executor,
+    /// 16 for the GPU executor.
     #[arg(long)]
     pub slots: Option<usize>,
+    /// GPU dispatcher kind.
+    #[arg(long, value_enum, default_value = "device")]
+    pub dispatcher: DispatcherKind,
+    /// Directory holding the CUDA libraries (else CUDA_HOME, /usr/local/cuda, the loader's path).
+    #[arg(long)]
+    pub cuda_home: Option<std::path::PathBuf>,
     /// Floor mode: the transport answers echo itself, without ring or executor.
     #[arg(long)]
     pub floor: bool,
@@ -87,15 +108,32 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if let Some(list) = &args.cpus {
         crate::affinity::pin(list)?;
     }
+    if args.slots == Some(0) {
+        bail!("--slots must be at least 1");
+    }
+    let gpu_cfg = bgs_executor_gpu::GpuExecutorConfig {
+        slots: args.slots.unwrap_or(16),
+        dispatcher: match args.dispatcher {
+            DispatcherKind::Device => bgs_executor_gpu::Dispatcher::DeviceLaunch,
+            DispatcherKind::Host => bgs_executor_gpu::Dispatcher::HostLaunch,
+        },
+        cuda_home: args.cuda_home.clone(),
+        ..Default::default()
+    };
     let executor_kind = match args.executor {
+        _ if args.floor => ExecutorKind::Cpu,
         ExecutorKind::Cpu => ExecutorKind::Cpu,
-        ExecutorKind::Auto => {
-            tracing::info!("executor auto: no GPU executor in this build, using the CPU executor");
-            ExecutorKind::Cpu
-        }
-        ExecutorKind::Gpu => bail!(
-            "--executor gpu: the GPU executor is not part of this build yet; use --executor cpu"
-        ),
+        ExecutorKind::Gpu => ExecutorKind::Gpu,
+        ExecutorKind::Auto => match bgs_executor_gpu::probe(&gpu_cfg) {
+            Ok(info) => {
+                tracing::info!("executor auto: using GPU {}", info.name);
+                ExecutorKind::Gpu
+            }
+            Err(e) => {
+                tracing::info!("executor auto: no usable GPU ({e}); using the CPU executor");
+                ExecutorKind::Cpu
+            }
+        },
     };
     let cfg = NativeConfig {
         listen: args.listen,
@@ -136,22 +174,24 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         Some(region) if executor_kind == ExecutorKind::Cpu => {
             let mut ecfg = CpuExecutorConfig::default();
             if let Some(n) = args.slots {
-                if n == 0 {
-                    bail!("--slots must be at least 1");
-                }
                 ecfg.slots = n;
             }
-            Some(CpuExecutor::start(
+            Some(Executor::Cpu(CpuExecutor::start(
                 region.clone(),
                 &ecfg,
                 Some(transport.waker()),
-            )?)
+            )?))
         }
-        _ => None,
+        Some(region) => Some(Executor::Gpu(
+            bgs_executor_gpu::GpuExecutor::start(region.clone(), &gpu_cfg)
+                .context("--executor gpu")?,
+        )),
+        None => None,
     };
     let addr = transport.local_addr();
     let what = match &executor {
-        Some(e) => format!("executor cpu, {} slots", e.slots()),
+        Some(Executor::Cpu(e)) => format!("executor cpu, {} slots", e.slots()),
+        Some(Executor::Gpu(e)) => format!("executor gpu, {} slots", e.slots()),
         None => "floor mode (echo answered by the transport)".into(),
     };
     {
@@ -160,7 +200,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         out.flush()?;
     }
     let stats = transport.run().context("transport failed")?;
-    if let Some(e) = executor {
+    if let Some(Executor::Gpu(e)) = executor {
+        e.shutdown().context("stopping the GPU executor")?;
+    } else if let Some(Executor::Cpu(e)) = executor {
         let es = e.stats().clone();
         e.shutdown();
         eprintln!(

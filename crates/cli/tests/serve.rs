@@ -80,3 +80,45 @@ fn sigterm_shuts_down_cleanly_and_prints_counters() {
         assert!(stderr.contains("1 published"), "{stderr}");
     }
 }
+
+#[test]
+fn executor_auto_falls_back_to_cpu_and_says_why() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bgs"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--executor", "auto"])
+        .env("BGS_LOG", "info")
+        // No GPU in CI; on a GPU machine, hide it so the fallback path is what runs.
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("executor cpu"), "{line}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(err.contains("executor auto: no usable GPU"), "{err}");
+}
+
+#[test]
+fn executor_gpu_without_a_gpu_fails_with_a_message() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bgs"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--executor", "gpu"])
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--executor gpu"), "{err}");
+}
