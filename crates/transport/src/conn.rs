@@ -51,6 +51,75 @@ impl Default for ConnLimits {
     }
 }
 
+/// One reply frame to encode.
+#[derive(Debug, Clone, Copy)]
+pub struct FrameOut<'a> {
+    /// Frame status.
+    pub status: Status,
+    /// Whether this frame ends its request.
+    pub final_: bool,
+    /// Token index (streamed frames), else 0.
+    pub stream_seq: u32,
+    /// The request's id.
+    pub request_id: u32,
+    /// Payload words.
+    pub words: &'a [u32],
+}
+
+/// Append one reply frame for an item that arrived with `framing`. In HTTP mode a lone final
+/// frame becomes a Content-Length response; a stream opens a chunked response at its first
+/// frame (`http_started` records that) and closes it at its final frame.
+pub fn encode_frame(
+    out: &mut Vec<u8>,
+    framing: Framing,
+    http_started: &mut bool,
+    f: &FrameOut<'_>,
+) {
+    match framing {
+        Framing::Binary => encode_reply(out, f.status, f.request_id, f.stream_seq, f.words),
+        Framing::Http { keep_alive } => {
+            let close = !keep_alive;
+            let mut frame = Vec::with_capacity(HEADER_LEN + f.words.len() * 4);
+            encode_reply(&mut frame, f.status, f.request_id, f.stream_seq, f.words);
+            if f.final_ && !*http_started {
+                http_response_head(out, f.status.http_status(), Some(frame.len()), close);
+                out.extend_from_slice(&frame);
+            } else {
+                if !*http_started {
+                    http_response_head(out, 200, None, close);
+                }
+                http_chunk(out, &frame);
+                if f.final_ {
+                    http_last_chunk(out);
+                }
+            }
+            *http_started = true;
+        }
+    }
+}
+
+/// Append the reply to a rejected item: a bare error frame, or an HTTP error response whose
+/// body is the error frame where a frame status applies.
+pub fn encode_reject(out: &mut Vec<u8>, reject: &Reject) {
+    match reject.http_status {
+        None => {
+            let status = reject.status.unwrap_or(Status::Internal);
+            encode_reply(out, status, reject.request_id, 0, &[]);
+        }
+        Some(code) => {
+            let body = if reject.status.is_some() {
+                HEADER_LEN
+            } else {
+                0
+            };
+            http_response_head(out, code, Some(body), reject.close);
+            if let Some(status) = reject.status {
+                encode_reply(out, status, reject.request_id, 0, &[]);
+            }
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Pending {
     framing: Framing,
@@ -281,27 +350,14 @@ impl ConnState {
         let idx = conn_seq.wrapping_sub(self.base_seq) as usize;
         let p = &mut self.pending[idx];
         let out = if idx == 0 { &mut self.wbuf } else { &mut p.buf };
-        match p.framing {
-            Framing::Binary => encode_reply(out, status, request_id, stream_seq, words),
-            Framing::Http { keep_alive } => {
-                let close = !keep_alive;
-                let mut frame = Vec::with_capacity(HEADER_LEN + words.len() * 4);
-                encode_reply(&mut frame, status, request_id, stream_seq, words);
-                if final_ && !p.http_started {
-                    http_response_head(out, status.http_status(), Some(frame.len()), close);
-                    out.extend_from_slice(&frame);
-                } else {
-                    if !p.http_started {
-                        http_response_head(out, 200, None, close);
-                    }
-                    http_chunk(out, &frame);
-                    if final_ {
-                        http_last_chunk(out);
-                    }
-                }
-                p.http_started = true;
-            }
-        }
+        let frame = FrameOut {
+            status,
+            final_,
+            stream_seq,
+            request_id,
+            words,
+        };
+        encode_frame(out, p.framing, &mut p.http_started, &frame);
         if final_ {
             p.done = true;
         }

@@ -1,0 +1,653 @@
+//! The reply stage of the kernel transport: completion ring in, SEND/SHUTDOWN/CLOSE operations
+//! out. It is the body of the paper's BPF loop, kept free of I/O so that it can run in a
+//! service thread (`--reply loop`), inside the executor writing SQEs (`--reply executor-sqe`),
+//! or later in an `io_uring_bpf_ops` program.
+//!
+//! Per connection (keyed by socket cookie) it restores request order from `conn_seq`,
+//! encodes frames (bare or HTTP, from the completion's route bits), keeps at most one SEND in
+//! flight (later replies accumulate and go out together when it completes), resends the rest
+//! of a short send, and reclaims the connection: after an EOF marker once everything owed is
+//! sent, after a closing reply (shutdown, then close when the peer closes or a linger timer
+//! runs out), and at once on a reset.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
+
+use bgs_protocol::{Framing, Reject, Status};
+use bgs_ring::{CompletionEntry, route};
+use serde::Serialize;
+use slab::Slab;
+
+use crate::conn::{FrameOut, encode_frame, encode_reject};
+
+/// Operations the stage asks for; an io_uring submission queue in production, a recorder in
+/// tests. Each returns false when there is no room (the stage retries on the next flush).
+pub trait ReplyIo {
+    /// Send `len` bytes at `ptr` on `fd`. The buffer stays untouched until
+    /// [`ReplyStage::on_cqe`] reports this `user_data` done.
+    fn send(&mut self, fd: RawFd, ptr: *const u8, len: usize, user_data: u64) -> bool;
+    /// Shut down the sending side of `fd`.
+    fn shutdown(&mut self, fd: RawFd, user_data: u64) -> bool;
+    /// Close `fd`.
+    fn close(&mut self, fd: RawFd, user_data: u64) -> bool;
+}
+
+const KIND_SEND: u64 = 1;
+const KIND_SHUTDOWN: u64 = 2;
+const KIND_CLOSE: u64 = 3;
+
+fn user_data(kind: u64, idx: usize, generation: u32) -> u64 {
+    (kind << 56) | ((idx as u64 & 0xff_ffff) << 32) | u64::from(generation)
+}
+
+/// How long a connection the server ended waits for the peer's FIN before it is closed.
+pub const LINGER: Duration = Duration::from_secs(2);
+/// How long replies for a connection wait for its accept before they are dropped.
+pub const ACCEPT_GRACE: Duration = Duration::from_secs(5);
+
+/// Counters of the reply stage.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct ReplyStats {
+    /// Completions consumed.
+    pub completions: u64,
+    /// Reply frames encoded.
+    pub frames: u64,
+    /// SEND operations issued.
+    pub sends: u64,
+    /// Sends that completed short and were continued.
+    pub short_sends: u64,
+    /// Send errors (the connection is then closed).
+    pub send_errors: u64,
+    /// Connections registered by accept.
+    pub accepted: u64,
+    /// Connections closed.
+    pub closed: u64,
+    /// EOF markers handled.
+    pub eof: u64,
+    /// Reset markers handled.
+    pub resets: u64,
+    /// Completions for connections that were already closed (dropped).
+    pub stale: u64,
+    /// Connections dropped because no accept arrived in time.
+    pub never_accepted: u64,
+}
+
+#[derive(Debug)]
+struct Parked {
+    status: u16,
+    final_: bool,
+    stream_seq: u32,
+    request_id: u32,
+    route: u32,
+    words: Vec<u32>,
+}
+
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+enum Phase {
+    /// Serving.
+    Open,
+    /// Close once everything owed is sent (EOF seen, or a closing reply queued).
+    Closing,
+    /// Shut down for writing; waiting for the peer's EOF or the linger deadline.
+    Lingering,
+    /// CLOSE issued.
+    Closed,
+}
+
+#[derive(Debug)]
+struct ConnOut {
+    cookie: u64,
+    generation: u32,
+    fd: Option<RawFd>,
+    created: Instant,
+    next_seq: u32,
+    /// Frames of later items, waiting for the items before them.
+    parked: BTreeMap<u32, Vec<Parked>>,
+    /// The current (front) item's HTTP response has been started.
+    http_started: bool,
+    /// Bytes ready to send.
+    out: Vec<u8>,
+    /// The buffer being sent (one SEND at a time keeps the byte order).
+    inflight: Option<Inflight>,
+    phase: Phase,
+    /// The peer's EOF marker arrived (in order).
+    eof: bool,
+    linger_until: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Inflight {
+    buf: Vec<u8>,
+    sent: usize,
+    /// A SEND for `buf[sent..]` is queued and its completion not yet seen.
+    issued: bool,
+}
+
+/// The reply stage (see the module docs).
+#[derive(Debug, Default)]
+pub struct ReplyStage {
+    conns: Slab<ConnOut>,
+    by_cookie: HashMap<u64, usize>,
+    next_generation: u32,
+    /// Connections with work for the next flush.
+    dirty: Vec<usize>,
+    /// Connections the stage closed (cookies), for the caller to forget in BPF state.
+    closed: Vec<u64>,
+    stats: ReplyStats,
+}
+
+impl ReplyStage {
+    /// An empty stage.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &ReplyStats {
+        &self.stats
+    }
+
+    /// Connections currently tracked.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// True when a SEND, SHUTDOWN or linger is outstanding (the caller should poll soon).
+    pub fn busy(&self) -> bool {
+        self.conns
+            .iter()
+            .any(|(_, c)| c.inflight.is_some() || c.phase != Phase::Open || c.fd.is_none())
+    }
+
+    /// Cookies of connections closed since the last call.
+    pub fn take_closed(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.closed)
+    }
+
+    fn conn_for(&mut self, cookie: u64) -> usize {
+        if let Some(&idx) = self.by_cookie.get(&cookie) {
+            return idx;
+        }
+        self.next_generation = self.next_generation.wrapping_add(1);
+        let idx = self.conns.insert(ConnOut {
+            cookie,
+            generation: self.next_generation,
+            fd: None,
+            created: Instant::now(),
+            next_seq: 0,
+            parked: BTreeMap::new(),
+            http_started: false,
+            out: Vec::new(),
+            inflight: None,
+            phase: Phase::Open,
+            eof: false,
+            linger_until: None,
+        });
+        self.by_cookie.insert(cookie, idx);
+        idx
+    }
+
+    /// The transport accepted connection `fd` whose socket cookie is `cookie`.
+    pub fn on_accept(&mut self, fd: RawFd, cookie: u64) {
+        let idx = self.conn_for(cookie);
+        self.conns[idx].fd = Some(fd);
+        self.stats.accepted += 1;
+        self.dirty.push(idx);
+    }
+
+    /// Consume one completion-ring entry.
+    pub fn on_completion(&mut self, e: &CompletionEntry) {
+        self.stats.completions += 1;
+        let known = self.by_cookie.get(&e.conn).copied();
+        if e.route & route::RESET != 0 {
+            self.stats.resets += 1;
+            if let Some(idx) = known {
+                let c = &mut self.conns[idx];
+                c.out.clear();
+                c.parked.clear();
+                c.phase = Phase::Closing;
+                c.eof = true;
+                self.dirty.push(idx);
+            }
+            return;
+        }
+        let idx = match known {
+            Some(idx) => idx,
+            // A marker for a connection that is gone needs nothing.
+            None if e.route & route::EOF != 0 => return,
+            None => self.conn_for(e.conn),
+        };
+        let c = &mut self.conns[idx];
+        if c.phase != Phase::Open {
+            // The server already ended this connection; only the peer's EOF still matters.
+            if e.route & route::EOF != 0 {
+                c.eof = true;
+                self.dirty.push(idx);
+            } else {
+                self.stats.stale += 1;
+            }
+            return;
+        }
+        let words = &e.payload[..(e.words as usize).min(e.payload.len())];
+        let parked = Parked {
+            status: e.status,
+            final_: e.final_ != 0,
+            stream_seq: e.stream_seq,
+            request_id: e.request_id,
+            route: e.route,
+            words: words.to_vec(),
+        };
+        if e.conn_seq == c.next_seq {
+            Self::emit(c, parked, &mut self.stats);
+            // Items that were waiting behind this one.
+            while c.phase == Phase::Open {
+                let Some(frames) = c.parked.remove(&c.next_seq) else {
+                    break;
+                };
+                for p in frames {
+                    Self::emit(c, p, &mut self.stats);
+                }
+            }
+        } else {
+            c.parked.entry(e.conn_seq).or_default().push(parked);
+        }
+        self.dirty.push(idx);
+    }
+
+    /// Encode one frame of the front item (or handle a marker in its turn).
+    fn emit(c: &mut ConnOut, p: Parked, stats: &mut ReplyStats) {
+        if c.phase != Phase::Open {
+            return;
+        }
+        if p.route & route::EOF != 0 {
+            stats.eof += 1;
+            c.eof = true;
+            c.phase = Phase::Closing;
+            return;
+        }
+        let framing = if p.route & route::HTTP != 0 {
+            Framing::Http {
+                keep_alive: p.route & route::CLOSE == 0,
+            }
+        } else {
+            Framing::Binary
+        };
+        let status = Status::from_u16(p.status).unwrap_or(Status::Internal);
+        let http_code = (p.route >> route::HTTP_STATUS_SHIFT) & route::HTTP_STATUS_MASK;
+        if p.route & route::NO_FRAME != 0 || (http_code != 0 && framing != Framing::Binary) {
+            // A rejection whose HTTP status is not derived from the frame status.
+            let reject = Reject {
+                request_id: p.request_id,
+                status: (p.route & route::NO_FRAME == 0).then_some(status),
+                http_status: Some(if http_code != 0 {
+                    http_code as u16
+                } else {
+                    status.http_status()
+                }),
+                close: p.route & route::CLOSE != 0,
+            };
+            encode_reject(&mut c.out, &reject);
+        } else {
+            let f = FrameOut {
+                status,
+                final_: p.final_,
+                stream_seq: p.stream_seq,
+                request_id: p.request_id,
+                words: &p.words,
+            };
+            encode_frame(&mut c.out, framing, &mut c.http_started, &f);
+        }
+        stats.frames += 1;
+        if p.final_ {
+            c.next_seq = c.next_seq.wrapping_add(1);
+            c.http_started = false;
+            if p.route & route::CLOSE != 0 {
+                c.phase = Phase::Closing;
+            }
+        }
+    }
+
+    /// An io_uring completion for one of this stage's operations.
+    pub fn on_cqe(&mut self, user_data: u64, res: i32) {
+        let kind = user_data >> 56;
+        let idx = ((user_data >> 32) & 0xff_ffff) as usize;
+        let generation = user_data as u32;
+        let Some(c) = self.conns.get_mut(idx) else {
+            return;
+        };
+        if c.generation != generation {
+            return;
+        }
+        match kind {
+            KIND_SEND => {
+                let Some(inf) = c.inflight.as_mut() else {
+                    return;
+                };
+                inf.issued = false;
+                if res < 0 {
+                    // EPIPE, ECONNRESET: the peer is gone; nothing more can be delivered.
+                    self.stats.send_errors += 1;
+                    c.inflight = None;
+                    c.out.clear();
+                    c.parked.clear();
+                    c.eof = true;
+                    c.phase = Phase::Closing;
+                } else {
+                    inf.sent += res as usize;
+                    if inf.sent < inf.buf.len() {
+                        self.stats.short_sends += 1;
+                    } else if let Some(Inflight { mut buf, .. }) = c.inflight.take()
+                        && c.out.is_empty()
+                    {
+                        // Reuse the allocation for the next batch.
+                        buf.clear();
+                        c.out = buf;
+                    }
+                }
+                self.dirty.push(idx);
+            }
+            KIND_SHUTDOWN => {
+                c.linger_until = Some(Instant::now() + LINGER);
+                self.dirty.push(idx);
+            }
+            KIND_CLOSE => {
+                let cookie = c.cookie;
+                self.by_cookie.remove(&cookie);
+                self.conns.remove(idx);
+                self.stats.closed += 1;
+            }
+            _ => {}
+        }
+    }
+
+    /// Issue the operations the state calls for: sends, shutdowns, closes.
+    pub fn flush(&mut self, io: &mut dyn ReplyIo) {
+        let mut dirty = std::mem::take(&mut self.dirty);
+        dirty.sort_unstable();
+        dirty.dedup();
+        let mut retry = Vec::new();
+        for idx in dirty.drain(..) {
+            if !self.flush_one(idx, io) {
+                retry.push(idx);
+            }
+        }
+        self.dirty.append(&mut retry);
+        self.dirty.append(&mut dirty);
+    }
+
+    /// Returns false when the queue was full and the connection needs another flush.
+    fn flush_one(&mut self, idx: usize, io: &mut dyn ReplyIo) -> bool {
+        let Some(c) = self.conns.get_mut(idx) else {
+            return true;
+        };
+        let Some(fd) = c.fd else {
+            // Not accepted yet: replies wait (bounded by `sweep`).
+            return true;
+        };
+        if c.phase == Phase::Closed {
+            return true;
+        }
+        let ud_send = user_data(KIND_SEND, idx, c.generation);
+        if let Some(inf) = c.inflight.as_mut() {
+            if !inf.issued && inf.sent < inf.buf.len() {
+                // The rest of a short send.
+                let rest = &inf.buf[inf.sent..];
+                if !io.send(fd, rest.as_ptr(), rest.len(), ud_send) {
+                    return false;
+                }
+                inf.issued = true;
+                self.stats.sends += 1;
+            }
+            return true;
+        }
+        if !c.out.is_empty() {
+            let buf = std::mem::take(&mut c.out);
+            if !io.send(fd, buf.as_ptr(), buf.len(), ud_send) {
+                c.out = buf;
+                return false;
+            }
+            self.stats.sends += 1;
+            // Moving the Vec moves only its header: the heap buffer the SEND points at stays
+            // where it is, untouched, until the CQE.
+            c.inflight = Some(Inflight {
+                buf,
+                sent: 0,
+                issued: true,
+            });
+            return true;
+        }
+        match c.phase {
+            Phase::Closing if c.eof => {
+                if !io.close(fd, user_data(KIND_CLOSE, idx, c.generation)) {
+                    return false;
+                }
+                c.phase = Phase::Closed;
+                self.closed.push(c.cookie);
+            }
+            Phase::Closing => {
+                if !io.shutdown(fd, user_data(KIND_SHUTDOWN, idx, c.generation)) {
+                    return false;
+                }
+                c.phase = Phase::Lingering;
+            }
+            Phase::Lingering if c.eof || c.linger_until.is_some_and(|t| t <= Instant::now()) => {
+                if !io.close(fd, user_data(KIND_CLOSE, idx, c.generation)) {
+                    return false;
+                }
+                c.phase = Phase::Closed;
+                self.closed.push(c.cookie);
+            }
+            _ => {}
+        }
+        true
+    }
+
+    /// Timers: lingering connections past their deadline, and replies for connections that
+    /// were never accepted. Call every few milliseconds.
+    pub fn sweep(&mut self, now: Instant) {
+        let mut drop_idx = Vec::new();
+        for (idx, c) in self.conns.iter_mut() {
+            if c.phase == Phase::Lingering && c.linger_until.is_some_and(|t| t <= now) {
+                self.dirty.push(idx);
+            }
+            if c.fd.is_none() && now.duration_since(c.created) > ACCEPT_GRACE {
+                drop_idx.push(idx);
+            }
+        }
+        for idx in drop_idx {
+            let c = self.conns.remove(idx);
+            self.by_cookie.remove(&c.cookie);
+            self.stats.never_accepted += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bgs_protocol::ReplyHeader;
+
+    #[derive(Default)]
+    struct Recorder {
+        /// (fd, bytes, user_data) of sends.
+        sends: Vec<(RawFd, Vec<u8>, u64)>,
+        shutdowns: Vec<(RawFd, u64)>,
+        closes: Vec<(RawFd, u64)>,
+        full: bool,
+    }
+
+    impl ReplyIo for Recorder {
+        fn send(&mut self, fd: RawFd, ptr: *const u8, len: usize, ud: u64) -> bool {
+            if self.full {
+                return false;
+            }
+            // SAFETY: the stage guarantees the buffer is live until the CQE; we copy it now.
+            let bytes = unsafe { std::slice::from_raw_parts(ptr, len) }.to_vec();
+            self.sends.push((fd, bytes, ud));
+            true
+        }
+        fn shutdown(&mut self, fd: RawFd, ud: u64) -> bool {
+            self.shutdowns.push((fd, ud));
+            true
+        }
+        fn close(&mut self, fd: RawFd, ud: u64) -> bool {
+            self.closes.push((fd, ud));
+            true
+        }
+    }
+
+    fn completion(
+        cookie: u64,
+        seq: u32,
+        id: u32,
+        route_bits: u32,
+        status: Status,
+    ) -> CompletionEntry {
+        let mut e = CompletionEntry::default();
+        e.conn = cookie;
+        e.conn_seq = seq;
+        e.status = status as u16;
+        e.final_ = 1;
+        e.request_id = id;
+        e.words = 1;
+        e.payload[0] = id;
+        e.route = route_bits;
+        e
+    }
+
+    fn ids(bytes: &[u8]) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut off = 0;
+        while off + 24 <= bytes.len() {
+            let h = ReplyHeader::decode(&bytes[off..]);
+            out.push(h.request_id);
+            off += 24 + h.words as usize * 4;
+        }
+        out
+    }
+
+    #[test]
+    fn orders_replies_and_waits_for_accept() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        for (seq, id) in [(2, 12), (0, 10), (1, 11)] {
+            st.on_completion(&completion(7, seq, id, 0, Status::Ok));
+        }
+        st.flush(&mut io);
+        assert!(io.sends.is_empty(), "no fd yet");
+        st.on_accept(33, 7);
+        st.flush(&mut io);
+        assert_eq!(io.sends.len(), 1);
+        assert_eq!(io.sends[0].0, 33);
+        assert_eq!(ids(&io.sends[0].1), vec![10, 11, 12]);
+        // While the send is in flight, more replies accumulate and go out after it.
+        st.on_completion(&completion(7, 3, 13, 0, Status::Ok));
+        st.flush(&mut io);
+        assert_eq!(io.sends.len(), 1);
+        let (_, bytes, ud) = io.sends[0].clone();
+        st.on_cqe(ud, bytes.len() as i32);
+        st.flush(&mut io);
+        assert_eq!(ids(&io.sends[1].1), vec![13]);
+    }
+
+    #[test]
+    fn short_send_is_continued() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        st.on_completion(&completion(1, 0, 1, 0, Status::Ok));
+        st.flush(&mut io);
+        let (_, bytes, ud) = io.sends[0].clone();
+        st.on_cqe(ud, 10);
+        st.flush(&mut io);
+        assert_eq!(io.sends[1].1, bytes[10..].to_vec());
+        let ud2 = io.sends[1].2;
+        st.on_cqe(ud2, (bytes.len() - 10) as i32);
+        st.flush(&mut io);
+        assert_eq!(io.sends.len(), 2);
+        assert_eq!(st.stats().short_sends, 1);
+    }
+
+    #[test]
+    fn eof_closes_after_everything_is_sent() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        st.on_completion(&completion(1, 0, 1, 0, Status::Ok));
+        let mut eof = completion(1, 1, 0, route::EOF, Status::Ok);
+        eof.words = 0;
+        st.on_completion(&eof);
+        st.flush(&mut io);
+        assert!(io.closes.is_empty(), "reply still in flight");
+        let (_, bytes, ud) = io.sends[0].clone();
+        st.on_cqe(ud, bytes.len() as i32);
+        st.flush(&mut io);
+        assert_eq!(io.closes.len(), 1);
+        st.on_cqe(io.closes[0].1, 0);
+        assert_eq!(st.connections(), 0);
+        assert_eq!(st.take_closed(), vec![1]);
+    }
+
+    #[test]
+    fn closing_reply_shuts_down_then_closes_on_eof() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        let bits = route::HTTP | route::CLOSE | route::NO_FRAME | (431 << route::HTTP_STATUS_SHIFT);
+        let mut rej = completion(1, 0, 0, bits, Status::Ok);
+        rej.words = 0;
+        st.on_completion(&rej);
+        st.flush(&mut io);
+        let text = String::from_utf8(io.sends[0].1.clone()).unwrap();
+        assert!(text.starts_with("HTTP/1.1 431 "), "{text}");
+        assert!(text.contains("Content-Length: 0"));
+        assert!(text.contains("Connection: close"));
+        st.on_cqe(io.sends[0].2, io.sends[0].1.len() as i32);
+        st.flush(&mut io);
+        assert_eq!(io.shutdowns.len(), 1);
+        st.on_cqe(io.shutdowns[0].1, 0);
+        let mut eof = completion(1, 1, 0, route::EOF, Status::Ok);
+        eof.words = 0;
+        st.on_completion(&eof);
+        st.flush(&mut io);
+        assert_eq!(io.closes.len(), 1);
+    }
+
+    #[test]
+    fn reset_drops_and_closes() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        st.on_completion(&completion(1, 1, 2, 0, Status::Ok));
+        st.on_completion(&completion(1, 5, 0, route::RESET, Status::Ok));
+        st.flush(&mut io);
+        assert!(io.sends.is_empty());
+        assert_eq!(io.closes.len(), 1);
+    }
+
+    #[test]
+    fn full_queue_is_retried() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder {
+            full: true,
+            ..Default::default()
+        };
+        st.on_accept(5, 1);
+        st.on_completion(&completion(1, 0, 1, 0, Status::Ok));
+        st.flush(&mut io);
+        assert!(io.sends.is_empty());
+        io.full = false;
+        st.flush(&mut io);
+        assert_eq!(io.sends.len(), 1);
+    }
+
+    #[test]
+    fn never_accepted_connections_are_dropped() {
+        let mut st = ReplyStage::new();
+        st.on_completion(&completion(9, 0, 1, 0, Status::Ok));
+        st.sweep(Instant::now() + ACCEPT_GRACE + Duration::from_secs(1));
+        assert_eq!(st.connections(), 0);
+        assert_eq!(st.stats().never_accepted, 1);
+    }
+}
