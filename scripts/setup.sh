@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
-# Installs the system packages the build needs on Debian 12 / Ubuntu 24.04 (Rust itself is
-# expected from rustup). Safe to run repeatedly; uses sudo when not root.
+# Installs the system packages the build and tests need on Debian 12 / Ubuntu 24.04 (Rust
+# itself is expected from rustup). Safe to run repeatedly; uses sudo when not root.
+#   gcc make pkg-config               C parts of dependencies (vendored libbpf)
+#   clang-19 llvm-19                  BPF programs of the kernel transport
+#   libelf-dev zlib1g-dev             vendored libbpf
+#   linux-perf (optional)             syscall counting in the steady-state test
 set -euo pipefail
-pkgs=(gcc make pkg-config)
+pkgs=(gcc make pkg-config clang-19 llvm-19 libelf-dev zlib1g-dev)
+optional=(linux-perf)
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
 missing=()
-for p in "${pkgs[@]}"; do
+for p in "${pkgs[@]}" "${optional[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
   export DEBIAN_FRONTEND=noninteractive
   $sudo apt-get update -qq
-  $sudo apt-get install -y -qq "${missing[@]}"
+  for p in "${pkgs[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || $sudo apt-get install -y -qq "$p"
+  done
+  for p in "${optional[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || $sudo apt-get install -y -qq "$p" \
+      || echo "setup: optional package $p is not available here" >&2
+  done
 fi
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found; install Rust 1.95 or newer with rustup (https://rustup.rs)" >&2

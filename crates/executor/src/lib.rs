@@ -21,15 +21,22 @@ use bgs_ring::{OP_REJECT, RingRegion, SLOT_WORDS};
 /// sleeps (see `bgs_ring` sleep guards); the native transport passes an eventfd writer.
 pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
+/// A sleep used instead of the request ring's futex when the producers cannot wake a futex
+/// (BPF programs ring a BPF ring buffer instead). Called with the slot already counted as a
+/// sleeper and the ring re-checked empty; it returns after a wake-up or the timeout.
+pub type ExternalWait = Arc<dyn Fn(Duration) + Send + Sync>;
+
 /// Settings of the CPU executor.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct CpuExecutorConfig {
     /// Number of slots (resident worker threads).
     pub slots: usize,
     /// How long an idle slot spins re-checking the ring before it sleeps.
     pub idle_spin: Duration,
-    /// Upper bound on one sleep. Producers that cannot wake a futex (BPF programs) rely on it.
+    /// Upper bound on one sleep.
     pub max_sleep: Duration,
+    /// How an idle slot sleeps when producers cannot wake the ring's futex.
+    pub external_wait: Option<ExternalWait>,
 }
 
 impl Default for CpuExecutorConfig {
@@ -38,6 +45,7 @@ impl Default for CpuExecutorConfig {
             slots: std::thread::available_parallelism().map_or(2, |n| n.get()),
             idle_spin: Duration::from_micros(20),
             max_sleep: Duration::from_millis(1),
+            external_wait: None,
         }
     }
 }
@@ -61,6 +69,17 @@ pub struct CpuExecutor {
     stop: Arc<AtomicBool>,
     region: Arc<RingRegion>,
     stats: Arc<ExecutorStats>,
+}
+
+impl std::fmt::Debug for CpuExecutorConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuExecutorConfig")
+            .field("slots", &self.slots)
+            .field("idle_spin", &self.idle_spin)
+            .field("max_sleep", &self.max_sleep)
+            .field("external_wait", &self.external_wait.is_some())
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for CpuExecutor {
@@ -101,6 +120,7 @@ impl CpuExecutor {
                 adapter: make_adapter(),
                 idle_spin: cfg.idle_spin,
                 max_sleep: cfg.max_sleep,
+                external_wait: cfg.external_wait.clone(),
             };
             let t = std::thread::Builder::new()
                 .name(format!("bgs-slot-{slot}"))
@@ -172,6 +192,7 @@ struct SlotWorker {
     adapter: Box<dyn Adapter>,
     idle_spin: Duration,
     max_sleep: Duration,
+    external_wait: Option<ExternalWait>,
 }
 
 impl SlotWorker {
@@ -205,7 +226,18 @@ impl SlotWorker {
             }
             if !found {
                 self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
-                self.region.requests().wait_nonempty(self.max_sleep);
+                match &self.external_wait {
+                    Some(wait) => {
+                        let ring = self.region.requests();
+                        let _guard = ring.sleep_guard();
+                        if ring.is_empty() && !self.stop.load(Ordering::Acquire) {
+                            wait(self.max_sleep);
+                        }
+                    }
+                    None => {
+                        self.region.requests().wait_nonempty(self.max_sleep);
+                    }
+                }
             }
         }
     }
