@@ -694,3 +694,9 @@ pub fn socket_cookie(fd: BorrowedFd<'_>) -> std::io::Result<u64> {
     }
     Ok(cookie)
 }
+
+// The transport shares one `KernelRx` between its threads.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<KernelRx>();
+};
