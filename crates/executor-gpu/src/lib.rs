@@ -1,9 +1,30 @@
-//! The GPU executor (skeleton: the implementation is in progress).
+//! The GPU executor: a resident dispatcher that replays CUDA graphs over the shared rings.
+//!
+//! - Libraries are loaded at run time (cudarc with dynamic loading, CUDA 13): one binary runs
+//!   with or without a GPU; without a driver, a device or a library, [`probe`] and
+//!   [`GpuExecutor::start`] return a [`GpuError`] naming what is missing.
+//! - Kernels (`src/kernels.cu`, including the generated `include/bgs_ring.h`) are compiled by
+//!   NVRTC for the device's architecture and linked with `libcudadevrt.a` by nvJitLink; the
+//!   cubin is cached on disk.
+//! - The ring region is registered with `cuMemHostRegister`; the GPU consumes requests and
+//!   publishes completions with the Vyukov protocol of `docs/ring.md` at system scope.
+//! - [`Dispatcher::DeviceLaunch`]: a device-launched scheduler graph polls the request ring,
+//!   assigns each request to a free slot, launches that slot's work graph fire-and-forget and
+//!   tail-relaunches itself before the 120-launch limit. [`Dispatcher::HostLaunch`]: a host
+//!   thread does the same with `cuGraphLaunch`.
+//!
+//! `docs/gpu.md` describes the design and the measurements.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use bgs_ring::RingRegion;
+
+pub mod compile;
+mod exec;
+pub mod layout;
+pub mod libs;
+pub mod plan;
 
 /// How requests are noticed and launched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,10 +35,23 @@ pub enum Dispatcher {
     HostLaunch,
 }
 
+/// Called once, from the executor's monitor thread, when the executor fails at run time (a
+/// CUDA error, a failed device-side launch, the scheduler gone). A transport can stop
+/// accepting work from here. After a failure the executor answers every request still in
+/// the ring with status Internal, so clients do not hang.
+#[derive(Clone)]
+pub struct ErrorHook(pub Arc<dyn Fn(&str) + Send + Sync>);
+
+impl std::fmt::Debug for ErrorHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ErrorHook")
+    }
+}
+
 /// Settings of the GPU executor.
 #[derive(Debug, Clone)]
 pub struct GpuExecutorConfig {
-    /// Work-graph slots (requests executing at once).
+    /// Work-graph slots (requests executing at once), 1..=64.
     pub slots: usize,
     /// Dispatcher kind.
     pub dispatcher: Dispatcher,
@@ -25,8 +59,10 @@ pub struct GpuExecutorConfig {
     pub device: usize,
     /// Where CUDA libraries live (else `CUDA_HOME`, `/usr/local/cuda`, the loader's path).
     pub cuda_home: Option<PathBuf>,
-    /// Kernel cache directory.
+    /// Kernel cache directory (else `$XDG_CACHE_HOME/bgs`, `~/.cache/bgs`).
     pub cache_dir: Option<PathBuf>,
+    /// Called when the executor fails at run time.
+    pub on_error: Option<ErrorHook>,
 }
 
 impl Default for GpuExecutorConfig {
@@ -37,16 +73,45 @@ impl Default for GpuExecutorConfig {
             device: 0,
             cuda_home: None,
             cache_dir: None,
+            on_error: None,
         }
     }
 }
 
-/// Why the GPU executor cannot run.
+/// Why the GPU executor cannot run (or stopped).
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    /// Not implemented yet.
-    #[error("the GPU executor is not implemented in this build")]
-    NotBuilt,
+    /// The NVIDIA driver library could not be loaded.
+    #[error("no NVIDIA driver: {0}")]
+    MissingDriver(String),
+    /// The driver loaded but there is no usable device.
+    #[error("no usable CUDA device: {0}")]
+    NoDevice(String),
+    /// A CUDA library is missing.
+    #[error("missing {what}: {detail}")]
+    MissingLibrary {
+        /// Which library.
+        what: String,
+        /// Where it was looked for.
+        detail: String,
+    },
+    /// A CUDA call failed; `name` is the CUDA error name (e.g. `CUDA_ERROR_ILLEGAL_ADDRESS`).
+    #[error("{what} failed: {name}")]
+    Cuda {
+        /// The call.
+        what: String,
+        /// The error's name.
+        name: String,
+    },
+    /// Kernel compilation or linking failed.
+    #[error("kernel build failed: {0}")]
+    Compile(String),
+    /// Invalid settings.
+    #[error("invalid GPU executor settings: {0}")]
+    Config(String),
+    /// The executor failed while running.
+    #[error("GPU executor failed: {0}")]
+    Failed(String),
 }
 
 /// What `probe` found.
@@ -54,23 +119,63 @@ pub enum GpuError {
 pub struct DeviceInfo {
     /// Device name.
     pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Driver version (e.g. 13000).
+    pub driver_version: i32,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED`: GPU atomics on host memory are
+    /// atomic with respect to CPU atomics.
+    pub host_native_atomics: bool,
+    /// Where each library came from.
+    pub libraries: Vec<(String, String)>,
+    /// `libcudadevrt.a`.
+    pub cudadevrt: PathBuf,
 }
 
 /// Check that a usable GPU and the CUDA libraries are present.
-pub fn probe(_cfg: &GpuExecutorConfig) -> Result<DeviceInfo, GpuError> {
-    Err(GpuError::NotBuilt)
+pub fn probe(cfg: &GpuExecutorConfig) -> Result<DeviceInfo, GpuError> {
+    exec::probe(cfg)
+}
+
+/// Counters of a running executor.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct GpuStats {
+    /// Scheduler executions (device launch) so far, read at shutdown.
+    pub scheduler_executions: u64,
+    /// Requests launched (device scheduler or host thread).
+    pub dispatched: u64,
+    /// Times a publish found the completion ring full.
+    pub completion_full: u64,
+    /// Repeat-chain launches that failed (those requests were answered Internal).
+    pub chain_errors: u64,
+    /// Kernel cubin came from the cache.
+    pub cache_hit: bool,
+    /// Seconds spent in `start`.
+    pub start_seconds: f64,
 }
 
 /// The running GPU executor.
 #[derive(Debug)]
 pub struct GpuExecutor {
     slots: usize,
+    inner: exec::Running,
 }
 
 impl GpuExecutor {
     /// Start the dispatcher over `region`.
-    pub fn start(_region: Arc<RingRegion>, _cfg: &GpuExecutorConfig) -> Result<Self, GpuError> {
-        Err(GpuError::NotBuilt)
+    pub fn start(region: Arc<RingRegion>, cfg: &GpuExecutorConfig) -> Result<Self, GpuError> {
+        if cfg.slots == 0 || cfg.slots > layout::MAX_SLOTS {
+            return Err(GpuError::Config(format!(
+                "slots must be 1..={} (got {})",
+                layout::MAX_SLOTS,
+                cfg.slots
+            )));
+        }
+        let inner = exec::Running::start(region, cfg)?;
+        Ok(GpuExecutor {
+            slots: cfg.slots,
+            inner,
+        })
     }
 
     /// Slots.
@@ -78,8 +183,28 @@ impl GpuExecutor {
         self.slots
     }
 
-    /// Stop the dispatcher and release the device.
+    /// The device in use.
+    pub fn info(&self) -> &DeviceInfo {
+        self.inner.info()
+    }
+
+    /// The run-time failure, if the executor has failed (it then answers Internal).
+    pub fn error(&self) -> Option<String> {
+        self.inner.error()
+    }
+
+    /// Counters so far (scheduler counters are read at shutdown).
+    pub fn stats(&self) -> GpuStats {
+        self.inner.stats()
+    }
+
+    /// Stop the dispatcher and release the device. Returns the run-time error, if any.
     pub fn shutdown(self) -> Result<(), GpuError> {
-        Ok(())
+        self.inner.shutdown().map(|_| ())
+    }
+
+    /// [`GpuExecutor::shutdown`], returning the final counters.
+    pub fn shutdown_with_stats(self) -> Result<GpuStats, GpuError> {
+        self.inner.shutdown()
     }
 }

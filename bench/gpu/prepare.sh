@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Build here (no Rust on the GPU machine) and stage the binaries in .gpu-carry/ (git-ignored
+# through .git/info/exclude), which the device tool's `carry` sends along.
+# Usage: bash bench/gpu/prepare.sh ; then on the device: bash bench/gpu/run.sh .gpu-carry "$OUT"
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+grep -qx '/.gpu-carry/' .git/info/exclude 2>/dev/null || echo '/.gpu-carry/' >> .git/info/exclude
+cargo build --release -p bgs -p bgs-executor-gpu --bins
+mkdir -p .gpu-carry
+cp target/release/bgs target/release/bgs-gpu-bench .gpu-carry/
+git rev-parse HEAD > .gpu-carry/REVISION
+git status --porcelain -- crates/executor-gpu bench/gpu | sed 's/^/dirty: /' >> .gpu-carry/REVISION || true
+ls -la .gpu-carry

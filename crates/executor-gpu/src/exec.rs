@@ -1,0 +1,1275 @@
+//! Driver-level implementation: device set-up, graphs, dispatchers, monitor, shutdown.
+
+use std::ffi::{CString, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bgs_protocol::Status;
+use bgs_ring::{RequestEntry, RingRegion, SLOT_WORDS};
+use cudarc::cublas::sys as cublas;
+use cudarc::cufft::sys as cufft;
+use cudarc::driver::sys as cu;
+
+use crate::compile;
+use crate::layout::{Ctl, GpuSlot, MAX_SLOTS, REPEAT_BITS, STAGED, Sched, SlotCtl};
+use crate::libs;
+use crate::plan::{self, Compute, SlotTable};
+use crate::{DeviceInfo, Dispatcher, ErrorHook, GpuError, GpuExecutorConfig, GpuStats};
+
+const DEVICE_LAUNCH_FLAG: u64 = 4; // CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH
+const STREAM_NON_BLOCKING: u32 = 1;
+const HOST_FLAGS: u32 = cu::CU_MEMHOSTALLOC_PORTABLE | cu::CU_MEMHOSTALLOC_DEVICEMAP;
+const REGISTER_FLAGS: u32 = cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
+const CUBLAS_WORKSPACE: usize = 1 << 20;
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn ck(r: cu::CUresult, what: &str) -> Result<(), GpuError> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Cuda {
+            what: what.to_string(),
+            name: format!("{r:?}"),
+        })
+    }
+}
+
+fn ck_blas(r: cublas::cublasStatus_t, what: &str) -> Result<(), GpuError> {
+    if r == cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Cuda {
+            what: what.to_string(),
+            name: format!("{r:?}"),
+        })
+    }
+}
+
+fn ck_fft(r: cufft::cufftResult, what: &str) -> Result<(), GpuError> {
+    if r == cufft::cufftResult::CUFFT_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Cuda {
+            what: what.to_string(),
+            name: format!("{r:?}"),
+        })
+    }
+}
+
+/// Name of a device-runtime `cudaError_t` reported by a kernel.
+fn cuda_rt_error_name(e: u32) -> String {
+    let name = match e {
+        1 => "cudaErrorInvalidValue",
+        2 => "cudaErrorMemoryAllocation",
+        3 => "cudaErrorInitializationError",
+        98 => "cudaErrorInvalidDeviceFunction",
+        200 => "cudaErrorInvalidKernelImage",
+        201 => "cudaErrorDeviceUninitialized",
+        400 => "cudaErrorInvalidResourceHandle",
+        700 => "cudaErrorIllegalAddress",
+        701 => "cudaErrorLaunchOutOfResources",
+        702 => "cudaErrorLaunchTimeout",
+        719 => "cudaErrorLaunchFailure",
+        801 => "cudaErrorNotSupported",
+        900 => "cudaErrorStreamCaptureUnsupported",
+        910 => "cudaErrorGraphExecUpdateFailure",
+        _ => return format!("cudaError {e}"),
+    };
+    format!("{name} ({e})")
+}
+
+fn where_name(w: u32) -> &'static str {
+    match w {
+        1 => "scheduler launching a work graph",
+        2 => "scheduler tail-relaunching itself",
+        3 => "slot launching its repeat chain",
+        4 => "slot launching its publish graph",
+        _ => "device",
+    }
+}
+
+/// Driver, device and libraries, ready to use.
+struct Env {
+    dev: cu::CUdevice,
+    info: DeviceInfo,
+    nvjitlink: String,
+}
+
+fn init(cfg: &GpuExecutorConfig) -> Result<Env, GpuError> {
+    // SAFETY: only tries to dlopen the driver library; nothing is called through it yet.
+    if !unsafe { cu::is_culib_present() } {
+        return Err(GpuError::MissingDriver(
+            "libcuda.so.1 (the NVIDIA driver library) could not be loaded".into(),
+        ));
+    }
+    // SAFETY: the driver library is present (checked above); cuInit may be called any time.
+    let r = unsafe { cu::cuInit(0) };
+    if r == cu::CUresult::CUDA_ERROR_NO_DEVICE {
+        return Err(GpuError::NoDevice(
+            "cuInit reported CUDA_ERROR_NO_DEVICE (no GPU, or CUDA_VISIBLE_DEVICES hides them)"
+                .into(),
+        ));
+    }
+    ck(r, "cuInit")?;
+    let mut count = 0;
+    ck(
+        // SAFETY: initialized driver; valid out-pointer.
+        unsafe { cu::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+    )?;
+    if count <= 0 {
+        return Err(GpuError::NoDevice("the driver sees no CUDA device".into()));
+    }
+    if cfg.device >= count as usize {
+        return Err(GpuError::NoDevice(format!(
+            "device {} requested, {count} present",
+            cfg.device
+        )));
+    }
+    let mut dev: cu::CUdevice = 0;
+    let mut name = [0 as std::ffi::c_char; 256];
+    let (mut major, mut minor, mut native, mut driver) = (0, 0, 0, 0);
+    // SAFETY: initialized driver, valid ordinal, valid out-pointers and buffer length.
+    unsafe {
+        ck(cu::cuDeviceGet(&mut dev, cfg.device as i32), "cuDeviceGet")?;
+        ck(
+            cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev),
+            "cuDeviceGetName",
+        )?;
+        use cu::CUdevice_attribute as A;
+        ck(
+            cu::cuDeviceGetAttribute(
+                &mut major,
+                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                dev,
+            ),
+            "cuDeviceGetAttribute",
+        )?;
+        ck(
+            cu::cuDeviceGetAttribute(
+                &mut minor,
+                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                dev,
+            ),
+            "cuDeviceGetAttribute",
+        )?;
+        ck(
+            cu::cuDeviceGetAttribute(
+                &mut native,
+                A::CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED,
+                dev,
+            ),
+            "cuDeviceGetAttribute",
+        )?;
+        ck(cu::cuDriverGetVersion(&mut driver), "cuDriverGetVersion")?;
+    }
+    // SAFETY: cuDeviceGetName wrote a NUL-terminated string into `name`.
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let env_home = std::env::var("CUDA_HOME").ok();
+    let dirs = libs::search_dirs(cfg.cuda_home.as_deref(), env_home.as_deref());
+    let mut libraries = Vec::new();
+    for spec in [
+        libs::CUBLASLT,
+        libs::CUBLAS,
+        libs::CUFFT,
+        libs::NVRTC_BUILTINS,
+        libs::NVRTC,
+        libs::NVJITLINK,
+    ] {
+        libraries.push((spec.what.to_string(), libs::load(&spec, &dirs)?));
+    }
+    // cudarc opens the same libraries by soname: make sure it finds them (it panics otherwise).
+    // SAFETY: these only dlopen; the libraries were opened above.
+    let present = unsafe {
+        [
+            ("cuBLAS", cublas::is_culib_present()),
+            ("cuFFT", cufft::is_culib_present()),
+            ("NVRTC", cudarc::nvrtc::sys::is_culib_present()),
+        ]
+    };
+    for (what, ok) in present {
+        if !ok {
+            return Err(GpuError::MissingLibrary {
+                what: what.into(),
+                detail: "loaded by path but not found by soname (set LD_LIBRARY_PATH)".into(),
+            });
+        }
+    }
+    let cudadevrt = libs::find_cudadevrt(&dirs, &libraries[4].1)?;
+    let nvjitlink = libraries[5].1.clone();
+    Ok(Env {
+        dev,
+        info: DeviceInfo {
+            name,
+            compute_capability: (major, minor),
+            driver_version: driver,
+            host_native_atomics: native != 0,
+            libraries,
+            cudadevrt,
+        },
+        nvjitlink,
+    })
+}
+
+pub(crate) fn probe(cfg: &GpuExecutorConfig) -> Result<DeviceInfo, GpuError> {
+    init(cfg).map(|e| e.info)
+}
+
+/// Build (or load from the cache) the linked cubin.
+fn kernels(env: &Env, cfg: &GpuExecutorConfig) -> Result<(Vec<u8>, bool), GpuError> {
+    let (major, minor) = env.info.compute_capability;
+    let arch = format!("sm_{major}{minor}");
+    let options = compile::nvrtc_options(major, minor);
+    let versions = format!(
+        "driver {} nvrtc {}",
+        env.info.driver_version,
+        compile::nvrtc_version()?
+    );
+    let key = compile::cache_key(&options, &env.info.name, &arch, &versions);
+    let dir = compile::cache_dir(cfg.cache_dir.as_deref());
+    if let Some(c) = dir.as_deref().and_then(|d| compile::cache_read(d, &key)) {
+        return Ok((c, true));
+    }
+    let obj = compile::nvrtc_compile(&options)?;
+    let linked = compile::nvjitlink(&env.nvjitlink, &arch, &obj, &env.info.cudadevrt)?;
+    if let Some(d) = dir.as_deref() {
+        compile::cache_write(d, &key, &linked);
+    }
+    Ok((linked, false))
+}
+
+/// Raw CUDA handles and memory, owned by the executor.
+struct Device {
+    ctx: cu::CUcontext,
+    dev: cu::CUdevice,
+    module: cu::CUmodule,
+    region_host: *mut c_void,
+    region_dev: u64,
+    ctl_host: *mut Ctl,
+    ctl_dev: u64,
+    /// Host mode: mapped host memory; device mode: null.
+    slot_ctl_host: *mut SlotCtl,
+    slot_ctl_dev: u64,
+    slot_ctl_is_device: bool,
+    slots_dev: u64,
+    sched_dev: u64,
+    b_dev: u64,
+    workspace_dev: u64,
+    blas: cublas::cublasHandle_t,
+    ffts: Vec<cufft::cufftHandle>,
+    streams: Vec<cu::CUstream>,
+    sched_stream: cu::CUstream,
+    graphs: Vec<cu::CUgraph>,
+    execs: Vec<cu::CUgraphExec>,
+    /// Per slot: start, publish, chain[compute][k].
+    start: Vec<cu::CUgraphExec>,
+    publish: Vec<cu::CUgraphExec>,
+    chain: Vec<[[cu::CUgraphExec; REPEAT_BITS]; 2]>,
+    sched_exec: cu::CUgraphExec,
+}
+
+// SAFETY: the handles are plain driver/library handles and pointers to pinned or device memory;
+// the driver API is thread-safe once the context is current on the calling thread, which every
+// thread using `Device` ensures (`make_current`). Mutation happens only in start and shutdown.
+unsafe impl Send for Device {}
+// SAFETY: see `Send`; shared use is read-only plus atomic accesses to the mapped words.
+unsafe impl Sync for Device {}
+
+impl Device {
+    fn make_current(&self) -> Result<(), GpuError> {
+        // SAFETY: `ctx` is the retained primary context, alive until `free`.
+        ck(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    fn ctl_u32(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: `off` is the offset of a u32 field of the mapped `Ctl` (4-aligned); the GPU
+        // accesses these words only with system-scope atomics/volatile accesses.
+        unsafe { AtomicU32::from_ptr((self.ctl_host as *mut u8).add(off).cast()) }
+    }
+
+    fn ctl_u64(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: as `ctl_u32`, for an 8-aligned u64 field.
+        unsafe { AtomicU64::from_ptr((self.ctl_host as *mut u8).add(off).cast()) }
+    }
+
+    fn request_stop(&self) {
+        self.ctl_u32(std::mem::offset_of!(Ctl, stop))
+            .store(1, Ordering::SeqCst);
+    }
+
+    fn slot_busy(&self, j: usize) -> &AtomicU32 {
+        debug_assert!(!self.slot_ctl_is_device);
+        // SAFETY: host mode: `slot_ctl_host` is an array of `nslots` mapped `SlotCtl`; `j` is
+        // below `nslots` (callers index from the slot table).
+        unsafe { AtomicU32::from_ptr(std::ptr::addr_of_mut!((*self.slot_ctl_host.add(j)).busy)) }
+    }
+
+    fn launch(&self, g: cu::CUgraphExec, s: cu::CUstream) -> Result<(), GpuError> {
+        // SAFETY: `g` and `s` are live handles created in `start`.
+        ck(unsafe { cu::cuGraphLaunch(g, s) }, "cuGraphLaunch")
+    }
+
+    /// Wait for a stream, at most `timeout`. Ok(true): done; Ok(false): timed out.
+    fn wait_stream(&self, s: cu::CUstream, timeout: Duration) -> Result<bool, GpuError> {
+        let end = Instant::now() + timeout;
+        loop {
+            // SAFETY: `s` is a live stream.
+            let r = unsafe { cu::cuStreamQuery(s) };
+            if r == cu::CUresult::CUDA_SUCCESS {
+                return Ok(true);
+            }
+            if r != cu::CUresult::CUDA_ERROR_NOT_READY {
+                return ck(r, "cuStreamQuery").map(|()| false);
+            }
+            if Instant::now() >= end {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// Release everything (best effort: errors are ignored, the context may be dead).
+    fn free(&mut self) {
+        // SAFETY: every handle below was created in `start` (or is null/empty) and is released
+        // exactly once: `free` clears what it releases. The GPU no longer runs our work.
+        unsafe {
+            let _ = cu::cuCtxSetCurrent(self.ctx);
+            for e in self.execs.drain(..) {
+                let _ = cu::cuGraphExecDestroy(e);
+            }
+            for g in self.graphs.drain(..) {
+                let _ = cu::cuGraphDestroy(g);
+            }
+            for p in self.ffts.drain(..) {
+                let _ = cufft::cufftDestroy(p);
+            }
+            if !self.blas.is_null() {
+                let _ = cublas::cublasDestroy_v2(self.blas);
+                self.blas = std::ptr::null_mut();
+            }
+            for s in self.streams.drain(..) {
+                let _ = cu::cuStreamDestroy_v2(s);
+            }
+            if !self.sched_stream.is_null() {
+                let _ = cu::cuStreamDestroy_v2(self.sched_stream);
+                self.sched_stream = std::ptr::null_mut();
+            }
+            for d in [
+                &mut self.slots_dev,
+                &mut self.sched_dev,
+                &mut self.b_dev,
+                &mut self.workspace_dev,
+            ] {
+                if *d != 0 {
+                    let _ = cu::cuMemFree_v2(*d);
+                    *d = 0;
+                }
+            }
+            if self.slot_ctl_is_device && self.slot_ctl_dev != 0 {
+                let _ = cu::cuMemFree_v2(self.slot_ctl_dev);
+            }
+            self.slot_ctl_dev = 0;
+            if !self.slot_ctl_host.is_null() {
+                let _ = cu::cuMemFreeHost(self.slot_ctl_host.cast());
+                self.slot_ctl_host = std::ptr::null_mut();
+            }
+            if !self.ctl_host.is_null() {
+                let _ = cu::cuMemFreeHost(self.ctl_host.cast());
+                self.ctl_host = std::ptr::null_mut();
+            }
+            if !self.region_host.is_null() {
+                let _ = cu::cuMemHostUnregister(self.region_host);
+                self.region_host = std::ptr::null_mut();
+            }
+            if !self.module.is_null() {
+                let _ = cu::cuModuleUnload(self.module);
+                self.module = std::ptr::null_mut();
+            }
+            if !self.ctx.is_null() {
+                let _ = cu::cuDevicePrimaryCtxRelease_v2(self.dev);
+                self.ctx = std::ptr::null_mut();
+            }
+        }
+    }
+}
+
+fn get_function(module: cu::CUmodule, name: &str) -> Result<cu::CUfunction, GpuError> {
+    let c = CString::new(name).map_err(|e| GpuError::Compile(e.to_string()))?;
+    let mut f: cu::CUfunction = std::ptr::null_mut();
+    ck(
+        // SAFETY: `module` is a loaded module; `c` is NUL-terminated; out-pointer valid.
+        unsafe { cu::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
+        &format!("cuModuleGetFunction({name})"),
+    )?;
+    Ok(f)
+}
+
+fn dev_alloc(bytes: usize, what: &str) -> Result<u64, GpuError> {
+    let mut p: cu::CUdeviceptr = 0;
+    // SAFETY: a context is current; out-pointer valid.
+    unsafe {
+        ck(cu::cuMemAlloc_v2(&mut p, bytes), what)?;
+        ck(cu::cuMemsetD8_v2(p, 0, bytes), what)?;
+    }
+    Ok(p)
+}
+
+fn host_alloc(bytes: usize, what: &str) -> Result<(*mut c_void, u64), GpuError> {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    let mut d: cu::CUdeviceptr = 0;
+    // SAFETY: a context is current; out-pointers valid; the allocation is `bytes` long and
+    // zeroed before anyone reads it.
+    unsafe {
+        ck(cu::cuMemHostAlloc(&mut p, bytes, HOST_FLAGS), what)?;
+        std::ptr::write_bytes(p.cast::<u8>(), 0, bytes);
+        ck(cu::cuMemHostGetDevicePointer_v2(&mut d, p, 0), what)?;
+    }
+    Ok((p, d))
+}
+
+/// Capture whatever `body` enqueues on `stream` into a graph and instantiate it for device
+/// launch, uploaded.
+fn capture(
+    d: &mut Device,
+    stream: cu::CUstream,
+    what: &str,
+    body: impl FnOnce() -> Result<(), GpuError>,
+) -> Result<cu::CUgraphExec, GpuError> {
+    let mut g: cu::CUgraph = std::ptr::null_mut();
+    ck(
+        // SAFETY: `stream` is a live stream of the current context.
+        unsafe {
+            cu::cuStreamBeginCapture_v2(
+                stream,
+                cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        },
+        "cuStreamBeginCapture",
+    )?;
+    let body_result = body();
+    // SAFETY: ends the capture begun above; out-pointer valid.
+    let end = ck(
+        unsafe { cu::cuStreamEndCapture(stream, &mut g) },
+        "cuStreamEndCapture",
+    );
+    body_result?;
+    end?;
+    d.graphs.push(g);
+    let mut e: cu::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: `g` is the captured graph; out-pointer valid; `stream` live.
+    unsafe {
+        ck(
+            cu::cuGraphInstantiateWithFlags(&mut e, g, DEVICE_LAUNCH_FLAG),
+            &format!("cuGraphInstantiateWithFlags(DEVICE_LAUNCH) of {what}"),
+        )?;
+        d.execs.push(e);
+        ck(
+            cu::cuGraphUpload(e, stream),
+            &format!("cuGraphUpload of {what}"),
+        )?;
+    }
+    Ok(e)
+}
+
+fn launch_kernel(
+    f: cu::CUfunction,
+    block: u32,
+    stream: cu::CUstream,
+    args: &mut [*mut c_void],
+) -> Result<(), GpuError> {
+    // SAFETY: `f` is a kernel of the loaded module whose parameters are exactly the values
+    // `args` points to (all device pointers / u64); `stream` is live.
+    ck(
+        unsafe {
+            cu::cuLaunchKernel(
+                f,
+                1,
+                1,
+                1,
+                block,
+                1,
+                1,
+                0,
+                stream,
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        },
+        "cuLaunchKernel",
+    )
+}
+
+/// State shared with the monitor and the host dispatcher.
+struct Shared {
+    device: Device,
+    region: Arc<RingRegion>,
+    nslots: usize,
+    mode: Dispatcher,
+    stopping: AtomicBool,
+    failed: AtomicBool,
+    error: Mutex<Option<String>>,
+    on_error: Option<ErrorHook>,
+    host_dispatched: AtomicU64,
+}
+
+impl Shared {
+    fn fail(&self, msg: String) {
+        let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if e.is_none() {
+            tracing::error!("GPU executor failed: {msg}");
+            *e = Some(msg.clone());
+            drop(e);
+            self.failed.store(true, Ordering::SeqCst);
+            self.device.request_stop();
+            if let Some(h) = &self.on_error {
+                (h.0)(&msg);
+            }
+        }
+    }
+
+    /// Answer one request with Internal (after a failure); false if the ring was empty.
+    fn answer_internal(&self) -> bool {
+        let mut meta = None;
+        self.region.requests().try_pop(|e| {
+            meta = Some((e.conn, e.conn_seq, e.request_id, e.route));
+        });
+        let Some((conn, conn_seq, request_id, route)) = meta else {
+            return false;
+        };
+        loop {
+            let r = self.region.completions().try_push(|c| {
+                c.conn = conn;
+                c.conn_seq = conn_seq;
+                c.status = Status::Internal as u16;
+                c.final_ = 1;
+                c.request_id = request_id;
+                c.words = 0;
+                c.stream_seq = 0;
+                c.route = route;
+            });
+            if r.is_ok() || self.stopping.load(Ordering::Acquire) {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        self.region.completions().notify();
+        true
+    }
+}
+
+/// The running executor.
+pub(crate) struct Running {
+    shared: Arc<Shared>,
+    info: DeviceInfo,
+    monitor: Option<JoinHandle<()>>,
+    host: Option<JoinHandle<()>>,
+    cache_hit: bool,
+    start_seconds: f64,
+    done: bool,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("device", &self.info.name)
+            .field("slots", &self.shared.nslots)
+            .field("mode", &self.shared.mode)
+            .finish()
+    }
+}
+
+impl Running {
+    pub(crate) fn start(
+        region: Arc<RingRegion>,
+        cfg: &GpuExecutorConfig,
+    ) -> Result<Self, GpuError> {
+        let t0 = Instant::now();
+        let env = init(cfg)?;
+        let mut d = Device {
+            ctx: std::ptr::null_mut(),
+            dev: env.dev,
+            module: std::ptr::null_mut(),
+            region_host: std::ptr::null_mut(),
+            region_dev: 0,
+            ctl_host: std::ptr::null_mut(),
+            ctl_dev: 0,
+            slot_ctl_host: std::ptr::null_mut(),
+            slot_ctl_dev: 0,
+            slot_ctl_is_device: cfg.dispatcher == Dispatcher::DeviceLaunch,
+            slots_dev: 0,
+            sched_dev: 0,
+            b_dev: 0,
+            workspace_dev: 0,
+            blas: std::ptr::null_mut(),
+            ffts: Vec::new(),
+            streams: Vec::new(),
+            sched_stream: std::ptr::null_mut(),
+            graphs: Vec::new(),
+            execs: Vec::new(),
+            start: Vec::new(),
+            publish: Vec::new(),
+            chain: Vec::new(),
+            sched_exec: std::ptr::null_mut(),
+        };
+        let built = build(&mut d, &env, &region, cfg);
+        let cache_hit = match built {
+            Ok(hit) => hit,
+            Err(e) => {
+                d.free();
+                return Err(e);
+            }
+        };
+        let shared = Arc::new(Shared {
+            device: d,
+            region,
+            nslots: cfg.slots,
+            mode: cfg.dispatcher,
+            stopping: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+            on_error: cfg.on_error.clone(),
+            host_dispatched: AtomicU64::new(0),
+        });
+        // Go: the scheduler graph (device launch) or the host dispatcher thread.
+        let mut host = None;
+        match cfg.dispatcher {
+            Dispatcher::DeviceLaunch => {
+                let dd = &shared.device;
+                if let Err(e) = dd.launch(dd.sched_exec, dd.sched_stream) {
+                    let mut s = Arc::try_unwrap(shared).ok().expect("not shared yet");
+                    s.device.free();
+                    return Err(e);
+                }
+            }
+            Dispatcher::HostLaunch => {
+                let s = shared.clone();
+                host = Some(
+                    std::thread::Builder::new()
+                        .name("bgs-gpu-host".into())
+                        .spawn(move || host_dispatcher(&s))
+                        .map_err(|e| {
+                            GpuError::Failed(format!("spawning the host dispatcher: {e}"))
+                        })?,
+                );
+            }
+        }
+        let s = shared.clone();
+        let monitor = std::thread::Builder::new()
+            .name("bgs-gpu-monitor".into())
+            .spawn(move || monitor(&s))
+            .map_err(|e| GpuError::Failed(format!("spawning the monitor: {e}")))?;
+        let start_seconds = t0.elapsed().as_secs_f64();
+        tracing::info!(
+            "GPU executor on {} (sm_{}{}), {} slots, {:?}, kernels {}, started in {:.2} s, host-native atomics {}",
+            env.info.name,
+            env.info.compute_capability.0,
+            env.info.compute_capability.1,
+            cfg.slots,
+            cfg.dispatcher,
+            if cache_hit { "from cache" } else { "compiled" },
+            start_seconds,
+            env.info.host_native_atomics
+        );
+        Ok(Running {
+            shared,
+            info: env.info,
+            monitor: Some(monitor),
+            host,
+            cache_hit,
+            start_seconds,
+            done: false,
+        })
+    }
+
+    pub(crate) fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub(crate) fn error(&self) -> Option<String> {
+        self.shared
+            .error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn stats(&self) -> GpuStats {
+        let d = &self.shared.device;
+        GpuStats {
+            scheduler_executions: 0,
+            dispatched: self.shared.host_dispatched.load(Ordering::Relaxed),
+            completion_full: d
+                .ctl_u64(std::mem::offset_of!(Ctl, full_spins))
+                .load(Ordering::Relaxed),
+            chain_errors: d
+                .ctl_u64(std::mem::offset_of!(Ctl, chain_errors))
+                .load(Ordering::Relaxed),
+            cache_hit: self.cache_hit,
+            start_seconds: self.start_seconds,
+        }
+    }
+
+    fn stop(&mut self) -> Result<GpuStats, GpuError> {
+        self.done = true;
+        let sh = &self.shared;
+        let mut stats = self.stats();
+        sh.device.request_stop();
+        let _ = sh.device.make_current();
+        let mut stuck = false;
+        match sh.mode {
+            Dispatcher::DeviceLaunch => {
+                match sh.device.wait_stream(sh.device.sched_stream, STOP_TIMEOUT) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        stuck = true;
+                        sh.fail(format!(
+                            "the scheduler did not stop within {} s",
+                            STOP_TIMEOUT.as_secs()
+                        ));
+                    }
+                    Err(e) => sh.fail(e.to_string()),
+                }
+            }
+            Dispatcher::HostLaunch => {
+                sh.stopping.store(true, Ordering::SeqCst);
+                if let Some(h) = self.host.take() {
+                    let _ = h.join();
+                }
+            }
+        }
+        for &s in &sh.device.streams {
+            match sh.device.wait_stream(s, STOP_TIMEOUT) {
+                Ok(true) => {}
+                Ok(false) => {
+                    stuck = true;
+                    sh.fail("a slot's work did not finish at shutdown".into());
+                }
+                Err(e) => sh.fail(e.to_string()),
+            }
+        }
+        sh.stopping.store(true, Ordering::SeqCst);
+        if let Some(m) = self.monitor.take() {
+            let _ = m.join();
+        }
+        if sh.mode == Dispatcher::DeviceLaunch && !stuck {
+            let mut s = [0u8; size_of::<Sched>()];
+            // SAFETY: `sched_dev` holds a `Sched`; `s` has its size; the scheduler has exited.
+            let r =
+                unsafe { cu::cuMemcpyDtoH_v2(s.as_mut_ptr().cast(), sh.device.sched_dev, s.len()) };
+            if r == cu::CUresult::CUDA_SUCCESS {
+                let rd =
+                    |off: usize| u64::from_ne_bytes(s[off..off + 8].try_into().unwrap_or_default());
+                stats.scheduler_executions = rd(std::mem::offset_of!(Sched, executions));
+                stats.dispatched = rd(std::mem::offset_of!(Sched, dispatched));
+            }
+        }
+        stats.completion_full = sh
+            .device
+            .ctl_u64(std::mem::offset_of!(Ctl, full_spins))
+            .load(Ordering::Relaxed);
+        if stuck {
+            // Work may still run on the device: leak rather than free memory it uses.
+            tracing::error!("GPU executor: device work still running; leaking its resources");
+        } else if let Some(s) = Arc::get_mut(&mut self.shared) {
+            s.device.free();
+        }
+        match self.error() {
+            Some(e) => Err(GpuError::Failed(e)),
+            None => Ok(stats),
+        }
+    }
+
+    pub(crate) fn shutdown(mut self) -> Result<GpuStats, GpuError> {
+        self.stop()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.stop();
+        }
+    }
+}
+
+/// Set up module, memory, libraries and graphs. Returns whether the cubin came from the cache.
+fn build(
+    d: &mut Device,
+    env: &Env,
+    region: &Arc<RingRegion>,
+    cfg: &GpuExecutorConfig,
+) -> Result<bool, GpuError> {
+    let n = cfg.slots;
+    // SAFETY: initialized driver, valid device; out-pointer valid.
+    unsafe {
+        ck(
+            cu::cuDevicePrimaryCtxRetain(&mut d.ctx, d.dev),
+            "cuDevicePrimaryCtxRetain",
+        )?;
+    }
+    d.make_current()?;
+    let (cubin, cache_hit) = kernels(env, cfg)?;
+    ck(
+        // SAFETY: `cubin` is a complete linked cubin for this device; out-pointer valid.
+        unsafe { cu::cuModuleLoadData(&mut d.module, cubin.as_ptr().cast()) },
+        "cuModuleLoadData",
+    )?;
+    let f_sched = get_function(d.module, "bgs_scheduler")?;
+    let f_start = get_function(d.module, "bgs_slot_start")?;
+    let f_publish = get_function(d.module, "bgs_slot_publish")?;
+    let f_probe = get_function(d.module, "bgs_layout_probe")?;
+
+    // Layout self-check: the kernels' compiler must lay out the structs as Rust does.
+    {
+        let probe = dev_alloc(24 * 8, "probe buffer")?;
+        let mut arg = probe;
+        let mut args = [(&mut arg as *mut u64).cast::<c_void>()];
+        launch_kernel(f_probe, 1, std::ptr::null_mut(), &mut args)?;
+        let mut got = [0u64; 24];
+        // SAFETY: `probe` holds 24 u64; `got` has that size; a context is current.
+        unsafe {
+            ck(cu::cuCtxSynchronize(), "layout probe")?;
+            ck(
+                cu::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), probe, 24 * 8),
+                "layout probe",
+            )?;
+            let _ = cu::cuMemFree_v2(probe);
+        }
+        let want = crate::layout::expected_probe();
+        if got != want {
+            return Err(GpuError::Compile(format!(
+                "layout mismatch between the kernels and Rust: device {got:?}, Rust {want:?}"
+            )));
+        }
+    }
+
+    // The rings: register the region (plain memory or a BPF map's mapping).
+    // SAFETY: the region is `len` bytes of page-aligned host memory that `region` keeps alive
+    // for the executor's lifetime (Shared holds the Arc); unregistered in `free`.
+    unsafe {
+        ck(
+            cu::cuMemHostRegister_v2(region.as_ptr().cast(), region.len(), REGISTER_FLAGS),
+            "cuMemHostRegister(ring region)",
+        )?;
+    }
+    d.region_host = region.as_ptr().cast();
+    ck(
+        // SAFETY: the region was registered with DEVICEMAP above.
+        unsafe { cu::cuMemHostGetDevicePointer_v2(&mut d.region_dev, d.region_host, 0) },
+        "cuMemHostGetDevicePointer(ring region)",
+    )?;
+    let (ctl, ctl_dev) = host_alloc(size_of::<Ctl>(), "cuMemHostAlloc(control)")?;
+    d.ctl_host = ctl.cast();
+    d.ctl_dev = ctl_dev;
+    let sc_bytes = n * size_of::<SlotCtl>();
+    if d.slot_ctl_is_device {
+        d.slot_ctl_dev = dev_alloc(sc_bytes, "cuMemAlloc(slot control)")?;
+    } else {
+        let (p, dp) = host_alloc(sc_bytes, "cuMemHostAlloc(slot control)")?;
+        d.slot_ctl_host = p.cast();
+        d.slot_ctl_dev = dp;
+    }
+    d.slots_dev = dev_alloc(n * size_of::<GpuSlot>(), "cuMemAlloc(slots)")?;
+    d.sched_dev = dev_alloc(size_of::<Sched>(), "cuMemAlloc(scheduler)")?;
+    d.b_dev = dev_alloc(64 * 4, "cuMemAlloc(B)")?;
+    d.workspace_dev = dev_alloc(n * CUBLAS_WORKSPACE, "cuMemAlloc(cuBLAS workspace)")?;
+    let b = bgs_protocol::wire::gemm8_b();
+    ck(
+        // SAFETY: `b_dev` has 256 bytes; `b` is 64 f32.
+        unsafe { cu::cuMemcpyHtoD_v2(d.b_dev, b.as_ptr().cast(), 256) },
+        "cuMemcpyHtoD(B)",
+    )?;
+
+    // Streams, cuBLAS, cuFFT.
+    for _ in 0..n {
+        let mut s: cu::CUstream = std::ptr::null_mut();
+        ck(
+            // SAFETY: a context is current; out-pointer valid.
+            unsafe { cu::cuStreamCreate(&mut s, STREAM_NON_BLOCKING) },
+            "cuStreamCreate",
+        )?;
+        d.streams.push(s);
+    }
+    ck(
+        // SAFETY: as above.
+        unsafe { cu::cuStreamCreate(&mut d.sched_stream, STREAM_NON_BLOCKING) },
+        "cuStreamCreate",
+    )?;
+    // SAFETY: cuBLAS is loaded; out-pointer valid; the handle is destroyed in `free`.
+    unsafe {
+        ck_blas(cublas::cublasCreate_v2(&mut d.blas), "cublasCreate")?;
+        ck_blas(
+            cublas::cublasSetMathMode(d.blas, cublas::cublasMath_t::CUBLAS_DEFAULT_MATH),
+            "cublasSetMathMode",
+        )?;
+    }
+    for s in 0..n {
+        let mut p: cufft::cufftHandle = 0;
+        // SAFETY: cuFFT is loaded; out-pointer valid; destroyed in `free`.
+        unsafe {
+            ck_fft(
+                cufft::cufftPlan1d(&mut p, 32, cufft::cufftType::CUFFT_C2C, 1),
+                "cufftPlan1d(32, C2C)",
+            )?;
+        }
+        d.ffts.push(p);
+        // SAFETY: plan and stream are live.
+        unsafe {
+            ck_fft(
+                cufft::cufftSetStream(p, d.streams[s].cast()),
+                "cufftSetStream",
+            )?;
+        }
+    }
+
+    let slot_size = size_of::<GpuSlot>() as u64;
+    let sc_size = size_of::<SlotCtl>() as u64;
+    let in_off = std::mem::offset_of!(GpuSlot, input) as u64;
+    let out_off = std::mem::offset_of!(GpuSlot, out) as u64;
+    let alpha = 1.0f32;
+    let beta = 0.0f32;
+    // The caller's unchanged library calls, bound to slot `s`'s buffers and stream.
+    let sgemm = |d: &Device, s: usize| -> Result<(), GpuError> {
+        let a = d.slots_dev + s as u64 * slot_size + in_off;
+        let c = d.slots_dev + s as u64 * slot_size + out_off;
+        // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: pass B first.
+        // SAFETY: handle, stream and workspace are live; pointers are 64-float device buffers.
+        unsafe {
+            ck_blas(
+                cublas::cublasSetStream_v2(d.blas, d.streams[s].cast()),
+                "cublasSetStream",
+            )?;
+            ck_blas(
+                cublas::cublasSetWorkspace_v2(
+                    d.blas,
+                    (d.workspace_dev + (s * CUBLAS_WORKSPACE) as u64) as *mut c_void,
+                    CUBLAS_WORKSPACE,
+                ),
+                "cublasSetWorkspace",
+            )?;
+            ck_blas(
+                cublas::cublasSgemm_v2(
+                    d.blas,
+                    cublas::cublasOperation_t::CUBLAS_OP_N,
+                    cublas::cublasOperation_t::CUBLAS_OP_N,
+                    8,
+                    8,
+                    8,
+                    &alpha,
+                    d.b_dev as *const f32,
+                    8,
+                    a as *const f32,
+                    8,
+                    &beta,
+                    c as *mut f32,
+                    8,
+                ),
+                "cublasSgemm",
+            )
+        }
+    };
+    let fft = |d: &Device, s: usize| -> Result<(), GpuError> {
+        let x = d.slots_dev + s as u64 * slot_size + in_off;
+        let y = d.slots_dev + s as u64 * slot_size + out_off;
+        // SAFETY: the plan is bound to the slot's stream; x and y hold 32 complex64 each.
+        unsafe {
+            ck_fft(
+                cufft::cufftExecC2C(
+                    d.ffts[s],
+                    x as *mut cufft::cufftComplex,
+                    y as *mut cufft::cufftComplex,
+                    -1, // CUFFT_FORWARD
+                ),
+                "cufftExecC2C",
+            )
+        }
+    };
+    // Warm up outside capture (lazy library initialization must not happen while capturing).
+    for s in 0..n {
+        sgemm(d, s)?;
+        fft(d, s)?;
+    }
+    // SAFETY: a context is current.
+    ck(unsafe { cu::cuCtxSynchronize() }, "warm-up")?;
+
+    // Per-slot graphs.
+    for s in 0..n {
+        let stream = d.streams[s];
+        let mut ring = d.region_dev;
+        let mut ctl = d.ctl_dev;
+        let mut scp = d.slot_ctl_dev + s as u64 * sc_size;
+        let mut slot = d.slots_dev + s as u64 * slot_size;
+        let start = capture(d, stream, "slot start", || {
+            let mut args = [
+                (&mut ring as *mut u64).cast::<c_void>(),
+                (&mut ctl as *mut u64).cast(),
+                (&mut scp as *mut u64).cast(),
+                (&mut slot as *mut u64).cast(),
+            ];
+            launch_kernel(f_start, 256, stream, &mut args)
+        })?;
+        let publish = capture(d, stream, "slot publish", || {
+            let mut args = [
+                (&mut ring as *mut u64).cast::<c_void>(),
+                (&mut ctl as *mut u64).cast(),
+                (&mut scp as *mut u64).cast(),
+                (&mut slot as *mut u64).cast(),
+            ];
+            launch_kernel(f_publish, 256, stream, &mut args)
+        })?;
+        let mut chain = [[std::ptr::null_mut(); REPEAT_BITS]; 2];
+        for c in [Compute::Gemm, Compute::Fft] {
+            for (k, e) in chain[c.index()].iter_mut().enumerate() {
+                let dd: &Device = d;
+                let body = || -> Result<(), GpuError> {
+                    for _ in 0..(1u32 << k) {
+                        match c {
+                            Compute::Gemm => sgemm(dd, s)?,
+                            Compute::Fft => fft(dd, s)?,
+                        }
+                    }
+                    Ok(())
+                };
+                // Capture needs `&mut Device` only after the body ran; run the body inside.
+                let mut g: cu::CUgraph = std::ptr::null_mut();
+                ck(
+                    // SAFETY: live stream of the current context.
+                    unsafe {
+                        cu::cuStreamBeginCapture_v2(
+                            stream,
+                            cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                        )
+                    },
+                    "cuStreamBeginCapture",
+                )?;
+                let br = body();
+                // SAFETY: ends the capture begun above.
+                let er = ck(
+                    unsafe { cu::cuStreamEndCapture(stream, &mut g) },
+                    "cuStreamEndCapture",
+                );
+                br?;
+                er?;
+                d.graphs.push(g);
+                let mut x: cu::CUgraphExec = std::ptr::null_mut();
+                // SAFETY: `g` is the captured graph; out-pointer valid.
+                unsafe {
+                    ck(
+                        cu::cuGraphInstantiateWithFlags(&mut x, g, DEVICE_LAUNCH_FLAG),
+                        "cuGraphInstantiateWithFlags(DEVICE_LAUNCH) of a compute graph",
+                    )?;
+                    d.execs.push(x);
+                    ck(cu::cuGraphUpload(x, stream), "cuGraphUpload")?;
+                }
+                *e = x;
+            }
+        }
+        // The slot's header: chain mode and graph handles.
+        let mut hdr = [0u8; 256];
+        let put = |hdr: &mut [u8; 256], off: usize, v: u64| {
+            hdr[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+        };
+        let device_chain = u32::from(cfg.dispatcher == Dispatcher::DeviceLaunch);
+        let dc = std::mem::offset_of!(GpuSlot, device_chain);
+        hdr[dc..dc + 4].copy_from_slice(&device_chain.to_ne_bytes());
+        for (ci, row) in chain.iter().enumerate() {
+            for (k, e) in row.iter().enumerate() {
+                put(
+                    &mut hdr,
+                    std::mem::offset_of!(GpuSlot, chain) + (ci * REPEAT_BITS + k) * 8,
+                    *e as u64,
+                );
+            }
+        }
+        put(
+            &mut hdr,
+            std::mem::offset_of!(GpuSlot, publish),
+            publish as u64,
+        );
+        ck(
+            // SAFETY: the slot's first 256 bytes are its header; `hdr` has 256 bytes.
+            unsafe {
+                cu::cuMemcpyHtoD_v2(d.slots_dev + s as u64 * slot_size, hdr.as_ptr().cast(), 256)
+            },
+            "cuMemcpyHtoD(slot header)",
+        )?;
+        d.start.push(start);
+        d.publish.push(publish);
+        d.chain.push(chain);
+    }
+
+    if cfg.dispatcher == Dispatcher::DeviceLaunch {
+        let mut sched_arg = d.sched_dev;
+        let sstream = d.sched_stream;
+        let exec = capture(d, sstream, "scheduler", || {
+            let mut args = [(&mut sched_arg as *mut u64).cast::<c_void>()];
+            launch_kernel(f_sched, 32, sstream, &mut args)
+        })?;
+        d.sched_exec = exec;
+        let mut sched = Sched {
+            ring: d.region_dev,
+            ctl: d.ctl_dev,
+            slot_ctl: d.slot_ctl_dev,
+            self_exec: exec as u64,
+            nslots: n as u32,
+            budget: plan::LAUNCH_BUDGET,
+            next: 0,
+            pad: 0,
+            work: [0; MAX_SLOTS],
+            executions: 0,
+            dispatched: 0,
+        };
+        for (s, e) in d.start.iter().enumerate() {
+            sched.work[s] = *e as u64;
+        }
+        ck(
+            // SAFETY: `sched_dev` holds a `Sched`; `sched` is a live value of that type.
+            unsafe {
+                cu::cuMemcpyHtoD_v2(
+                    d.sched_dev,
+                    (&sched as *const Sched).cast(),
+                    size_of::<Sched>(),
+                )
+            },
+            "cuMemcpyHtoD(scheduler)",
+        )?;
+    }
+    // SAFETY: a context is current.
+    ck(unsafe { cu::cuCtxSynchronize() }, "graph upload")?;
+    Ok(cache_hit)
+}
+
+/// Watch for device-side failures; after one, answer the ring with Internal until shutdown.
+fn monitor(sh: &Shared) {
+    if let Err(e) = sh.device.make_current() {
+        sh.fail(e.to_string());
+    }
+    let d = &sh.device;
+    let mut warned = false;
+    while !sh.stopping.load(Ordering::Acquire) && !sh.failed.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_micros(500));
+        let err = d
+            .ctl_u32(std::mem::offset_of!(Ctl, error))
+            .load(Ordering::Acquire);
+        if err != 0 {
+            let w = d
+                .ctl_u32(std::mem::offset_of!(Ctl, error_where))
+                .load(Ordering::Acquire);
+            sh.fail(format!(
+                "device-side graph launch failed: {} ({})",
+                cuda_rt_error_name(err),
+                where_name(w)
+            ));
+            break;
+        }
+        let stream = match sh.mode {
+            Dispatcher::DeviceLaunch => d.sched_stream,
+            Dispatcher::HostLaunch => d.streams[0],
+        };
+        // SAFETY: `stream` is live until `free`, which runs after this thread is joined.
+        let r = unsafe { cu::cuStreamQuery(stream) };
+        match r {
+            cu::CUresult::CUDA_ERROR_NOT_READY => {}
+            cu::CUresult::CUDA_SUCCESS => {
+                // Device launch: the scheduler's stream completes only when the scheduler
+                // stopped; every abnormal exit also records an error (checked above), so this
+                // is only worth a warning.
+                if sh.mode == Dispatcher::DeviceLaunch
+                    && !warned
+                    && d.ctl_u32(std::mem::offset_of!(Ctl, stop))
+                        .load(Ordering::Acquire)
+                        == 0
+                {
+                    warned = true;
+                    tracing::warn!("the device scheduler's stream is idle although not stopped");
+                }
+            }
+            other => {
+                sh.fail(format!("the GPU reported {other:?}"));
+                break;
+            }
+        }
+    }
+    if sh.failed.load(Ordering::Acquire) {
+        // Give in-flight device work a moment to settle, then answer the rest with Internal
+        // so that no client hangs.
+        std::thread::sleep(Duration::from_millis(20));
+        while !sh.stopping.load(Ordering::Acquire) {
+            if !sh.answer_internal() {
+                sh.region.requests().wait_nonempty(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+/// The host-launch dispatcher: pop, stage, launch the slot's graphs on its stream.
+fn host_dispatcher(sh: &Shared) {
+    if let Err(e) = sh.device.make_current() {
+        sh.fail(e.to_string());
+        return;
+    }
+    let d = &sh.device;
+    let mut table = SlotTable::new(sh.nslots);
+    let mut idle_since = Instant::now();
+    while !sh.stopping.load(Ordering::Acquire) && !sh.failed.load(Ordering::Acquire) {
+        let Some(j) = table.acquire(|j| d.slot_busy(j).load(Ordering::Acquire) != 0) else {
+            std::hint::spin_loop();
+            continue;
+        };
+        // SAFETY: host mode: `slot_ctl_host` has `nslots` entries and `j < nslots`; the slot
+        // is free (busy == 0), so the device does not read `staged` now.
+        let staged: *mut RequestEntry =
+            unsafe { std::ptr::addr_of_mut!((*d.slot_ctl_host.add(j)).staged) };
+        let got = sh.region.requests().try_pop(|e| {
+            let n = (e.words as usize).min(SLOT_WORDS);
+            // SAFETY: `staged` is a valid, exclusive RequestEntry slot (see above); the header
+            // and the first `n` payload words are copied.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (e as *const RequestEntry).cast::<u8>(),
+                    staged.cast::<u8>(),
+                    std::mem::offset_of!(RequestEntry, payload) + 4 * n,
+                );
+            }
+            plan::plan(e.op, e.param, e.words)
+        });
+        let Some(p) = got else {
+            table.release(j);
+            if idle_since.elapsed() > Duration::from_micros(50) {
+                sh.region
+                    .requests()
+                    .wait_nonempty(Duration::from_micros(500));
+            } else {
+                std::hint::spin_loop();
+            }
+            continue;
+        };
+        idle_since = Instant::now();
+        // SAFETY: as above; the device reads pos/busy only after the launches below.
+        unsafe {
+            std::ptr::addr_of_mut!((*d.slot_ctl_host.add(j)).pos).write_volatile(STAGED);
+        }
+        d.slot_busy(j).store(1, Ordering::Release);
+        let s = d.streams[j];
+        let mut r = d.launch(d.start[j], s);
+        if let Some((c, reps)) = p.compute {
+            for k in plan::repeat_chain(reps) {
+                if r.is_ok() {
+                    r = d.launch(d.chain[j][c.index()][k], s);
+                }
+            }
+        }
+        if r.is_ok() {
+            r = d.launch(d.publish[j], s);
+        }
+        if let Err(e) = r {
+            sh.fail(e.to_string());
+            break;
+        }
+        sh.host_dispatched.fetch_add(1, Ordering::Relaxed);
+    }
+}

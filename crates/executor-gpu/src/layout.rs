@@ -1,0 +1,130 @@
+//! Rust mirrors of the executor's own device structs (`src/kernels.cu`). The ring structs come
+//! from `bgs_ring`; `bgs_layout_probe` compares both sides on the device at start-up.
+
+use bgs_ring::RequestEntry;
+
+/// Most slots (the scheduler's `work[]` array).
+pub const MAX_SLOTS: usize = 64;
+/// Repeat counts 1..=256 are sums of the graphs of 2^0 .. 2^8 repeats.
+pub const REPEAT_BITS: usize = 9;
+/// `SlotCtl::pos` value meaning "the request is staged in `SlotCtl::staged`".
+pub const STAGED: u64 = u64::MAX;
+
+/// `struct bgs_gpu_ctl` (mapped host memory).
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct Ctl {
+    pub stop: u32,
+    pub error: u32,
+    pub error_where: u32,
+    pub stopped: u32,
+    pub full_spins: u64,
+    pub chain_errors: u64,
+}
+
+/// `struct bgs_gpu_slot_ctl`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct SlotCtl {
+    pub pos: u64,
+    pub busy: u32,
+    pub pad0: u32,
+    pub pad1: [u8; 48],
+    pub staged: RequestEntry,
+    pub pad2: [u8; 8],
+}
+
+/// `struct bgs_gpu_slot`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct GpuSlot {
+    pub conn: u64,
+    pub conn_seq: u32,
+    pub request_id: u32,
+    pub route: u32,
+    pub status: u32,
+    pub out_words: u32,
+    pub from_out: u32,
+    pub op: u32,
+    pub param: u32,
+    pub words: u32,
+    pub device_chain: u32,
+    pub chain: [[u64; REPEAT_BITS]; 2],
+    pub publish: u64,
+    pub pad: [u8; 56],
+    pub input: [u32; 256],
+    pub out: [f32; 64],
+}
+
+/// `struct bgs_gpu_sched`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Sched {
+    pub ring: u64,
+    pub ctl: u64,
+    pub slot_ctl: u64,
+    pub self_exec: u64,
+    pub nslots: u32,
+    pub budget: u32,
+    pub next: u32,
+    pub pad: u32,
+    pub work: [u64; MAX_SLOTS],
+    pub executions: u64,
+    pub dispatched: u64,
+}
+
+/// What `bgs_layout_probe` must report, index by index.
+pub fn expected_probe() -> [u64; 24] {
+    use bgs_ring::{CompletionEntry, RegionHeader, Slot};
+    use core::mem::{offset_of, size_of};
+    let req_entry = offset_of!(Slot<RequestEntry>, entry);
+    let comp_entry = offset_of!(Slot<CompletionEntry>, entry);
+    [
+        offset_of!(RegionHeader, request_capacity),
+        offset_of!(RegionHeader, request_slots_offset),
+        offset_of!(RegionHeader, request_head),
+        offset_of!(RegionHeader, completion_tail),
+        req_entry + offset_of!(RequestEntry, words),
+        req_entry + offset_of!(RequestEntry, route),
+        req_entry + offset_of!(RequestEntry, payload),
+        comp_entry + offset_of!(CompletionEntry, status),
+        comp_entry + offset_of!(CompletionEntry, route),
+        comp_entry + offset_of!(CompletionEntry, payload),
+        offset_of!(SlotCtl, staged),
+        offset_of!(GpuSlot, chain),
+        offset_of!(GpuSlot, publish),
+        offset_of!(GpuSlot, input),
+        offset_of!(GpuSlot, out),
+        offset_of!(Sched, work),
+        size_of::<Slot<RequestEntry>>(),
+        size_of::<Slot<CompletionEntry>>(),
+        size_of::<SlotCtl>(),
+        size_of::<GpuSlot>(),
+        size_of::<Sched>(),
+        size_of::<Ctl>(),
+        offset_of!(Sched, dispatched),
+        offset_of!(Ctl, chain_errors),
+    ]
+    .map(|v| v as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_match_the_cuda_comments() {
+        let p = expected_probe();
+        assert_eq!(p[10], 64);
+        assert_eq!(p[11], 48);
+        assert_eq!(p[12], 192);
+        assert_eq!(p[13], 256);
+        assert_eq!(p[14], 1280);
+        assert_eq!(p[15], 48);
+        assert_eq!(p[18], 1152);
+        assert_eq!(p[19], 1536);
+        assert_eq!(p[20], 576);
+        assert_eq!(p[21], 32);
+        assert_eq!(p[22], 568);
+    }
+}

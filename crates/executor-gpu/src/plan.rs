@@ -1,0 +1,258 @@
+//! Host-side logic shared by both dispatchers and mirrored in the kernels: the reply plan of a
+//! request, the repeat decomposition, free-slot bookkeeping and the scheduler's launch budget.
+
+use bgs_protocol::wire::{MAX_REPEAT, ONE_SHOT_WORDS};
+use bgs_protocol::{Op, Status};
+use bgs_ring::OP_REJECT;
+
+use crate::layout::REPEAT_BITS;
+
+/// Device-side launch limit: fire-and-forget launches per execution of a graph.
+pub const DEVICE_LAUNCH_LIMIT: u32 = 120;
+/// The scheduler tail-relaunches itself after this many launches (a margin below the limit).
+pub const LAUNCH_BUDGET: u32 = 112;
+
+/// Which compute a request runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compute {
+    /// cuBLAS 8x8 sgemm.
+    Gemm,
+    /// cuFFT 32-point C2C forward.
+    Fft,
+}
+
+impl Compute {
+    /// Index in `GpuSlot::chain`.
+    pub fn index(self) -> usize {
+        match self {
+            Compute::Gemm => 0,
+            Compute::Fft => 1,
+        }
+    }
+}
+
+/// What the executor answers for one request (same rules as the CPU executor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// Reply status.
+    pub status: u16,
+    /// Reply words.
+    pub out_words: u32,
+    /// Compute and repeat count (1..=256), if any.
+    pub compute: Option<(Compute, u32)>,
+}
+
+/// The reply plan for a request's op, param and payload words.
+pub fn plan(op: u16, param: u32, words: u32) -> Plan {
+    let none = |status: Status, out_words: u32| Plan {
+        status: status as u16,
+        out_words,
+        compute: None,
+    };
+    if op == OP_REJECT {
+        let status = u16::try_from(param)
+            .ok()
+            .and_then(Status::from_u16)
+            .unwrap_or(Status::Internal);
+        return none(status, 0);
+    }
+    match Op::from_u16(op) {
+        Some(Op::Echo) => none(Status::Ok, words.min(bgs_ring::SLOT_WORDS as u32)),
+        Some(o @ (Op::Gemm8 | Op::Fft32)) => {
+            if words != ONE_SHOT_WORDS || param > MAX_REPEAT {
+                return none(Status::BadParam, 0);
+            }
+            let c = if o == Op::Gemm8 {
+                Compute::Gemm
+            } else {
+                Compute::Fft
+            };
+            Plan {
+                status: Status::Ok as u16,
+                out_words: ONE_SHOT_WORDS,
+                compute: Some((c, param.max(1))),
+            }
+        }
+        Some(Op::Generate) | None => none(Status::UnknownOp, 0),
+    }
+}
+
+/// The graphs (powers of two, ascending) whose repeats add up to exactly `r`.
+pub fn repeat_chain(r: u32) -> impl Iterator<Item = usize> {
+    (0..REPEAT_BITS).filter(move |k| (r >> k) & 1 == 1)
+}
+
+/// Bit `s` set when status `s` (< 32) is known: the kernels' copy of `Status::from_u16`.
+pub fn valid_status_mask() -> u32 {
+    let mut mask = 0u32;
+    for v in 0..=u16::MAX {
+        if Status::from_u16(v).is_some() {
+            assert!(v < 32, "status {v} does not fit the kernels' 32-bit mask");
+            mask |= 1 << v;
+        }
+    }
+    mask
+}
+
+/// Free-slot bookkeeping of the host-launch dispatcher (the device scheduler keeps the same
+/// state in `busy` words): round-robin over free slots.
+#[derive(Debug, Clone)]
+pub struct SlotTable {
+    busy: Vec<bool>,
+    next: usize,
+}
+
+impl SlotTable {
+    /// `n` free slots.
+    pub fn new(n: usize) -> Self {
+        SlotTable {
+            busy: vec![false; n],
+            next: 0,
+        }
+    }
+
+    /// The next free slot at or after the cursor, marked busy; `is_busy` refreshes a slot's
+    /// state from the device first (a slot the device freed is reused).
+    pub fn acquire(&mut self, mut is_busy: impl FnMut(usize) -> bool) -> Option<usize> {
+        let n = self.busy.len();
+        for i in 0..n {
+            let j = (self.next + i) % n;
+            if self.busy[j] {
+                self.busy[j] = is_busy(j);
+            }
+            if !self.busy[j] {
+                self.busy[j] = true;
+                self.next = (j + 1) % n;
+                return Some(j);
+            }
+        }
+        None
+    }
+
+    /// Undo an `acquire` that found no work.
+    pub fn release(&mut self, j: usize) {
+        self.busy[j] = false;
+        self.next = j;
+    }
+
+    /// Slots currently marked busy.
+    pub fn busy_count(&self) -> usize {
+        self.busy.iter().filter(|b| **b).count()
+    }
+}
+
+/// A host model of the scheduler's launch accounting: each execution launches at most
+/// `LAUNCH_BUDGET` work graphs fire-and-forget and then tail-relaunches itself.
+#[derive(Debug, Default, Clone)]
+pub struct LaunchCounter {
+    in_execution: u32,
+    /// Executions so far (the first launch counts as one).
+    pub executions: u64,
+}
+
+impl LaunchCounter {
+    /// Account one fire-and-forget launch; returns true when the scheduler must relaunch
+    /// before taking another request.
+    pub fn launch(&mut self) -> bool {
+        if self.executions == 0 {
+            self.executions = 1;
+        }
+        self.in_execution += 1;
+        assert!(self.in_execution <= DEVICE_LAUNCH_LIMIT);
+        self.in_execution >= LAUNCH_BUDGET
+    }
+
+    /// Tail relaunch: a new execution starts with a fresh count.
+    pub fn relaunch(&mut self) {
+        self.in_execution = 0;
+        self.executions += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_match_the_cpu_executor() {
+        assert_eq!(plan(Op::Echo as u16, 7, 3).out_words, 3);
+        assert_eq!(plan(Op::Echo as u16, 7, 3).compute, None);
+        let g = plan(Op::Gemm8 as u16, 0, 64);
+        assert_eq!(g.compute, Some((Compute::Gemm, 1)));
+        assert_eq!(g.out_words, 64);
+        assert_eq!(
+            plan(Op::Fft32 as u16, 256, 64).compute,
+            Some((Compute::Fft, 256))
+        );
+        assert_eq!(
+            plan(Op::Fft32 as u16, 257, 64).status,
+            Status::BadParam as u16
+        );
+        assert_eq!(plan(Op::Gemm8 as u16, 1, 3).status, Status::BadParam as u16);
+        assert_eq!(
+            plan(Op::Generate as u16, 1, 0).status,
+            Status::UnknownOp as u16
+        );
+        assert_eq!(plan(99, 1, 0).status, Status::UnknownOp as u16);
+        assert_eq!(
+            plan(OP_REJECT, Status::Busy as u32, 0).status,
+            Status::Busy as u16
+        );
+        assert_eq!(plan(OP_REJECT, 999, 0).status, Status::Internal as u16);
+        assert_eq!(plan(OP_REJECT, 70_000, 0).status, Status::Internal as u16);
+    }
+
+    #[test]
+    fn repeat_chains_sum_exactly() {
+        for r in 1..=MAX_REPEAT {
+            let s: u32 = repeat_chain(r).map(|k| 1u32 << k).sum();
+            assert_eq!(s, r);
+            assert!(repeat_chain(r).count() <= REPEAT_BITS);
+        }
+        assert_eq!(repeat_chain(1).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(repeat_chain(16).collect::<Vec<_>>(), vec![4]);
+        assert_eq!(repeat_chain(256).collect::<Vec<_>>(), vec![8]);
+    }
+
+    #[test]
+    fn status_mask_covers_known_statuses() {
+        let m = valid_status_mask();
+        for s in [0u32, 1, 2, 16, 17, 18, 19, 20, 21, 22, 23] {
+            assert!(m & (1 << s) != 0, "{s}");
+        }
+        assert_eq!(m & (1 << 3), 0);
+    }
+
+    #[test]
+    fn slot_table_round_robin_and_reuse() {
+        let mut t = SlotTable::new(3);
+        assert_eq!(t.acquire(|_| true), Some(0));
+        assert_eq!(t.acquire(|_| true), Some(1));
+        assert_eq!(t.acquire(|_| true), Some(2));
+        assert_eq!(t.busy_count(), 3);
+        // All busy per the device.
+        assert_eq!(t.acquire(|_| true), None);
+        // Slot 1 finished.
+        assert_eq!(t.acquire(|j| j != 1), Some(1));
+        assert_eq!(t.acquire(|_| false), Some(2));
+        assert_eq!(t.busy_count(), 3);
+    }
+
+    #[test]
+    fn scheduler_relaunches_before_the_limit() {
+        let mut c = LaunchCounter::default();
+        let mut max_in_exec = 0;
+        let mut n = 0;
+        for _ in 0..10_000 {
+            n += 1;
+            max_in_exec = max_in_exec.max(n);
+            if c.launch() {
+                c.relaunch();
+                n = 0;
+            }
+        }
+        assert!(max_in_exec <= DEVICE_LAUNCH_LIMIT);
+        assert_eq!(max_in_exec, LAUNCH_BUDGET);
+        assert_eq!(c.executions, 1 + 10_000 / u64::from(LAUNCH_BUDGET));
+    }
+}

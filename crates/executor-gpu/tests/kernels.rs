@@ -1,0 +1,168 @@
+//! The kernel source, checked without a GPU:
+//! - through NVRTC's real front end and code generator (`-arch=sm_90 -rdc=true`), and linked
+//!   with `libcudadevrt.a` by nvJitLink, when the CUDA 13.0 wheels are installed
+//!   (`pip install 'nvidia-cuda-nvrtc==13.0.*' 'nvidia-cuda-runtime==13.0.*'
+//!   'nvidia-nvjitlink==13.0.*'`, or `BGS_CUDA_LIB_DIR` naming a directory with those files);
+//! - with clang-19 in CUDA mode (`-fsyntax-only`, stub prelude), where the generated header's
+//!   static asserts on every ring offset are evaluated (NVRTC has no `__builtin_offsetof`).
+//!
+//! Each check prints a notice and passes when its tool is missing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use bgs_executor_gpu::{compile, libs};
+
+fn wheel_lib_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("BGS_CUDA_LIB_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    let out = Command::new("python3")
+        .args(["-c", "import nvidia.cu13 as m; print(list(m.__path__)[0])"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("lib");
+    d.join("libnvrtc.so.13").is_file().then_some(d)
+}
+
+#[test]
+fn kernels_compile_with_nvrtc_and_link_with_nvjitlink() {
+    let Some(dir) = wheel_lib_dir() else {
+        println!(
+            "NOTICE: NVRTC 13 not found (pip install 'nvidia-cuda-nvrtc==13.0.*' \
+             'nvidia-cuda-runtime==13.0.*' 'nvidia-nvjitlink==13.0.*'); NVRTC check skipped"
+        );
+        return;
+    };
+    let dirs = vec![dir.clone()];
+    libs::load(&libs::NVRTC_BUILTINS, &dirs).expect("libnvrtc-builtins");
+    libs::load(&libs::NVRTC, &dirs).expect("libnvrtc");
+    // SAFETY: only dlopens NVRTC, which was loaded above.
+    assert!(unsafe { cudarc::nvrtc::sys::is_culib_present() });
+    println!("NVRTC {}", compile::nvrtc_version().unwrap());
+    let cubin =
+        compile::nvrtc_compile(&compile::nvrtc_options(9, 0)).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        cubin.starts_with(b"\x7fELF"),
+        "NVRTC -rdc output is a relocatable ELF cubin"
+    );
+    match libs::load(&libs::NVJITLINK, &dirs) {
+        Ok(jl) => {
+            let devrt = libs::find_cudadevrt(&dirs, "").expect("libcudadevrt.a next to NVRTC");
+            let linked =
+                compile::nvjitlink(&jl, "sm_90", &cubin, &devrt).unwrap_or_else(|e| panic!("{e}"));
+            assert!(linked.starts_with(b"\x7fELF"));
+            println!("linked cubin: {} bytes", linked.len());
+        }
+        Err(e) => println!("NOTICE: nvJitLink not found ({e}); link check skipped"),
+    }
+}
+
+const STUB_PRELUDE: &str = r#"
+/* Stand-ins for what the CUDA headers / NVRTC provide; enough for -fsyntax-only. */
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __shared__ __attribute__((shared))
+#define __forceinline__ __attribute__((always_inline)) inline
+struct bgs_stub_dim3 { unsigned x, y, z; };
+extern __device__ const bgs_stub_dim3 bgs_stub_tid, bgs_stub_bid, bgs_stub_bdim;
+#define threadIdx bgs_stub_tid
+#define blockIdx bgs_stub_bid
+#define blockDim bgs_stub_bdim
+typedef struct CUgraphExec_st *cudaGraphExec_t;
+typedef struct CUstream_st *cudaStream_t;
+typedef enum cudaError { cudaSuccess = 0 } cudaError_t;
+#define cudaStreamGraphTailLaunch (cudaStream_t)0x0100000000000000
+#define cudaStreamGraphFireAndForget (cudaStream_t)0x0200000000000000
+__device__ cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t);
+__device__ void __syncthreads();
+__device__ void __threadfence();
+__device__ void __threadfence_system();
+__device__ void __nanosleep(unsigned);
+__device__ unsigned atomicCAS_system(unsigned *, unsigned, unsigned);
+__device__ unsigned long long atomicCAS_system(unsigned long long *, unsigned long long, unsigned long long);
+__device__ unsigned long long atomicAdd(unsigned long long *, unsigned long long);
+"#;
+
+fn clang() -> Option<&'static str> {
+    ["clang-19", "clang"].into_iter().find(|c| {
+        Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+fn clang_check(extra_define: Option<&str>) -> Option<std::process::Output> {
+    let cc = clang()?;
+    let tmp = std::env::temp_dir().join(format!(
+        "bgs-kernels-{}-{}",
+        std::process::id(),
+        extra_define.is_some()
+    ));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("stub.h"), STUB_PRELUDE).unwrap();
+    let mut src = compile::KERNEL_SOURCE.to_string();
+    if let Some(d) = extra_define {
+        src = format!("{d}\n{src}");
+    }
+    std::fs::write(tmp.join("k.cu"), src).unwrap();
+    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../include");
+    let mask = format!(
+        "-DBGS_VALID_STATUS_MASK={:#x}u",
+        bgs_executor_gpu::plan::valid_status_mask()
+    );
+    let out = Command::new(cc)
+        .args([
+            "-x",
+            "cuda",
+            "--cuda-gpu-arch=sm_90",
+            "--cuda-device-only",
+            "-nocudainc",
+            "-nocudalib",
+        ])
+        .args([
+            "-fsyntax-only",
+            "-std=c++17",
+            "-Wall",
+            "-Werror",
+            "-Wno-unused-function",
+        ])
+        .arg(&mask)
+        .arg("-include")
+        .arg(tmp.join("stub.h"))
+        .arg("-I")
+        .arg(&include)
+        .arg(tmp.join("k.cu"))
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&tmp);
+    Some(out)
+}
+
+#[test]
+fn kernels_pass_clang_cuda_syntax_check_with_layout_asserts() {
+    let Some(out) = clang_check(None) else {
+        println!("NOTICE: clang-19 not found; CUDA syntax check skipped");
+        return;
+    };
+    assert!(
+        out.status.success(),
+        "clang -x cuda failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn clang_check_catches_errors() {
+    // The check is real: a broken source fails.
+    let Some(out) = clang_check(Some(
+        "static_assert(sizeof(struct bgs_request_slot) == 1, \"drift\");\n#include \"bgs_ring.h\"",
+    )) else {
+        return;
+    };
+    assert!(!out.status.success());
+}
