@@ -18,6 +18,17 @@ use clap::ValueEnum;
 pub enum TransportKind {
     /// One thread, timed epoll, nonblocking reads and writes.
     Native,
+    /// eBPF frames and admits requests; replies leave through io_uring (needs root).
+    Kernel,
+}
+
+/// Reply paths of the kernel transport.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum ReplyKind {
+    /// A service thread reaps completions and submits SENDs through io_uring.
+    Loop,
+    /// The executor writes SEND SQEs into an SQPOLL ring; no system calls per request.
+    ExecutorSqe,
 }
 
 /// Executors.
@@ -84,6 +95,23 @@ pub struct ServeArgs {
     /// Pin the server (all its threads) to these CPUs (e.g. `0` or `0-1`).
     #[arg(long)]
     pub cpus: Option<String>,
+    /// Kernel transport reply path.
+    #[arg(long, value_enum, default_value = "loop")]
+    pub reply: ReplyKind,
+    /// Kernel transport, `--reply loop`: longest wait while replies are outstanding (us).
+    #[arg(long, default_value_t = 60)]
+    pub reply_timer_us: u64,
+    /// Kernel transport, `--reply executor-sqe`: how often the watchdog checks whether the
+    /// SQPOLL thread needs a wake-up (us).
+    #[arg(long, default_value_t = 50)]
+    pub watchdog_us: u64,
+    /// Kernel transport, `--reply executor-sqe`: SQPOLL idle time before it sleeps (ms).
+    #[arg(long, default_value_t = 10)]
+    pub sqpoll_idle_ms: u32,
+    /// Completion ring slots (power of two). Default: twice the request ring (native), four
+    /// times it but at least 16384 (kernel: BPF answers busy into it in bursts).
+    #[arg(long)]
+    pub completion_slots: Option<u32>,
     /// Longest epoll wait while requests are outstanding, in microseconds.
     #[arg(long, default_value_t = 100)]
     pub poll_us: u64,
@@ -101,6 +129,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             "--ring-slots must be a power of two, at least 2 (got {})",
             args.ring_slots
         );
+    }
+    if let Some(n) = args.completion_slots
+        && (!n.is_power_of_two() || n < 2)
+    {
+        bail!("--completion-slots must be a power of two, at least 2 (got {n})");
     }
     if args.max_inflight == 0 || args.max_connections == 0 {
         bail!("--max-inflight and --max-connections must be at least 1");
@@ -135,6 +168,99 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             }
         },
     };
+    let framer = FramerConfig {
+        max_words: args.max_words,
+        ..FramerConfig::default()
+    };
+    match args.transport {
+        TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg),
+        TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg),
+    }
+}
+
+fn install_signals(shutdown: &bgs_transport::ShutdownHandle) -> Result<()> {
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::low_level::pipe::register(sig, shutdown.signal_pipe()?)
+            .context("installing signal handlers")?;
+    }
+    Ok(())
+}
+
+fn start_executor(
+    args: &ServeArgs,
+    kind: ExecutorKind,
+    gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
+    region: &Arc<RingRegion>,
+    waker: Option<bgs_executor::Waker>,
+    external_wait: Option<bgs_executor::ExternalWait>,
+    shutdown: bgs_transport::ShutdownHandle,
+) -> Result<Executor> {
+    if kind == ExecutorKind::Gpu {
+        // A CUDA error stops the server from accepting work instead of leaving it hanging.
+        let mut cfg = gpu_cfg.clone();
+        cfg.on_error = Some(bgs_executor_gpu::ErrorHook(Arc::new(move |msg: &str| {
+            eprintln!("bgs: GPU executor failed: {msg}; shutting down");
+            shutdown.shutdown();
+        })));
+        return Ok(Executor::Gpu(
+            bgs_executor_gpu::GpuExecutor::start(region.clone(), &cfg).context("--executor gpu")?,
+        ));
+    }
+    let mut ecfg = CpuExecutorConfig {
+        external_wait,
+        ..CpuExecutorConfig::default()
+    };
+    if let Some(n) = args.slots {
+        ecfg.slots = n;
+    }
+    Ok(Executor::Cpu(CpuExecutor::start(
+        region.clone(),
+        &ecfg,
+        waker,
+    )?))
+}
+
+fn announce(addr: SocketAddr, transport: &str, executor: Option<&Executor>) -> Result<()> {
+    let what = match executor {
+        Some(Executor::Cpu(e)) => format!("executor cpu, {} slots", e.slots()),
+        Some(Executor::Gpu(e)) => format!("executor gpu, {} slots", e.slots()),
+        None => "floor mode (echo answered by the transport)".into(),
+    };
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "bgs: listening on {addr} (transport {transport}, {what})"
+    )?;
+    out.flush()?;
+    Ok(())
+}
+
+fn stop_executor(executor: Option<Executor>) -> Result<()> {
+    match executor {
+        Some(Executor::Gpu(e)) => e.shutdown().context("stopping the GPU executor")?,
+        Some(Executor::Cpu(e)) => {
+            let es = e.stats().clone();
+            e.shutdown();
+            let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            eprintln!(
+                "bgs: executor: {} requests, {} completions, {} completion-ring stalls, {} sleeps",
+                n(&es.requests),
+                n(&es.completions),
+                n(&es.completion_stalls),
+                n(&es.sleeps),
+            );
+        }
+        None => {}
+    }
+    Ok(())
+}
+
+fn serve_native(
+    args: &ServeArgs,
+    framer: FramerConfig,
+    executor_kind: ExecutorKind,
+    gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
+) -> Result<()> {
     let cfg = NativeConfig {
         listen: args.listen,
         max_connections: args.max_connections,
@@ -142,10 +268,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             max_inflight: args.max_inflight,
             ..ConnLimits::default()
         },
-        framer: FramerConfig {
-            max_words: args.max_words,
-            ..FramerConfig::default()
-        },
+        framer,
         poll_interval: Duration::from_micros(args.poll_us),
         floor: args.floor,
         ..NativeConfig::default()
@@ -157,7 +280,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         // the executor from stalling on a transport that is busy writing.
         let ring = RingConfig {
             request_slots: args.ring_slots,
-            completion_slots: args.ring_slots.saturating_mul(2),
+            completion_slots: args
+                .completion_slots
+                .unwrap_or_else(|| args.ring_slots.saturating_mul(2)),
         };
         Some(Arc::new(
             RingRegion::new(ring).context("creating the shared rings")?,
@@ -165,55 +290,90 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
     let transport = NativeTransport::bind(cfg, region.clone())
         .with_context(|| format!("binding {}", args.listen))?;
-    let shutdown = transport.shutdown_handle();
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::low_level::pipe::register(sig, shutdown.signal_pipe()?)
-            .context("installing signal handlers")?;
-    }
+    install_signals(&transport.shutdown_handle())?;
     let executor = match &region {
-        Some(region) if executor_kind == ExecutorKind::Cpu => {
-            let mut ecfg = CpuExecutorConfig::default();
-            if let Some(n) = args.slots {
-                ecfg.slots = n;
-            }
-            Some(Executor::Cpu(CpuExecutor::start(
-                region.clone(),
-                &ecfg,
-                Some(transport.waker()),
-            )?))
-        }
-        Some(region) => Some(Executor::Gpu(
-            bgs_executor_gpu::GpuExecutor::start(region.clone(), &gpu_cfg)
-                .context("--executor gpu")?,
-        )),
+        Some(region) => Some(start_executor(
+            args,
+            executor_kind,
+            gpu_cfg,
+            region,
+            Some(transport.waker()),
+            None,
+            transport.shutdown_handle(),
+        )?),
         None => None,
     };
-    let addr = transport.local_addr();
-    let what = match &executor {
-        Some(Executor::Cpu(e)) => format!("executor cpu, {} slots", e.slots()),
-        Some(Executor::Gpu(e)) => format!("executor gpu, {} slots", e.slots()),
-        None => "floor mode (echo answered by the transport)".into(),
-    };
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "bgs: listening on {addr} (transport native, {what})")?;
-        out.flush()?;
-    }
+    announce(transport.local_addr(), "native", executor.as_ref())?;
     let stats = transport.run().context("transport failed")?;
-    if let Some(Executor::Gpu(e)) = executor {
-        e.shutdown().context("stopping the GPU executor")?;
-    } else if let Some(Executor::Cpu(e)) = executor {
-        let es = e.stats().clone();
-        e.shutdown();
-        eprintln!(
-            "bgs: executor: {} requests, {} completions, {} completion-ring stalls, {} sleeps",
-            es.requests.load(std::sync::atomic::Ordering::Relaxed),
-            es.completions.load(std::sync::atomic::Ordering::Relaxed),
-            es.completion_stalls
-                .load(std::sync::atomic::Ordering::Relaxed),
-            es.sleeps.load(std::sync::atomic::Ordering::Relaxed),
+    stop_executor(executor)?;
+    eprintln!("bgs: shut down\n{stats}");
+    Ok(())
+}
+
+fn serve_kernel(
+    args: &ServeArgs,
+    framer: FramerConfig,
+    executor_kind: ExecutorKind,
+    gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
+) -> Result<()> {
+    use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
+    if args.floor {
+        bail!("--floor is a mode of the native transport");
+    }
+    if executor_kind == ExecutorKind::Gpu {
+        // BPF publishes busy answers and connection markers into the completion ring that
+        // the GPU publishes into too; without host-native atomics (the H200 has none) their
+        // compare-and-swaps on the shared tail are not atomic with each other.
+        bail!(
+            "--executor gpu with --transport kernel is not supported yet: use --transport native"
         );
     }
+    let reply = match args.reply {
+        ReplyKind::Loop => ReplyMode::Loop {
+            timer: Duration::from_micros(args.reply_timer_us),
+        },
+        ReplyKind::ExecutorSqe => ReplyMode::ExecutorSqe {
+            watchdog: Duration::from_micros(args.watchdog_us),
+            sqpoll_idle_ms: args.sqpoll_idle_ms,
+        },
+    };
+    let cfg = KernelConfig {
+        listen: args.listen,
+        reply,
+        framer,
+        max_connections: u32::try_from(args.max_connections).unwrap_or(u32::MAX),
+        request_slots: args.ring_slots,
+        // BPF answers busy into the completion ring as fast as segments arrive, in bursts
+        // the reply stage drains a moment later: give it room for that regardless of how
+        // small the request ring is (if both fill, the connection has to be reset).
+        completion_slots: args
+            .completion_slots
+            .unwrap_or_else(|| args.ring_slots.saturating_mul(4).max(16384)),
+    };
+    let transport = KernelTransport::bind(cfg).with_context(|| {
+        format!(
+            "starting the kernel transport on {} (it needs root, BPF and io_uring)",
+            args.listen
+        )
+    })?;
+    install_signals(&transport.shutdown_handle())?;
+    let region = transport.region();
+    let executor = start_executor(
+        args,
+        executor_kind,
+        gpu_cfg,
+        &region,
+        transport.waker(),
+        Some(transport.executor_wait()?),
+        transport.shutdown_handle(),
+    )?;
+    let mode = match args.reply {
+        ReplyKind::Loop => "kernel, reply loop",
+        ReplyKind::ExecutorSqe => "kernel, reply executor-sqe",
+    };
+    announce(transport.local_addr(), mode, Some(&executor))?;
+    let stats = transport.run().context("transport failed")?;
+    stop_executor(Some(executor))?;
     eprintln!("bgs: shut down\n{stats}");
     Ok(())
 }

@@ -77,7 +77,7 @@ fn sigterm_shuts_down_cleanly_and_prints_counters() {
         let (ok, stderr) = server.stop();
         assert!(ok, "exit status: {stderr}");
         assert!(stderr.contains("shut down"), "{stderr}");
-        assert!(stderr.contains("1 published"), "{stderr}");
+        assert!(stderr.contains("executor: 1 requests"), "{stderr}");
     }
 }
 

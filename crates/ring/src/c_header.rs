@@ -312,12 +312,16 @@ typedef uint16_t bgs_u16;
 typedef uint32_t bgs_u32;
 typedef uint64_t bgs_u64;
 #endif
-#ifdef __cplusplus
+#if defined(__CUDACC_RTC__)
+/* NVRTC has no __builtin_offsetof: the layout asserts are skipped there (the GPU executor
+ * checks the offsets against Rust at start-up; every other compiler checks them here). */
+#define BGS_STATIC_ASSERT(cond, msg)
+#elif defined(__cplusplus)
 #define BGS_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
 #else
 #define BGS_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
 #endif
-/* __builtin_offsetof works in GCC, Clang (including -target bpf), nvcc and NVRTC without
+/* __builtin_offsetof works in GCC, Clang (including -target bpf) and nvcc without
  * <stddef.h>. */
 #define BGS_OFFSETOF(type, field) __builtin_offsetof(type, field)
 BGS_STATIC_ASSERT(sizeof(bgs_u8) == 1, "bgs_u8");

@@ -66,6 +66,11 @@ impl Default for NativeConfig {
 pub struct ShutdownHandle(Arc<UnixStream>);
 
 impl ShutdownHandle {
+    /// A handle writing to `tx` (the other end is watched by a transport).
+    pub fn from_stream(tx: UnixStream) -> Self {
+        ShutdownHandle(Arc::new(tx))
+    }
+
     /// Ask the transport to stop (idempotent).
     pub fn shutdown(&self) {
         let _ = (&*self.0).write(&[1]);

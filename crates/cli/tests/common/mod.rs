@@ -136,7 +136,16 @@ pub fn load_config(addr: SocketAddr, op: bgs_protocol::Op) -> bgs_load::LoadConf
 /// Server argument sets under test: every end-to-end test runs against each transport
 /// configuration listed here.
 pub fn transports() -> Vec<Vec<&'static str>> {
-    vec![vec!["--transport", "native"]]
+    vec![
+        vec!["--transport", "native"],
+        vec!["--transport", "kernel", "--reply", "loop"],
+        vec!["--transport", "kernel", "--reply", "executor-sqe"],
+    ]
+}
+
+/// True for argument sets of the kernel transport.
+pub fn is_kernel(args: &[&str]) -> bool {
+    args.windows(2).any(|w| w == ["--transport", "kernel"])
 }
 
 /// `transports()` with `extra` appended to each.

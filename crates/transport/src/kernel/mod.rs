@@ -1,4 +1,595 @@
 //! The kernel-owned transport: eBPF frames and admits requests; replies leave through
 //! io_uring. See docs/kernel.md.
+//!
+//! Start-up (userspace): bind the listening socket, load the BPF object for its port (the
+//! request and completion rings live in its mmapable map), set up io_uring with a multishot
+//! accept on the listener. Steady state:
+//! - receive: the `sock_ops` program puts each new connection into the sockhash at handshake
+//!   time; the verdict program frames every byte and publishes requests (and rejections, in
+//!   order) into the request ring; busy and connection markers go to the completion ring.
+//! - execute: the executor consumes the request ring as with any transport.
+//! - reply: the [`reply::ReplyStage`] turns completions into SENDs. `--reply loop` runs it on
+//!   a service thread that submits with `io_uring_enter` and waits for a completion event or a
+//!   short timer; `--reply executor-sqe` runs it inside the executor, writing SQEs into an
+//!   SQPOLL ring whose memory we provide, while a watchdog only wakes the SQPOLL thread when
+//!   it sleeps.
+//!
+//! Per connection, userspace still does: take the accept CQE, read the socket cookie
+//! (`getsockopt(SO_COOKIE)`), and close the descriptor (a CLOSE operation) when the connection
+//! ends. Nothing per request.
 
 pub mod reply;
+
+use std::io;
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bgs_bpf::{KernelRx, KernelRxConfig};
+use bgs_protocol::FramerConfig;
+use bgs_ring::RingRegion;
+use bgs_uring::{RingOptions, SqPoll, Uring};
+use serde::Serialize;
+
+use crate::native::ShutdownHandle;
+use reply::{ReplyIo, ReplyStage, ReplyStats};
+
+/// Where the reply stage runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyMode {
+    /// A service thread: waits for a completion event or `timer`, reaps the completion ring,
+    /// submits SENDs with `io_uring_enter`.
+    Loop {
+        /// Longest wait while replies are outstanding.
+        timer: Duration,
+    },
+    /// The executor writes SEND SQEs into an SQPOLL ring (no system calls); a watchdog wakes
+    /// the SQPOLL thread when it sleeps.
+    ExecutorSqe {
+        /// How often the watchdog checks `IORING_SQ_NEED_WAKEUP`.
+        watchdog: Duration,
+        /// SQPOLL idle time before the kernel thread sleeps.
+        sqpoll_idle_ms: u32,
+    },
+}
+
+/// Settings of the kernel transport.
+#[derive(Debug, Clone)]
+pub struct KernelConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Reply path.
+    pub reply: ReplyMode,
+    /// Framing limits (enforced by the BPF framer).
+    pub framer: FramerConfig,
+    /// Most connections (sockhash and state map sizes).
+    pub max_connections: u32,
+    /// Request ring slots.
+    pub request_slots: u32,
+    /// Completion ring slots.
+    pub completion_slots: u32,
+}
+
+/// Counters of the kernel transport, printed at shutdown.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelStats {
+    /// BPF counters.
+    pub bpf: bgs_bpf::KernelCounters,
+    /// Reply stage counters.
+    pub reply: ReplyStats,
+    /// Times the reply loop woke up (loop mode) or the watchdog woke the SQPOLL thread.
+    pub wakeups: u64,
+    /// Accepts seen.
+    pub accepts: u64,
+    /// Sockhash entries when the transport stopped (before closing what was still open).
+    pub sockhash_entries: usize,
+    /// BPF per-connection states at the same moment.
+    pub conn_states: usize,
+}
+
+impl std::fmt::Display for KernelStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "bpf: {}", self.bpf)?;
+        writeln!(
+            f,
+            "reply: {} completions, {} frames, {} sends ({} bytes, {} short, {} errors), {} accepted, {} closed, {} eof, {} resets, {} stale, {} never accepted",
+            self.reply.completions,
+            self.reply.frames,
+            self.reply.sends,
+            self.reply.bytes_sent,
+            self.reply.short_sends,
+            self.reply.send_errors,
+            self.reply.accepted,
+            self.reply.closed,
+            self.reply.eof,
+            self.reply.resets,
+            self.reply.stale,
+            self.reply.never_accepted
+        )?;
+        writeln!(f, "wake-ups: {}; accepts: {}", self.wakeups, self.accepts)?;
+        write!(
+            f,
+            "bpf maps at stop: sockhash {} entries, {} connection states",
+            self.sockhash_entries, self.conn_states
+        )
+    }
+}
+
+const UD_ACCEPT: u64 = 0xff << 56;
+const UD_DOORBELL: u64 = 0xfe << 56;
+const UD_SHUTDOWN: u64 = 0xfd << 56;
+
+/// The kernel transport, bound and loaded.
+pub struct KernelTransport {
+    cfg: KernelConfig,
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    rx: Arc<KernelRx>,
+    uring: Arc<Uring>,
+    shutdown_rx: UnixStream,
+    shutdown_tx: ShutdownHandle,
+    /// Executor completions wake the reply loop through this eventfd (loop mode).
+    waker_fd: Arc<OwnedFd>,
+}
+
+impl std::fmt::Debug for KernelTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelTransport")
+            .field("local_addr", &self.local_addr)
+            .field("reply", &self.cfg.reply)
+            .finish()
+    }
+}
+
+/// Queue operations into an io_uring submission queue.
+struct SqIo<'a> {
+    uring: &'a Uring,
+    rx: &'a KernelRx,
+    queued: u32,
+}
+
+impl ReplyIo for SqIo<'_> {
+    fn send(&mut self, fd: RawFd, ptr: *const u8, len: usize, user_data: u64) -> bool {
+        // SAFETY: the reply stage keeps the buffer alive and unmodified until the CQE for
+        // `user_data` (ReplyIo contract).
+        let sqe = unsafe { bgs_uring::send(fd, ptr, len as u32, user_data) };
+        self.push(&sqe)
+    }
+    fn shutdown(&mut self, fd: RawFd, user_data: u64) -> bool {
+        self.push(&bgs_uring::shutdown(
+            fd,
+            rustix::net::Shutdown::Write,
+            user_data,
+        ))
+    }
+    fn close(&mut self, fd: RawFd, cookie: u64, user_data: u64) -> bool {
+        // Tell BPF first: the socket's last state change then publishes no reset marker.
+        self.rx.forget_connection(cookie);
+        self.push(&bgs_uring::close(fd, user_data))
+    }
+}
+
+impl SqIo<'_> {
+    fn push(&mut self, sqe: &bgs_uring::Sqe) -> bool {
+        let ok = self.uring.sq().push(sqe).is_ok();
+        if ok {
+            self.queued += 1;
+        }
+        ok
+    }
+}
+
+/// The shared part of both reply modes: one pass of the reply stage.
+struct StageDriver {
+    stage: ReplyStage,
+    region: Arc<RingRegion>,
+    accepts: u64,
+    listener_fd: RawFd,
+    accept_armed: bool,
+    /// Loop mode: a READ on the executor's eventfd, re-armed after each completion.
+    bell: Option<Bell>,
+    /// Loop mode: a READ on the shutdown pipe; its completion stops the loop.
+    stop: Option<Bell>,
+    stop_requested: bool,
+}
+
+struct Bell {
+    fd: RawFd,
+    buf: Box<[u8; 8]>,
+    armed: bool,
+}
+
+impl StageDriver {
+    fn new(
+        region: Arc<RingRegion>,
+        listener_fd: RawFd,
+        bell_fd: Option<RawFd>,
+        stop_fd: Option<RawFd>,
+    ) -> Self {
+        StageDriver {
+            stage: ReplyStage::new(),
+            region,
+            accepts: 0,
+            listener_fd,
+            accept_armed: false,
+            bell: bell_fd.map(|fd| Bell {
+                fd,
+                buf: Box::new([0; 8]),
+                armed: false,
+            }),
+            stop: stop_fd.map(|fd| Bell {
+                fd,
+                buf: Box::new([0; 8]),
+                armed: false,
+            }),
+            stop_requested: false,
+        }
+    }
+}
+
+impl StageDriver {
+    /// Reap completions and CQEs, queue operations. Returns true if anything happened.
+    fn pass(&mut self, uring: &Uring, io: &mut SqIo<'_>) -> bool {
+        let mut did = false;
+        while let Some(()) = self
+            .region
+            .completions()
+            .try_pop(|e| self.stage.on_completion(e))
+        {
+            did = true;
+        }
+        while let Some(cqe) = uring.cq().pop() {
+            did = true;
+            match cqe.user_data {
+                UD_ACCEPT => {
+                    if cqe.res >= 0 {
+                        self.accepts += 1;
+                        let fd = cqe.res;
+                        // SAFETY: the accept CQE handed us this live descriptor; the borrow
+                        // ends before anything can close it.
+                        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+                        match bgs_bpf::socket_cookie(borrowed) {
+                            Ok(cookie) => {
+                                kick_verdict(borrowed);
+                                self.stage.on_accept(fd, cookie);
+                            }
+                            Err(e) => {
+                                tracing::warn!("SO_COOKIE failed: {e}");
+                                // SAFETY: the accept CQE handed us ownership of `fd`.
+                                drop(unsafe { OwnedFd::from_raw_fd(fd) });
+                            }
+                        }
+                    } else {
+                        tracing::warn!("accept failed: {}", io::Error::from_raw_os_error(-cqe.res));
+                    }
+                    if !cqe.more() {
+                        self.accept_armed = false;
+                    }
+                }
+                UD_DOORBELL => {
+                    if let Some(b) = &mut self.bell {
+                        b.armed = false;
+                    }
+                }
+                UD_SHUTDOWN => self.stop_requested = true,
+                ud => self.stage.on_cqe(ud, cqe.res),
+            }
+        }
+        if !self.accept_armed && io.push(&bgs_uring::accept_multishot(self.listener_fd, UD_ACCEPT))
+        {
+            self.accept_armed = true;
+        }
+        if let Some(b) = &mut self.bell
+            && !b.armed
+        {
+            // SAFETY: the buffer is boxed and owned by the driver, which outlives the ring's
+            // use of it (the driver is dropped after the loop, the ring after that).
+            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_DOORBELL) };
+            b.armed = io.push(&sqe);
+        }
+        if let Some(b) = &mut self.stop
+            && !b.armed
+        {
+            // SAFETY: as for the doorbell buffer above.
+            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_SHUTDOWN) };
+            b.armed = io.push(&sqe);
+        }
+        self.stage.flush(io);
+        did
+    }
+}
+
+/// Bytes that arrived between the handshake and the accept sit in the socket's queue: the
+/// sockmap verdict path only runs once the socket has a `struct socket`, i.e. after accept,
+/// and only when more data arrives. Setting `SO_RCVLOWAT` makes TCP re-check readiness and
+/// call the socket's data-ready hook, which is the verdict program's entry point, so those
+/// bytes are framed now instead of waiting for the client's next segment (which may never
+/// come: it is waiting for our reply).
+fn kick_verdict(fd: std::os::fd::BorrowedFd<'_>) {
+    let one: libc::c_int = 1;
+    // SAFETY: a valid descriptor and a pointer to a live c_int with its exact size; rustix has
+    // no wrapper for SO_RCVLOWAT.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&raw const one).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        tracing::warn!(
+            "SO_RCVLOWAT on an accepted socket failed: {}",
+            io::Error::last_os_error()
+        );
+    }
+}
+
+impl KernelTransport {
+    /// Bind, load the BPF programs for the port, set up io_uring.
+    pub fn bind(cfg: KernelConfig) -> io::Result<Self> {
+        let listener = TcpListener::bind(cfg.listen)?;
+        let local_addr = listener.local_addr()?;
+        let rx = KernelRx::load(&KernelRxConfig {
+            listen_port: local_addr.port(),
+            max_words: cfg.framer.max_words,
+            max_http_head: cfg.framer.max_http_head as u32,
+            generate: cfg.framer.generate,
+            max_connections: cfg.max_connections,
+            request_slots: cfg.request_slots,
+            completion_slots: cfg.completion_slots,
+        })
+        .map_err(|e| io::Error::other(format!("loading the BPF receive path: {e}")))?;
+        let opts = match cfg.reply {
+            ReplyMode::Loop { .. } => RingOptions {
+                entries: 4096,
+                cq_entries: 16384,
+                sqpoll: None,
+                no_mmap: false,
+                ..RingOptions::default()
+            },
+            ReplyMode::ExecutorSqe { sqpoll_idle_ms, .. } => RingOptions {
+                entries: 4096,
+                cq_entries: 16384,
+                sqpoll: Some(SqPoll {
+                    idle_ms: sqpoll_idle_ms,
+                    cpu: None,
+                }),
+                no_mmap: true,
+                ..RingOptions::default()
+            },
+        };
+        let uring = Uring::new(&opts)?;
+        let (shutdown_rx, tx) = UnixStream::pair()?;
+        shutdown_rx.set_nonblocking(true)?;
+        tx.set_nonblocking(true)?;
+        let waker_fd = Arc::new(rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+        )?);
+        Ok(KernelTransport {
+            cfg,
+            listener,
+            local_addr,
+            rx: Arc::new(rx),
+            uring: Arc::new(uring),
+            shutdown_rx,
+            shutdown_tx: ShutdownHandle::from_stream(tx),
+            waker_fd,
+        })
+    }
+
+    /// The rings (they live in the BPF map).
+    pub fn region(&self) -> Arc<RingRegion> {
+        self.rx.region()
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// A handle that stops [`run`](Self::run).
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        self.shutdown_tx.clone()
+    }
+
+    /// For the executor: called after publishing a completion while the reply loop sleeps.
+    /// In executor-sqe mode the stage lives in the executor and nothing needs waking.
+    pub fn waker(&self) -> Option<Arc<dyn Fn() + Send + Sync>> {
+        match self.cfg.reply {
+            ReplyMode::Loop { .. } => {
+                let fd = self.waker_fd.clone();
+                Some(Arc::new(move || {
+                    let _ = rustix::io::write(&*fd, &1u64.to_ne_bytes());
+                }))
+            }
+            ReplyMode::ExecutorSqe { .. } => None,
+        }
+    }
+
+    /// How executor slots sleep: BPF cannot wake the request ring's futex, so it rings a BPF
+    /// ring buffer when a consumer announced sleep; a sleeping slot waits on that buffer's
+    /// descriptor. One slot at a time drains the doorbell records.
+    pub fn executor_wait(&self) -> io::Result<Arc<dyn Fn(Duration) + Send + Sync>> {
+        let epoll = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)?;
+        rustix::event::epoll::add(
+            &epoll,
+            self.rx.doorbell_fd(),
+            rustix::event::epoll::EventData::new_u64(0),
+            rustix::event::epoll::EventFlags::IN,
+        )?;
+        let rx = self.rx.clone();
+        let drain = std::sync::Mutex::new(());
+        Ok(Arc::new(move |timeout: Duration| {
+            let ts = rustix::event::Timespec {
+                tv_sec: timeout.as_secs() as _,
+                tv_nsec: timeout.subsec_nanos() as _,
+            };
+            let mut events = Vec::with_capacity(1);
+            if let Ok(n) = rustix::event::epoll::wait(
+                &epoll,
+                rustix::buffer::spare_capacity(&mut events),
+                Some(&ts),
+            ) && n > 0
+                && let Ok(_g) = drain.try_lock()
+            {
+                rx.drain_doorbell();
+            }
+        }))
+    }
+
+    /// Serve until shut down.
+    pub fn run(self) -> io::Result<KernelStats> {
+        match self.cfg.reply {
+            ReplyMode::Loop { timer } => self.run_loop(timer),
+            ReplyMode::ExecutorSqe { watchdog, .. } => self.run_executor_sqe(watchdog),
+        }
+    }
+
+    /// `--reply loop`: this thread runs the stage and waits in `io_uring_enter` for a CQE (a
+    /// send completing, an accept, the executor's eventfd, BPF's doorbell) or the timer.
+    fn run_loop(self, timer: Duration) -> io::Result<KernelStats> {
+        let mut driver = StageDriver::new(
+            self.rx.region(),
+            self.listener.as_raw_fd(),
+            Some(self.waker_fd.as_raw_fd()),
+            Some(self.shutdown_rx.as_raw_fd()),
+        );
+        let mut wakeups = 0u64;
+        let mut last_sweep = Instant::now();
+        loop {
+            let mut io = SqIo {
+                uring: &self.uring,
+                rx: &self.rx,
+                queued: 0,
+            };
+            driver.pass(&self.uring, &mut io);
+            if driver.stop_requested {
+                break;
+            }
+            let now = Instant::now();
+            if now.duration_since(last_sweep) > Duration::from_millis(5) {
+                driver.stage.sweep(now);
+                last_sweep = now;
+            }
+            // Announce the sleep, then re-check: a completion published after the check
+            // makes its executor write the eventfd, whose READ completion ends the wait.
+            let guard = driver.region.completions().sleep_guard();
+            let idle = driver.region.completions().is_empty() && self.uring.cq().is_empty();
+            // While sends, shutdowns or accepts are pending, wake at least every `timer`;
+            // otherwise a longer timer still catches markers BPF published (it cannot write
+            // the eventfd).
+            let t = if driver.stage.busy() {
+                timer
+            } else {
+                Duration::from_millis(5)
+            };
+            match self.uring.enter(io.queued, u32::from(idle), Some(t)) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(rustix::io::Errno::TIME.raw_os_error()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+            drop(guard);
+            wakeups += 1;
+        }
+        Ok(self.stats(&driver, wakeups))
+    }
+
+    fn stats(&self, driver: &StageDriver, wakeups: u64) -> KernelStats {
+        KernelStats {
+            bpf: self.rx.counters(),
+            reply: driver.stage.stats().clone(),
+            wakeups,
+            accepts: driver.accepts,
+            sockhash_entries: self.rx.sockhash_len(),
+            conn_states: self.rx.conn_states_len(),
+        }
+    }
+
+    /// `--reply executor-sqe`: the executor's reply thread runs the stage without system
+    /// calls (SQEs land in SQPOLL ring memory); this thread is the watchdog.
+    fn run_executor_sqe(self, watchdog: Duration) -> io::Result<KernelStats> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let wakeups = Arc::new(AtomicU64::new(0));
+        let uring = self.uring.clone();
+        let rx = self.rx.clone();
+        let region = self.rx.region();
+        let listener_fd = self.listener.as_raw_fd();
+        let stop2 = stop.clone();
+        let stage_thread = std::thread::Builder::new()
+            .name("bgs-exec-sqe".into())
+            .spawn(move || {
+                let mut driver = StageDriver::new(region, listener_fd, None, None);
+                let mut last_sweep = Instant::now();
+                while !stop2.load(Ordering::Acquire) {
+                    let mut io = SqIo {
+                        uring: &uring,
+                        rx: &rx,
+                        queued: 0,
+                    };
+                    let did = driver.pass(&uring, &mut io);
+                    let now = Instant::now();
+                    if now.duration_since(last_sweep) > Duration::from_millis(5) {
+                        driver.stage.sweep(now);
+                        last_sweep = now;
+                    }
+                    if !did {
+                        // Sleep on the completion ring's futex (executors and the watchdog
+                        // wake it); CQEs are picked up by the watchdog's nudge or the timeout.
+                        let t = if driver.stage.busy() {
+                            Duration::from_micros(100)
+                        } else {
+                            Duration::from_millis(2)
+                        };
+                        driver.region.completions().wait_nonempty(t);
+                    }
+                }
+                driver
+            })?;
+        let region = self.rx.region();
+        // The watchdog sleeps in epoll on the shutdown pipe, so a stop is seen at once and
+        // costs no read per round.
+        let epoll = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)?;
+        rustix::event::epoll::add(
+            &epoll,
+            &self.shutdown_rx,
+            rustix::event::epoll::EventData::new_u64(0),
+            rustix::event::epoll::EventFlags::IN,
+        )?;
+        let ts = rustix::event::Timespec {
+            tv_sec: watchdog.as_secs() as _,
+            tv_nsec: watchdog.subsec_nanos() as _,
+        };
+        let mut events = Vec::with_capacity(1);
+        loop {
+            // The only thing this thread does: the stage (the executor) cannot make system
+            // calls, so someone must wake the SQPOLL thread once it went to sleep.
+            if self.uring.needs_wakeup() {
+                self.uring.wake_sqpoll()?;
+                wakeups.fetch_add(1, Ordering::Relaxed);
+            }
+            events.clear();
+            match rustix::event::epoll::wait(
+                &epoll,
+                rustix::buffer::spare_capacity(&mut events),
+                Some(&ts),
+            ) {
+                Ok(n) if n > 0 => break,
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        stop.store(true, Ordering::Release);
+        region.completions().notify();
+        let driver = stage_thread
+            .join()
+            .map_err(|_| io::Error::other("reply stage thread panicked"))?;
+        Ok(self.stats(&driver, wakeups.load(Ordering::Relaxed)))
+    }
+}

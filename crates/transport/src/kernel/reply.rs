@@ -29,8 +29,8 @@ pub trait ReplyIo {
     fn send(&mut self, fd: RawFd, ptr: *const u8, len: usize, user_data: u64) -> bool;
     /// Shut down the sending side of `fd`.
     fn shutdown(&mut self, fd: RawFd, user_data: u64) -> bool;
-    /// Close `fd`.
-    fn close(&mut self, fd: RawFd, user_data: u64) -> bool;
+    /// Close `fd`, the connection whose socket cookie is `cookie`.
+    fn close(&mut self, fd: RawFd, cookie: u64, user_data: u64) -> bool;
 }
 
 const KIND_SEND: u64 = 1;
@@ -43,6 +43,8 @@ fn user_data(kind: u64, idx: usize, generation: u32) -> u64 {
 
 /// How long a connection the server ended waits for the peer's FIN before it is closed.
 pub const LINGER: Duration = Duration::from_secs(2);
+/// How many closed cookies are remembered to recognise late markers.
+const RECENTLY_CLOSED: usize = 1 << 16;
 /// How long replies for a connection wait for its accept before they are dropped.
 pub const ACCEPT_GRACE: Duration = Duration::from_secs(5);
 
@@ -55,6 +57,8 @@ pub struct ReplyStats {
     pub frames: u64,
     /// SEND operations issued.
     pub sends: u64,
+    /// Bytes the completed SENDs reported sent.
+    pub bytes_sent: u64,
     /// Sends that completed short and were continued.
     pub short_sends: u64,
     /// Send errors (the connection is then closed).
@@ -134,6 +138,10 @@ pub struct ReplyStage {
     dirty: Vec<usize>,
     /// Connections the stage closed (cookies), for the caller to forget in BPF state.
     closed: Vec<u64>,
+    /// Cookies of the most recently closed connections, so that markers arriving after the
+    /// close do not resurrect them (cookies are never reused).
+    recently_closed: std::collections::HashSet<u64>,
+    recently_closed_order: std::collections::VecDeque<u64>,
     stats: ReplyStats,
 }
 
@@ -199,25 +207,24 @@ impl ReplyStage {
     /// Consume one completion-ring entry.
     pub fn on_completion(&mut self, e: &CompletionEntry) {
         self.stats.completions += 1;
-        let known = self.by_cookie.get(&e.conn).copied();
-        if e.route & route::RESET != 0 {
-            self.stats.resets += 1;
-            if let Some(idx) = known {
-                let c = &mut self.conns[idx];
-                c.out.clear();
-                c.parked.clear();
-                c.phase = Phase::Closing;
-                c.eof = true;
-                self.dirty.push(idx);
-            }
+        if self.recently_closed.contains(&e.conn) {
+            // Markers (or late replies) for a connection this stage already closed.
+            self.stats.stale += 1;
             return;
         }
-        let idx = match known {
-            Some(idx) => idx,
-            // A marker for a connection that is gone needs nothing.
-            None if e.route & route::EOF != 0 => return,
-            None => self.conn_for(e.conn),
-        };
+        // An unknown cookie is a connection whose accept has not been reaped yet: keep what
+        // arrives for it (markers included) until the accept brings its descriptor.
+        let idx = self.conn_for(e.conn);
+        if e.route & route::RESET != 0 {
+            self.stats.resets += 1;
+            let c = &mut self.conns[idx];
+            c.out.clear();
+            c.parked.clear();
+            c.phase = Phase::Closing;
+            c.eof = true;
+            self.dirty.push(idx);
+            return;
+        }
         let c = &mut self.conns[idx];
         if c.phase != Phase::Open {
             // The server already ended this connection; only the peer's EOF still matters.
@@ -334,6 +341,7 @@ impl ReplyStage {
                     c.eof = true;
                     c.phase = Phase::Closing;
                 } else {
+                    self.stats.bytes_sent += res as u64;
                     inf.sent += res as usize;
                     if inf.sent < inf.buf.len() {
                         self.stats.short_sends += 1;
@@ -356,6 +364,13 @@ impl ReplyStage {
                 self.by_cookie.remove(&cookie);
                 self.conns.remove(idx);
                 self.stats.closed += 1;
+                self.recently_closed.insert(cookie);
+                self.recently_closed_order.push_back(cookie);
+                if self.recently_closed_order.len() > RECENTLY_CLOSED
+                    && let Some(old) = self.recently_closed_order.pop_front()
+                {
+                    self.recently_closed.remove(&old);
+                }
             }
             _ => {}
         }
@@ -419,7 +434,7 @@ impl ReplyStage {
         }
         match c.phase {
             Phase::Closing if c.eof => {
-                if !io.close(fd, user_data(KIND_CLOSE, idx, c.generation)) {
+                if !io.close(fd, c.cookie, user_data(KIND_CLOSE, idx, c.generation)) {
                     return false;
                 }
                 c.phase = Phase::Closed;
@@ -432,7 +447,7 @@ impl ReplyStage {
                 c.phase = Phase::Lingering;
             }
             Phase::Lingering if c.eof || c.linger_until.is_some_and(|t| t <= Instant::now()) => {
-                if !io.close(fd, user_data(KIND_CLOSE, idx, c.generation)) {
+                if !io.close(fd, c.cookie, user_data(KIND_CLOSE, idx, c.generation)) {
                     return false;
                 }
                 c.phase = Phase::Closed;
@@ -491,7 +506,7 @@ mod tests {
             self.shutdowns.push((fd, ud));
             true
         }
-        fn close(&mut self, fd: RawFd, ud: u64) -> bool {
+        fn close(&mut self, fd: RawFd, _cookie: u64, ud: u64) -> bool {
             self.closes.push((fd, ud));
             true
         }
@@ -624,6 +639,25 @@ mod tests {
         st.flush(&mut io);
         assert!(io.sends.is_empty());
         assert_eq!(io.closes.len(), 1);
+    }
+
+    #[test]
+    fn eof_before_accept_closes_once_accepted_and_late_markers_are_ignored() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        let mut eof = completion(4, 0, 0, route::EOF, Status::Ok);
+        eof.words = 0;
+        st.on_completion(&eof);
+        st.flush(&mut io);
+        assert!(io.closes.is_empty());
+        st.on_accept(8, 4);
+        st.flush(&mut io);
+        assert_eq!(io.closes.len(), 1);
+        st.on_cqe(io.closes[0].1, 0);
+        assert_eq!(st.connections(), 0);
+        // The kernel's later reset marker for the same socket does not resurrect it.
+        st.on_completion(&completion(4, 1, 0, route::RESET, Status::Ok));
+        assert_eq!(st.connections(), 0);
     }
 
     #[test]
