@@ -42,20 +42,15 @@ for round in 1 2; do
   done
 done
 
-# (2) Highest sustained rate with zero failures and p99 < 1 ms.
-rates="2000 5000 10000 15000 20000 30000 40000 60000 80000"
+# (2) Highest sustained rate with zero failures and p99 < 1 ms: every rate is tried (a tail can
+#     be worse at a low rate, where each request pays wake-ups, than at a higher one).
+rates="1000 2000 5000 10000 20000 30000 40000 60000"
 for op in gemm8 fft32; do
   for path in full floor; do
     for rate in $rates; do
       if [ "$path" = full ]; then start_server --slots 1; lop=$op; else start_server --floor; lop=echo; fi
       run_load "sat-$path-$op-$rate" "$lop" "$rate"
       stop_server
-      ok=$(python3 -c "
-import json,sys; r=json.load(open('$out/sat-$path-$op-$rate.json'))['report']
-lat=r.get('latency') or {}
-good = r['failures']==0 and r['warmup_failures']==0 and r['counts']['busy']==0 and lat.get('p99_us',1e9)<1000 and r['achieved_rate']>=0.98*r['offered_rate']
-print('yes' if good else 'no')" 2>/dev/null || echo no)
-      [ "$ok" = yes ] || break
     done
   done
 done
