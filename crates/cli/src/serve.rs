@@ -106,8 +106,13 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 50)]
     pub watchdog_us: u64,
     /// Kernel transport, `--reply executor-sqe`: SQPOLL idle time before it sleeps (ms).
+    /// The SQPOLL kernel thread spins while awake and its time counts as the server's.
     #[arg(long, default_value_t = 10)]
     pub sqpoll_idle_ms: u32,
+    /// Kernel transport, `--reply executor-sqe`: pin the SQPOLL thread to this CPU (give it
+    /// a core of its own: sharing one with the executor starves both).
+    #[arg(long)]
+    pub sqpoll_cpu: Option<u32>,
     /// Completion ring slots (power of two). Default: twice the request ring (native), four
     /// times it but at least 16384 (kernel: BPF answers busy into it in bursts).
     #[arg(long)]
@@ -335,6 +340,7 @@ fn serve_kernel(
         ReplyKind::ExecutorSqe => ReplyMode::ExecutorSqe {
             watchdog: Duration::from_micros(args.watchdog_us),
             sqpoll_idle_ms: args.sqpoll_idle_ms,
+            sqpoll_cpu: args.sqpoll_cpu,
         },
     };
     let cfg = KernelConfig {

@@ -53,6 +53,8 @@ pub enum ReplyMode {
         watchdog: Duration,
         /// SQPOLL idle time before the kernel thread sleeps.
         sqpoll_idle_ms: u32,
+        /// CPU to pin the SQPOLL thread to.
+        sqpoll_cpu: Option<u32>,
     },
 }
 
@@ -352,12 +354,16 @@ impl KernelTransport {
                 no_mmap: false,
                 ..RingOptions::default()
             },
-            ReplyMode::ExecutorSqe { sqpoll_idle_ms, .. } => RingOptions {
+            ReplyMode::ExecutorSqe {
+                sqpoll_idle_ms,
+                sqpoll_cpu,
+                ..
+            } => RingOptions {
                 entries: 4096,
                 cq_entries: 16384,
                 sqpoll: Some(SqPoll {
                     idle_ms: sqpoll_idle_ms,
-                    cpu: None,
+                    cpu: sqpoll_cpu,
                 }),
                 no_mmap: true,
                 ..RingOptions::default()
