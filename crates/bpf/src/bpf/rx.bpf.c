@@ -44,30 +44,8 @@ const volatile __u64 cfg_req_mask = 1;      /* request capacity - 1 */
 const volatile __u64 cfg_comp_mask = 1;     /* completion capacity - 1 */
 const volatile __u64 cfg_comp_off = 8192;   /* completion_slots_offset */
 
-/* ---- counters (per-CPU; indices mirrored by crates/bpf/src/lib.rs) ---- */
-enum {
-	C_FRAMES = 0,
-	C_REQUESTS,
-	C_REJECTS,
-	C_REJECTS_DIRECT,
-	C_BUSY,
-	C_COMP_FULL,
-	C_CONN_OPENED,
-	C_CONN_CLOSED,
-	C_CONN_REFUSED,
-	C_EOF,
-	C_RESET,
-	C_BYTES,
-	C_DROPPED_BYTES,
-	C_NO_STATE,
-	C_DOORBELLS,
-	C_MARKER_FAILED,
-	C_CLAIM_CONTENDED,
-	C_INTERNAL,
-	C_STATUS_BASE = 20, /* 32 entries: rejects by frame status (0 = no frame) */
-	C_HTTP_BASE = 52,   /* 400, 404, 405, 411, 413, 431, other */
-	C_NUM = 64,
-};
+/* ---- counters (per-CPU; indices generated from crates/bpf/src/counter_index.rs) ---- */
+#include "bgs_counters.h"
 
 struct counters {
 	__u64 v[C_NUM];
