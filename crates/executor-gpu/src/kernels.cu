@@ -29,7 +29,11 @@ typedef unsigned long long bgs_u64;
 
 #define BGS_GPU_MAX_SLOTS 64
 #define BGS_GPU_REPEAT_BITS 9 /* repeat counts 1..=256 = sums of 2^0 .. 2^8 */
-#define BGS_GPU_STAGED (~0ull) /* slot_ctl.pos: the request is staged in slot_ctl.staged */
+#define BGS_GPU_STAGED (~0ull)
+/* Fused work graphs per slot (start -> 2^k library calls -> publish): [compute * 9 + k] for
+ * gemm8 (compute 0) and fft32 (compute 1), k = 0..8, and [18]: start -> publish (no compute). */
+#define BGS_GPU_FUSED 19
+#define BGS_GPU_FUSED_NONE 18 /* slot_ctl.pos: the request is staged in slot_ctl.staged */
 
 /* Executor control block, in mapped host memory (host writes stop; the GPU reports errors). */
 struct bgs_gpu_ctl {
@@ -66,7 +70,8 @@ struct bgs_gpu_slot {
     bgs_u32 device_chain;           /*  44: 1: the start kernel tail-launches the chain */
     bgs_u64 chain[2][BGS_GPU_REPEAT_BITS]; /* 48: [gemm|fft][k]: graph of 2^k repeats */
     bgs_u64 publish;                /* 192: the slot's publish graph */
-    bgs_u8 pad[56];                 /* 200 */
+    bgs_u64 tail_hint;              /* 200: bgs_u64 * in device memory: a completion_tail guess */
+    bgs_u8 pad[48];                 /* 208 */
     bgs_u32 in[BGS_RING_SLOT_WORDS]; /* 256 */
     float out[64];                  /* 1280 */
 };
@@ -80,10 +85,14 @@ struct bgs_gpu_sched {
     bgs_u32 nslots;                 /*  32 */
     bgs_u32 budget;                 /*  36: fire-and-forget launches per execution (< 120) */
     bgs_u32 next;                   /*  40: round-robin cursor, kept across executions */
-    bgs_u32 pad;                    /*  44 */
+    bgs_u32 retries;                /*  44: launches retried (graph still finishing), all executions */
     bgs_u64 work[BGS_GPU_MAX_SLOTS]; /* 48: each slot's start graph */
     bgs_u64 executions;             /* 560: scheduler executions (relaunches + 1) */
     bgs_u64 dispatched;             /* 568: requests launched by the scheduler */
+    bgs_u64 fused;                  /* 576: bgs_u64[nslots][BGS_GPU_FUSED]: fused work graphs */
+    bgs_u64 tail_hint;              /* 584: completion_tail guess (device memory, publish kernels) */
+    bgs_u32 lanes;                  /* 592: 1: each lane launches its own graph; 0: lane 0 launches all */
+    bgs_u32 batches;                /* 596: claims (one head CAS each), all executions */
 };
 
 /* ---- system-scope accessors for host-shared words ---- */
@@ -166,74 +175,179 @@ __device__ __forceinline__ bgs_u32 plan(bgs_u32 op, bgs_u32 param, bgs_u32 words
     return 0;
 }
 
-/* ---- the resident scheduler: one thread, device-launched, tail-relaunches itself ---- */
+/* ---- the resident scheduler: one warp, device-launched, tail-relaunches itself ----
+ * Per round: the lanes read the busy words of up to 64 slots (device memory), then the seq
+ * words of up to 32 consecutive request slots at once (one PCIe round trip), then op / words /
+ * param of the published prefix, and claim that whole prefix with one CAS on request_head.
+ * Each claimed request gets a free slot (round robin) and one graph launch: the slot's fused
+ * work graph (start -> 2^k library calls -> publish) when the request needs no compute or a
+ * power-of-two repeat count, else the slot's start graph, which tail-launches the exact
+ * repeat chain and the publish graph. After an idle round only one seq is read (a batch of
+ * one), so an idle scheduler does not poll 32 host lines. */
+#define FULL_MASK 0xffffffffu
+__device__ __forceinline__ bgs_u64 shfl64(bgs_u64 v, int src) {
+    return __shfl_sync(FULL_MASK, v, src);
+}
+__device__ __forceinline__ bgs_u64 globaltimer_ns() {
+    bgs_u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+/* Fire-and-forget launch of a slot's graph. A fused work graph frees its slot (publish clears
+ * busy) while its execution is still finishing, and a device graph cannot be launched while it
+ * runs (cudaErrorInvalidValue): retry that for up to 20 ms before reporting it. */
+__device__ __forceinline__ cudaError_t launch_work(bgs_u64 g, bgs_u32 *retries) {
+    cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)g, cudaStreamGraphFireAndForget);
+    if (err != cudaErrorInvalidValue) return err;
+    const bgs_u64 t0 = globaltimer_ns();
+    while (err == cudaErrorInvalidValue && globaltimer_ns() - t0 < 20000000ull) {
+        *retries += 1;
+        __nanosleep(200);
+        err = cudaGraphLaunch((cudaGraphExec_t)g, cudaStreamGraphFireAndForget);
+    }
+    return err;
+}
+
 extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    if (blockIdx.x != 0 || blockDim.x != 32) return;
+    const bgs_u32 lane = threadIdx.x;
     bgs_u8 *ring = (bgs_u8 *)s->ring;
     struct bgs_gpu_ctl *ctl = (struct bgs_gpu_ctl *)s->ctl;
     struct bgs_gpu_slot_ctl *sc = (struct bgs_gpu_slot_ctl *)s->slot_ctl;
+    const bgs_u64 *fused = (const bgs_u64 *)s->fused;
     struct bgs_ring_header *h = ring_header(ring);
     const bgs_u32 n = s->nslots;
     const bgs_u32 budget = s->budget;
+    const bool lanes_launch = s->lanes != 0;
     bgs_u32 next = s->next;
     bgs_u32 launches = 0;
-    bgs_u32 idle = 0;
-    bgs_u64 pos = ld_relaxed_sys(&h->request_head);
-    s->executions += 1; /* device memory: only the scheduler writes it */
+    bgs_u32 rounds = 0;
+    bool empty = true; /* the last seq read found nothing: read one seq, not a batch */
+    bgs_u32 batches = 0;
+    bgs_u32 retries = 0;
+    bgs_u64 pos = shfl64(lane == 0 ? ld_relaxed_sys(&h->request_head) : 0, 0);
     for (;;) {
-        if ((idle & 63u) == 0 && ld_acquire_sys32(&ctl->stop)) {
-            s->next = next;
-            st_release_sys32(&ctl->stopped, 1);
-            return; /* no relaunch: the executor is shutting down */
+        if ((rounds++ & 63u) == 0) {
+            bgs_u32 stop = lane == 0 ? ld_acquire_sys32(&ctl->stop) : 0;
+            if (__shfl_sync(FULL_MASK, stop, 0)) {
+                atomicAdd(&s->retries, retries);
+                if (lane == 0) {
+                    s->next = next;
+                    s->executions += 1;
+                    s->batches += batches;
+                    st_release_sys32(&ctl->stopped, 1);
+                }
+                return; /* no relaunch: the executor is shutting down */
+            }
         }
         if (launches >= budget) break;
-        /* A free slot first: a request is only taken when it can be launched at once. */
-        int slot = -1;
-        for (bgs_u32 i = 0; i < n; i++) {
-            bgs_u32 j = next + i;
-            if (j >= n) j -= n;
-            if (((volatile bgs_u32 *)&sc[j].busy)[0] == 0) {
-                slot = (int)j;
-                break;
-            }
+        /* Free slots (a request is only taken when it can be launched at once). */
+        const bool f0 = lane < n && ((volatile bgs_u32 *)&sc[lane].busy)[0] == 0;
+        const bool f1 = lane + 32 < n && ((volatile bgs_u32 *)&sc[lane + 32].busy)[0] == 0;
+        const bgs_u64 freemask = (bgs_u64)__ballot_sync(FULL_MASK, f0) |
+                                 ((bgs_u64)__ballot_sync(FULL_MASK, f1) << 32);
+        bgs_u32 want = (bgs_u32)__popcll(freemask);
+        if (want == 0) continue;
+        if (want > 32) want = 32;
+        if (want > budget - launches) want = budget - launches;
+        if (empty) want = 1;
+        /* The seq words of positions pos .. pos + want - 1, in parallel. */
+        long long d = -1;
+        if (lane < want) {
+            const bgs_u64 seq = ld_acquire_sys(&request_slot(ring, pos + lane)->seq);
+            d = (long long)(seq - (pos + lane + 1));
         }
-        if (slot < 0) {
-            idle++;
+        const bgs_u32 ready = __ballot_sync(FULL_MASK, lane < want && d == 0);
+        const bgs_u32 m = ready == FULL_MASK ? 32u : (bgs_u32)(__ffs(~ready) - 1);
+        if (m == 0) {
+            const long long d0 = shfl64((bgs_u64)d, 0);
+            if (d0 > 0) {
+                /* Another consumer took it: reload the head. */
+                pos = shfl64(lane == 0 ? ld_relaxed_sys(&h->request_head) : 0, 0);
+            } else {
+                empty = true; /* empty (or the oldest claimed entry is not published yet) */
+            }
             continue;
         }
-        struct bgs_request_slot *rs = request_slot(ring, pos);
-        bgs_u64 seq = ld_acquire_sys(&rs->seq);
-        long long d = (long long)(seq - (pos + 1));
-        if (d == 0) {
-            bgs_u64 old = cas_sys(&h->request_head, pos, pos + 1);
-            if (old != pos) {
-                pos = old;
-                continue;
+        /* op / words / param of the published prefix (after this lane's acquire of its seq),
+         * and one CAS claiming all m (issued together: the loads do not feed the CAS). */
+        bgs_u32 op = 0, words = 0, param = 0;
+        if (lane < m) {
+            const volatile struct bgs_request_entry *e = &request_slot(ring, pos + lane)->entry;
+            op = e->op;
+            words = e->words;
+            param = e->param;
+        }
+        bgs_u64 old = 0;
+        if (lane == 0) old = cas_sys(&h->request_head, pos, pos + m);
+        old = shfl64(old, 0);
+        if (old != pos) {
+            pos = old;
+            continue;
+        }
+        /* Lane i takes the i-th free slot at or after the round-robin cursor. */
+        int slot = -1;
+        bgs_u64 g = 0;
+        if (lane < m) {
+            bgs_u32 c = 0;
+            for (bgs_u32 k = 0; k < n; k++) {
+                bgs_u32 j = next + k;
+                if (j >= n) j -= n;
+                if ((freemask >> j) & 1ull) {
+                    if (c == lane) {
+                        slot = (int)j;
+                        break;
+                    }
+                    c++;
+                }
             }
-            ((volatile bgs_u64 *)&sc[slot].pos)[0] = pos;
+            if (words > BGS_RING_SLOT_WORDS) words = BGS_RING_SLOT_WORDS;
+            bgs_u32 status, out_words, from_out;
+            const bgs_u32 r = plan(op, param, words, &status, &out_words, &from_out);
+            const bgs_u64 *fs = fused + (bgs_u64)slot * BGS_GPU_FUSED;
+            if (r == 0) {
+                g = fs[BGS_GPU_FUSED_NONE];
+            } else if ((r & (r - 1)) == 0) {
+                g = fs[(op == BGS_OP_GEMM8 ? 0 : BGS_GPU_REPEAT_BITS) + (31 - __clz(r))];
+            } else {
+                g = s->work[slot]; /* start graph: exact chain for other repeat counts */
+            }
+            ((volatile bgs_u64 *)&sc[slot].pos)[0] = pos + lane;
             ((volatile bgs_u32 *)&sc[slot].busy)[0] = 1;
             __threadfence();
-            cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)s->work[slot], cudaStreamGraphFireAndForget);
-            if (err != cudaSuccess) {
-                /* The request stays unanswered on the device; the host's monitor answers
-                 * the rest of the ring with Internal once it sees the error. */
-                record_error(ctl, (bgs_u32)err, 1);
-                s->next = next;
-                return;
-            }
-            launches++;
-            s->dispatched += 1;
-            next = (bgs_u32)slot + 1;
-            if (next >= n) next = 0;
-            pos++;
-            idle = 0;
-        } else if (d < 0) {
-            idle++; /* empty (or the oldest claimed entry is not published yet) */
-        } else {
-            pos = ld_relaxed_sys(&h->request_head);
         }
+        __syncwarp();
+        cudaError_t err = cudaSuccess;
+        if (lanes_launch) {
+            if (lane < m) err = launch_work(g, &retries);
+        } else {
+            for (bgs_u32 i = 0; i < m; i++) {
+                const bgs_u64 gi = shfl64(g, (int)i);
+                if (lane == 0 && err == cudaSuccess) err = launch_work(gi, &retries);
+            }
+        }
+        if (__any_sync(FULL_MASK, err != cudaSuccess)) {
+            /* Requests stay unanswered on the device; the host's monitor answers the rest of
+             * the ring with Internal once it sees the error. */
+            if (err != cudaSuccess) record_error(ctl, (bgs_u32)err, 1);
+            atomicAdd(&s->retries, retries);
+            if (lane == 0) s->next = next;
+            return;
+        }
+        const int last = __shfl_sync(FULL_MASK, slot, (int)m - 1);
+        next = (bgs_u32)last + 1;
+        if (next >= n) next = 0;
+        launches += m;
+        batches++;
+        if (lane == 0) s->dispatched += m;
+        pos += m;
+        empty = false;
     }
+    atomicAdd(&s->retries, retries);
+    if (lane != 0) return;
     s->next = next;
+    s->executions += 1; /* device memory: only the scheduler writes it */
+    s->batches += batches;
     /* Before the 120 fire-and-forget launches per execution: run again after this execution
      * and its children finish. */
     cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)s->self, cudaStreamGraphTailLaunch);
@@ -242,7 +356,8 @@ extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
 
 /* ---- per-slot start: copy-in, free the ring slot, plan, launch the repeat chain ---- */
 extern "C" __global__ void bgs_slot_start(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
-                                          struct bgs_gpu_slot_ctl *sc, struct bgs_gpu_slot *s) {
+                                          struct bgs_gpu_slot_ctl *sc, struct bgs_gpu_slot *s,
+                                          bgs_u32 fused) {
     __shared__ const struct bgs_request_entry *e;
     __shared__ struct bgs_request_slot *rs;
     __shared__ bgs_u64 pos;
@@ -257,10 +372,10 @@ extern "C" __global__ void bgs_slot_start(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
             e = &sc->staged;
             __threadfence_system();
         } else {
+            /* The scheduler's lane acquired seq == pos + 1 (synchronizing with the producer's
+             * release) before it launched this graph, and the launch orders this grid after
+             * that acquire: the entry can be read at once, without another PCIe round trip. */
             rs = request_slot(ring, pos);
-            /* The scheduler saw seq == pos + 1 already; this acquire orders our reads. */
-            while (ld_acquire_sys(&rs->seq) != pos + 1) {
-            }
             e = &rs->entry;
         }
     }
@@ -294,7 +409,9 @@ extern "C" __global__ void bgs_slot_start(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
     s->status = status;
     s->out_words = out_words;
     s->from_out = from_out;
-    if (!s->device_chain) return; /* host launch: the host thread launches the rest */
+    /* fused: this graph's own nodes run the compute and the publish; host launch: the host
+     * thread launches the rest. */
+    if (fused || !s->device_chain) return;
     if (r != 0) {
         const int which = s->op == BGS_OP_GEMM8 ? 0 : 1;
         for (int k = 0; k < BGS_GPU_REPEAT_BITS; k++) {
@@ -313,7 +430,11 @@ extern "C" __global__ void bgs_slot_start(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
     if (err != cudaSuccess) record_error(ctl, (bgs_u32)err, 4);
 }
 
-/* ---- per-slot publish: push the completion (Vyukov push, CAS on the tail), free the slot ---- */
+/* ---- per-slot publish: push the completion (Vyukov push, CAS on the tail), free the slot ----
+ * The tail position comes from a device-memory hint (the last position any publish kernel of
+ * this executor claimed, plus one) instead of a PCIe read of completion_tail: the common case
+ * is one seq acquire and one CAS. A stale hint (another producer moved the tail) shows up as
+ * seq > pos and falls back to reading completion_tail. */
 extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
                                             struct bgs_gpu_slot_ctl *sc, struct bgs_gpu_slot *s) {
     __shared__ struct bgs_completion_slot *cs;
@@ -321,8 +442,8 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
     const bgs_u32 t = threadIdx.x;
     if (t == 0) {
         struct bgs_ring_header *h = ring_header(ring);
-        const bgs_u64 cap = (bgs_u64)h->completion_capacity;
-        bgs_u64 pos = ld_relaxed_sys(&h->completion_tail);
+        bgs_u64 *hint = (bgs_u64 *)s->tail_hint;
+        bgs_u64 pos = ((volatile bgs_u64 *)hint)[0];
         cs = 0;
         bool counted = false;
         for (;;) {
@@ -334,6 +455,7 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
                 if (old == pos) {
                     cs = c;
                     cpos = pos;
+                    atomicMax((unsigned long long *)hint, (unsigned long long)(pos + 1));
                     break;
                 }
                 pos = old;
@@ -349,7 +471,6 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             } else {
                 pos = ld_relaxed_sys(&h->completion_tail);
             }
-            (void)cap;
         }
     }
     __syncthreads();
@@ -372,11 +493,8 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
     }
     __syncthreads();
     if (t == 0) {
-        if (cs != 0) {
-            __threadfence_system();
-            st_release_sys(&cs->seq, cpos + 1); /* publish: the last write of the entry */
-        }
         __threadfence_system();
+        if (cs != 0) st_release_sys(&cs->seq, cpos + 1); /* publish: the last write of the entry */
         st_release_sys32(&sc->busy, 0); /* the slot may take the next request */
     }
 }
@@ -403,6 +521,8 @@ extern "C" __global__ void bgs_layout_probe(bgs_u64 *out) {
     BGS_PROBE(15, struct bgs_gpu_sched, work);
     BGS_PROBE(22, struct bgs_gpu_sched, dispatched);
     BGS_PROBE(23, struct bgs_gpu_ctl, chain_errors);
+    BGS_PROBE(24, struct bgs_gpu_slot, tail_hint);
+    BGS_PROBE(25, struct bgs_gpu_sched, fused);
     out[16] = sizeof(struct bgs_request_slot);
     out[17] = sizeof(struct bgs_completion_slot);
     out[18] = sizeof(struct bgs_gpu_slot_ctl);

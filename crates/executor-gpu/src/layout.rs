@@ -9,6 +9,13 @@ pub const MAX_SLOTS: usize = 64;
 pub const REPEAT_BITS: usize = 9;
 /// `SlotCtl::pos` value meaning "the request is staged in `SlotCtl::staged`".
 pub const STAGED: u64 = u64::MAX;
+/// Fused work graphs per slot (`BGS_GPU_FUSED`): `[compute * REPEAT_BITS + k]` runs start →
+/// 2^k library calls → publish; `[FUSED_NONE]` runs start → publish (no compute).
+pub const FUSED: usize = 2 * REPEAT_BITS + 1;
+/// Index of the no-compute fused graph.
+pub const FUSED_NONE: usize = 2 * REPEAT_BITS;
+/// Entries reported by `bgs_layout_probe`.
+pub const PROBE_LEN: usize = 26;
 
 /// `struct bgs_gpu_ctl` (mapped host memory).
 #[repr(C)]
@@ -51,7 +58,8 @@ pub struct GpuSlot {
     pub device_chain: u32,
     pub chain: [[u64; REPEAT_BITS]; 2],
     pub publish: u64,
-    pub pad: [u8; 56],
+    pub tail_hint: u64,
+    pub pad: [u8; 48],
     pub input: [u32; 256],
     pub out: [f32; 64],
 }
@@ -67,14 +75,18 @@ pub struct Sched {
     pub nslots: u32,
     pub budget: u32,
     pub next: u32,
-    pub pad: u32,
+    pub retries: u32,
     pub work: [u64; MAX_SLOTS],
     pub executions: u64,
     pub dispatched: u64,
+    pub fused: u64,
+    pub tail_hint: u64,
+    pub lanes: u32,
+    pub batches: u32,
 }
 
 /// What `bgs_layout_probe` must report, index by index.
-pub fn expected_probe() -> [u64; 24] {
+pub fn expected_probe() -> [u64; PROBE_LEN] {
     use bgs_ring::{CompletionEntry, RegionHeader, Slot};
     use core::mem::{offset_of, size_of};
     let req_entry = offset_of!(Slot<RequestEntry>, entry);
@@ -104,6 +116,8 @@ pub fn expected_probe() -> [u64; 24] {
         size_of::<Ctl>(),
         offset_of!(Sched, dispatched),
         offset_of!(Ctl, chain_errors),
+        offset_of!(GpuSlot, tail_hint),
+        offset_of!(Sched, fused),
     ]
     .map(|v| v as u64)
 }
@@ -123,8 +137,10 @@ mod tests {
         assert_eq!(p[15], 48);
         assert_eq!(p[18], 1152);
         assert_eq!(p[19], 1536);
-        assert_eq!(p[20], 576);
+        assert_eq!(p[20], 600);
         assert_eq!(p[21], 32);
         assert_eq!(p[22], 568);
+        assert_eq!(p[24], 200);
+        assert_eq!(p[25], 576);
     }
 }

@@ -144,6 +144,10 @@ pub struct GpuStats {
     pub scheduler_executions: u64,
     /// Requests launched (device scheduler or host thread).
     pub dispatched: u64,
+    /// Device scheduler: head claims (one CAS each, claiming one or more requests).
+    pub claims: u64,
+    /// Device scheduler: launches retried because the slot's graph was still finishing.
+    pub launch_retries: u64,
     /// Times a publish found the completion ring full.
     pub completion_full: u64,
     /// Repeat-chain launches that failed (those requests were answered Internal).

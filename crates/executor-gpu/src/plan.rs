@@ -5,7 +5,7 @@ use bgs_protocol::wire::{MAX_REPEAT, ONE_SHOT_WORDS};
 use bgs_protocol::{Op, Status};
 use bgs_ring::OP_REJECT;
 
-use crate::layout::REPEAT_BITS;
+use crate::layout::{FUSED_NONE, REPEAT_BITS};
 
 /// Device-side launch limit: fire-and-forget launches per execution of a graph.
 pub const DEVICE_LAUNCH_LIMIT: u32 = 120;
@@ -80,6 +80,20 @@ pub fn plan(op: u16, param: u32, words: u32) -> Plan {
 /// The graphs (powers of two, ascending) whose repeats add up to exactly `r`.
 pub fn repeat_chain(r: u32) -> impl Iterator<Item = usize> {
     (0..REPEAT_BITS).filter(move |k| (r >> k) & 1 == 1)
+}
+
+/// Index of the fused work graph (start → 2^k library calls → publish) that answers a request
+/// with this plan in one launch: `FUSED_NONE` without compute, `compute * REPEAT_BITS + k` for
+/// r = 2^k; `None` for other repeat counts (start graph + exact repeat chain + publish). The
+/// device scheduler makes the same choice.
+pub fn fused_index(p: &Plan) -> Option<usize> {
+    match p.compute {
+        None => Some(FUSED_NONE),
+        Some((c, r)) if r.is_power_of_two() => {
+            Some(c.index() * REPEAT_BITS + r.trailing_zeros() as usize)
+        }
+        Some(_) => None,
+    }
 }
 
 /// Bit `s` set when status `s` (< 32) is known: the kernels' copy of `Status::from_u16`.
@@ -172,6 +186,7 @@ impl LaunchCounter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::FUSED;
 
     #[test]
     fn plans_match_the_cpu_executor() {
@@ -212,6 +227,36 @@ mod tests {
         assert_eq!(repeat_chain(1).collect::<Vec<_>>(), vec![0]);
         assert_eq!(repeat_chain(16).collect::<Vec<_>>(), vec![4]);
         assert_eq!(repeat_chain(256).collect::<Vec<_>>(), vec![8]);
+    }
+
+    #[test]
+    fn fused_graphs_cover_powers_of_two_and_no_compute() {
+        let mut seen = std::collections::HashSet::new();
+        for op in [Op::Gemm8, Op::Fft32] {
+            for r in 0..=MAX_REPEAT {
+                let p = plan(op as u16, r, ONE_SHOT_WORDS);
+                let reps = r.max(1);
+                match fused_index(&p) {
+                    Some(f) => {
+                        assert!(reps.is_power_of_two(), "{r}");
+                        assert!(f < FUSED && f != FUSED_NONE);
+                        let c = if op == Op::Gemm8 { 0 } else { 1 };
+                        assert_eq!(f, c * REPEAT_BITS + reps.trailing_zeros() as usize);
+                        seen.insert(f);
+                    }
+                    None => assert!(!reps.is_power_of_two(), "{r}"),
+                }
+            }
+        }
+        assert_eq!(seen.len(), FUSED - 1);
+        for p in [
+            plan(Op::Echo as u16, 0, 7),
+            plan(OP_REJECT, 1, 0),
+            plan(99, 0, 0),
+            plan(Op::Gemm8 as u16, 300, 64),
+        ] {
+            assert_eq!(fused_index(&p), Some(FUSED_NONE));
+        }
     }
 
     #[test]

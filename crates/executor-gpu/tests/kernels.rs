@@ -74,7 +74,7 @@ extern __device__ const bgs_stub_dim3 bgs_stub_tid, bgs_stub_bid, bgs_stub_bdim;
 #define blockDim bgs_stub_bdim
 typedef struct CUgraphExec_st *cudaGraphExec_t;
 typedef struct CUstream_st *cudaStream_t;
-typedef enum cudaError { cudaSuccess = 0 } cudaError_t;
+typedef enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1 } cudaError_t;
 #define cudaStreamGraphTailLaunch (cudaStream_t)0x0100000000000000
 #define cudaStreamGraphFireAndForget (cudaStream_t)0x0200000000000000
 __device__ cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t);
@@ -85,6 +85,15 @@ __device__ void __nanosleep(unsigned);
 __device__ unsigned atomicCAS_system(unsigned *, unsigned, unsigned);
 __device__ unsigned long long atomicCAS_system(unsigned long long *, unsigned long long, unsigned long long);
 __device__ unsigned long long atomicAdd(unsigned long long *, unsigned long long);
+__device__ unsigned long long atomicMax(unsigned long long *, unsigned long long);
+__device__ void __syncwarp(unsigned = 0xffffffffu);
+__device__ unsigned __ballot_sync(unsigned, int);
+__device__ int __any_sync(unsigned, int);
+template <typename T> __device__ T __shfl_sync(unsigned, T, int);
+__device__ int __popcll(unsigned long long);
+__device__ int __ffs(int);
+__device__ int __clz(int);
+__device__ unsigned atomicAdd(unsigned *, unsigned);
 "#;
 
 fn clang() -> Option<&'static str> {
