@@ -384,9 +384,15 @@ pub struct KernelRx {
     failed: MapHandle,
     doorbell_map: MapHandle,
     _ring_map: MapHandle,
+    _side_map: MapHandle,
     doorbell: Doorbell,
+    /// BPF's own completions (busy, direct rejections, EOF/RESET markers); its request ring
+    /// is unused.
+    side: Arc<RingRegion>,
     /// Must outlive `region` (declared after it, so dropped after it).
     _ring_mapping: Mapping,
+    /// Must outlive `side`.
+    _side_mapping: Mapping,
 }
 
 impl fmt::Debug for KernelRx {
@@ -445,8 +451,17 @@ impl KernelRx {
         }
         let value_size = u32::try_from(size)
             .map_err(|_| BpfError::Config(format!("ring region of {size} bytes is too large")))?;
+        // The side region: BPF's own completions. Its request ring is never used.
+        let side_cfg = RingConfig {
+            request_slots: 2,
+            completion_slots: cfg.completion_slots,
+        };
+        let side_size = RingRegion::size_for(&side_cfg);
+        let side_value_size = u32::try_from(side_size).map_err(|_| {
+            BpfError::Config(format!("side region of {side_size} bytes is too large"))
+        })?;
         let comp_off = bgs_ring::HEADER_SIZE
-            + (cfg.request_slots as usize * bgs_ring::REQUEST_SLOT_SIZE)
+            + (side_cfg.request_slots as usize * bgs_ring::REQUEST_SLOT_SIZE)
                 .next_multiple_of(bgs_ring::layout::PAGE_SIZE);
         let cgroup = cgroup2_root().ok_or(BpfError::NoCgroup2)?;
         // Closing sockets keep their entries until TCP_CLOSE: leave room for them.
@@ -475,6 +490,10 @@ impl KernelRx {
             .set_value_size(value_size)
             .map_err(bpf("sizing the ring map"))?;
         open.maps
+            .side_map
+            .set_value_size(side_value_size)
+            .map_err(bpf("sizing the side ring map"))?;
+        open.maps
             .sockhash
             .set_max_entries(entries)
             .map_err(bpf("sizing the sockhash"))?;
@@ -492,6 +511,7 @@ impl KernelRx {
         })?;
 
         let ring_map = map_handle(&skel.maps.ring_map, "ring map fd")?;
+        let side_map = map_handle(&skel.maps.side_map, "side ring map fd")?;
         let sockhash = map_handle(&skel.maps.sockhash, "sockhash fd")?;
         let conn_states = map_handle(&skel.maps.conn_states, "state map fd")?;
         let counters = map_handle(&skel.maps.counters, "counters fd")?;
@@ -509,6 +529,14 @@ impl KernelRx {
         // keeps... see `region()`); the BPF programs are not attached yet, so nobody uses it.
         let region =
             unsafe { RingRegion::init_external(ring_mapping.ptr.as_ptr(), size, ring_cfg) }?;
+        let side_mapping =
+            Mapping::new(side_map.as_fd(), side_size, 0, true).map_err(|source| BpfError::Os {
+                step: "mmap of the side ring map",
+                source,
+            })?;
+        // SAFETY: as for the ring mapping above (`_side_mapping` outlives `side`).
+        let side =
+            unsafe { RingRegion::init_external(side_mapping.ptr.as_ptr(), side_size, side_cfg) }?;
         let doorbell =
             Doorbell::new(doorbell_map.as_fd(), doorbell_size).map_err(|source| BpfError::Os {
                 step: "mmap of the doorbell ring buffer",
@@ -550,8 +578,11 @@ impl KernelRx {
             failed,
             doorbell_map,
             _ring_map: ring_map,
+            _side_map: side_map,
             doorbell,
+            side: Arc::new(side),
             _ring_mapping: ring_mapping,
+            _side_mapping: side_mapping,
         })
     }
 
@@ -567,6 +598,14 @@ impl KernelRx {
     /// memory; `Drop` checks this and leaks the mapping rather than unmapping it under a user).
     pub fn region(&self) -> Arc<RingRegion> {
         self.region.clone()
+    }
+
+    /// The side region whose completion ring carries what BPF answers itself: busy answers,
+    /// rejections that found the request ring full, and EOF / RESET markers. The reply path
+    /// consumes it next to the executor's completion ring (`conn_seq` orders the two). Same
+    /// lifetime rule as [`KernelRx::region`].
+    pub fn side_region(&self) -> Arc<RingRegion> {
+        self.side.clone()
     }
 
     /// The doorbell ring buffer's fd: readable (EPOLLIN) when BPF rang after publishing while a
@@ -638,6 +677,16 @@ impl Drop for KernelRx {
                 self.sockhash.as_fd().as_raw_fd(),
                 libbpf_rs::libbpf_sys::BPF_SK_SKB_VERDICT,
             );
+        }
+        if Arc::strong_count(&self.side) != 1 {
+            let m = std::mem::replace(
+                &mut self._side_mapping,
+                Mapping {
+                    ptr: NonNull::dangling(),
+                    len: 0,
+                },
+            );
+            std::mem::forget(m);
         }
         if Arc::strong_count(&self.region) != 1 {
             // Someone still holds the region: keep the memory mapped (leak) rather than

@@ -325,13 +325,9 @@ fn serve_kernel(
     if args.floor {
         bail!("--floor is a mode of the native transport");
     }
-    if executor_kind == ExecutorKind::Gpu {
-        // BPF publishes busy answers and connection markers into the completion ring that
-        // the GPU publishes into too; without host-native atomics (the H200 has none) their
-        // compare-and-swaps on the shared tail are not atomic with each other.
-        bail!(
-            "--executor gpu with --transport kernel is not supported yet: use --transport native"
-        );
+    if executor_kind == ExecutorKind::Gpu && args.reply == ReplyKind::ExecutorSqe {
+        // The GPU would have to run the reply stage itself (order, encode, write SQEs).
+        bail!("--reply executor-sqe with the GPU executor is not supported yet: use --reply loop");
     }
     let reply = match args.reply {
         ReplyKind::Loop => ReplyMode::Loop {

@@ -1,4 +1,10 @@
 //! Encoders for reply frames, request frames (clients) and HTTP responses.
+//!
+//! They append to a caller's buffer and never allocate on their own (integers are formatted
+//! with `write!` into the buffer), so a server can encode replies without per-reply heap
+//! traffic.
+
+use std::io::Write as _;
 
 use crate::wire::{HEADER_LEN, ReplyHeader, RequestHeader, Status};
 
@@ -26,9 +32,11 @@ pub fn encode_request(out: &mut Vec<u8>, header: &RequestHeader, words: &[u32]) 
 pub fn encode_http_request(out: &mut Vec<u8>, host: &str, frame: &[u8]) {
     out.extend_from_slice(b"POST /v1/submit HTTP/1.1\r\nHost: ");
     out.extend_from_slice(host.as_bytes());
-    out.extend_from_slice(b"\r\nContent-Type: application/octet-stream\r\nContent-Length: ");
-    out.extend_from_slice(frame.len().to_string().as_bytes());
-    out.extend_from_slice(b"\r\n\r\n");
+    let _ = write!(
+        out,
+        "\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\n\r\n",
+        frame.len()
+    );
     out.extend_from_slice(frame);
 }
 
@@ -51,16 +59,12 @@ pub fn http_reason(code: u16) -> &'static str {
 /// Append an HTTP/1.1 response head. `body_len` `None` selects `Transfer-Encoding: chunked`
 /// (streamed replies, one chunk per frame; see [`http_chunk`]).
 pub fn http_response_head(out: &mut Vec<u8>, code: u16, body_len: Option<usize>, close: bool) {
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(code.to_string().as_bytes());
-    out.push(b' ');
+    let _ = write!(out, "HTTP/1.1 {code} ");
     out.extend_from_slice(http_reason(code).as_bytes());
     out.extend_from_slice(b"\r\nContent-Type: application/octet-stream\r\n");
     match body_len {
         Some(n) => {
-            out.extend_from_slice(b"Content-Length: ");
-            out.extend_from_slice(n.to_string().as_bytes());
-            out.extend_from_slice(b"\r\n");
+            let _ = write!(out, "Content-Length: {n}\r\n");
         }
         None => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
     }
@@ -72,9 +76,14 @@ pub fn http_response_head(out: &mut Vec<u8>, code: u16, body_len: Option<usize>,
 
 /// Append one chunk of a chunked body.
 pub fn http_chunk(out: &mut Vec<u8>, data: &[u8]) {
-    out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    http_chunk_head(out, data.len());
     out.extend_from_slice(data);
     out.extend_from_slice(b"\r\n");
+}
+
+/// Append the size line of a chunk of `len` bytes (the data and its CRLF follow).
+pub fn http_chunk_head(out: &mut Vec<u8>, len: usize) {
+    let _ = write!(out, "{len:x}\r\n");
 }
 
 /// Append the last (empty) chunk of a chunked body.

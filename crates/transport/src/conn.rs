@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 
-use bgs_protocol::reply::{encode_reply, http_chunk, http_last_chunk, http_response_head};
+use bgs_protocol::reply::{encode_reply, http_chunk_head, http_last_chunk, http_response_head};
 use bgs_protocol::{Decoded, Framer, FramerConfig, Framing, HEADER_LEN, Reject, Request, Status};
 
 use crate::stats::TransportStats;
@@ -78,17 +78,20 @@ pub fn encode_frame(
     match framing {
         Framing::Binary => encode_reply(out, f.status, f.request_id, f.stream_seq, f.words),
         Framing::Http { keep_alive } => {
+            // The frame goes straight into `out` after its HTTP framing, whose length fields
+            // are known in advance: no temporary buffer per reply.
             let close = !keep_alive;
-            let mut frame = Vec::with_capacity(HEADER_LEN + f.words.len() * 4);
-            encode_reply(&mut frame, f.status, f.request_id, f.stream_seq, f.words);
+            let frame_len = HEADER_LEN + f.words.len() * 4;
             if f.final_ && !*http_started {
-                http_response_head(out, f.status.http_status(), Some(frame.len()), close);
-                out.extend_from_slice(&frame);
+                http_response_head(out, f.status.http_status(), Some(frame_len), close);
+                encode_reply(out, f.status, f.request_id, f.stream_seq, f.words);
             } else {
                 if !*http_started {
                     http_response_head(out, 200, None, close);
                 }
-                http_chunk(out, &frame);
+                http_chunk_head(out, frame_len);
+                encode_reply(out, f.status, f.request_id, f.stream_seq, f.words);
+                out.extend_from_slice(b"\r\n");
                 if f.final_ {
                     http_last_chunk(out);
                 }

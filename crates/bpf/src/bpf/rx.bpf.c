@@ -41,8 +41,8 @@ const volatile __u32 cfg_max_words = BGS_DEFAULT_MAX_WORDS;
 const volatile __u32 cfg_max_head = 8192;
 const volatile __u32 cfg_generate = 0;
 const volatile __u64 cfg_req_mask = 1;      /* request capacity - 1 */
-const volatile __u64 cfg_comp_mask = 1;     /* completion capacity - 1 */
-const volatile __u64 cfg_comp_off = 8192;   /* completion_slots_offset */
+const volatile __u64 cfg_comp_mask = 1;     /* side region: completion capacity - 1 */
+const volatile __u64 cfg_comp_off = 8192;   /* side region: completion_slots_offset */
 
 /* ---- counters (per-CPU; indices generated from crates/bpf/src/counter_index.rs) ---- */
 #include "bgs_counters.h"
@@ -160,6 +160,19 @@ struct {
 	__uint(key_size, 4);
 	__uint(value_size, 4096 * 3);
 } ring_map SEC(".maps");
+
+/* The side region: a second ring region whose completion ring carries what BPF answers itself
+ * (busy, rejections that found the request ring full, EOF / RESET markers). The executor's
+ * completion ring in ring_map then has producers on one side only: a GPU publishing there
+ * cannot share a compare-and-swap target with CPUs when the link has no host-native atomics.
+ * Its request ring is unused. Sized by the loader like ring_map. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__uint(max_entries, 1);
+	__uint(key_size, 4);
+	__uint(value_size, 4096 * 3);
+} side_map SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_SOCKHASH);
@@ -298,29 +311,26 @@ static __always_inline void *region_ptr(void)
 	return bpf_map_lookup_elem(&ring_map, &zero);
 }
 
+static __always_inline void *side_region_ptr(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&side_map, &zero);
+}
+
 /* Vyukov claim (docs/ring.md "Push", steps 1-2), one attempt per bpf_loop iteration (a
  * bpf_loop callback is verified once, a bounded loop once per iteration). An attempt fails
  * only when another producer claimed the position in between; after CLAIM_TRIES of those the
  * claim gives up and counts as full. */
 struct claim {
 	__u64 pos;
-	__u32 comp;     /* 0: request ring, 1: completion ring */
+	__u32 comp;     /* 0: request ring (ring_map), 1: completion ring (side_map) */
 	__s32 result;   /* 0 claimed, -1 full, 1 still trying */
 };
 
-static long claim_cb(__u32 i, void *data)
+/* One claim attempt on a ring whose tail and slot seq are given. */
+static __always_inline long claim_step(struct claim *cl, __u64 *tail, __u64 seq)
 {
-	struct claim *cl = data;
-	void *region = region_ptr();
-	if (!region) {
-		cl->result = -1;
-		return 1;
-	}
-	struct bgs_ring_header *h = region;
 	__u64 pos = cl->pos;
-	__u64 *tail = cl->comp ? &h->completion_tail : &h->request_tail;
-	__u64 seq = cl->comp ? READ_ONCE(comp_slot(region, pos)->seq)
-			     : READ_ONCE(req_slot(region, pos)->seq);
 	barrier();
 	__s64 d = (__s64)(seq - pos);
 	if (d == 0) {
@@ -339,6 +349,33 @@ static long claim_cb(__u32 i, void *data)
 	return 0;
 }
 
+/* The two rings get separate callbacks: with one callback selecting region and slot offsets
+ * by `comp`, clang may compute the map pointer and the offset under separate branches, and the
+ * verifier then sees the side map's pointer with a request-ring offset (out of its bounds). */
+static long claim_req_cb(__u32 i, void *data)
+{
+	struct claim *cl = data;
+	void *region = region_ptr();
+	if (!region) {
+		cl->result = -1;
+		return 1;
+	}
+	struct bgs_ring_header *h = region;
+	return claim_step(cl, &h->request_tail, READ_ONCE(req_slot(region, cl->pos)->seq));
+}
+
+static long claim_comp_cb(__u32 i, void *data)
+{
+	struct claim *cl = data;
+	void *region = side_region_ptr();
+	if (!region) {
+		cl->result = -1;
+		return 1;
+	}
+	struct bgs_ring_header *h = region;
+	return claim_step(cl, &h->completion_tail, READ_ONCE(comp_slot(region, cl->pos)->seq));
+}
+
 static __always_inline int claim(void *region, __u32 comp, __u64 *out)
 {
 	struct bgs_ring_header *h = region;
@@ -347,7 +384,10 @@ static __always_inline int claim(void *region, __u32 comp, __u64 *out)
 		.comp = comp,
 		.result = 1,
 	};
-	bpf_loop(CLAIM_TRIES, claim_cb, &cl, 0);
+	if (comp)
+		bpf_loop(CLAIM_TRIES, claim_comp_cb, &cl, 0);
+	else
+		bpf_loop(CLAIM_TRIES, claim_req_cb, &cl, 0);
 	if (cl.result == 1)
 		cnt_add(C_CLAIM_CONTENDED, 1);
 	*out = cl.pos;
@@ -379,11 +419,14 @@ static __always_inline void notify(void *region, __u32 ring, __u64 cookie)
 }
 
 /* A completion published by BPF itself: busy, a rejection that found the request ring full,
- * or an EOF / RESET marker. */
-static __always_inline int push_completion(void *region, __u64 cookie, __u32 conn_seq,
+ * or an EOF / RESET marker. It goes to the side region's completion ring (see side_map). */
+static __always_inline int push_completion(void *unused, __u64 cookie, __u32 conn_seq,
 					   __u32 status, __u32 request_id, __u32 route)
 {
+	void *region = side_region_ptr();
 	__u64 pos;
+	if (!region)
+		return -1;
 	if (claim(region, 1, &pos))
 		return -1;
 	struct bgs_completion_slot *s = comp_slot(region, pos);

@@ -118,6 +118,8 @@ pub fn reference(cfg: FramerConfig, stream: &[u8]) -> Vec<Item> {
 pub struct Harness {
     pub rx: KernelRx,
     pub region: Arc<RingRegion>,
+    /// Where BPF's own completions go.
+    pub side: Arc<RingRegion>,
     pub listener: TcpListener,
     pub port: u16,
     pub framer: FramerConfig,
@@ -132,9 +134,11 @@ impl Harness {
         cfg.listen_port = port;
         let rx = KernelRx::load(&cfg).unwrap_or_else(|e| panic!("KernelRx::load: {e}"));
         let region = rx.region();
+        let side = rx.side_region();
         Harness {
             rx,
             region,
+            side,
             listener,
             port,
             framer: FramerConfig {
@@ -184,7 +188,9 @@ impl Harness {
         }) {
             self.stash.entry(conn).or_default().push((seq, item));
         }
-        while let Some((conn, seq, item)) = self.region.completions().try_pop(|e| {
+        // BPF never publishes into the executor's completion ring.
+        assert!(self.region.completions().is_empty());
+        while let Some((conn, seq, item)) = self.side.completions().try_pop(|e| {
             assert_eq!(e.final_, 1, "BPF completions are final");
             assert_eq!(e.words, 0, "BPF completions carry no payload");
             let item = if e.route & route::EOF != 0 {

@@ -188,6 +188,10 @@ impl SqIo<'_> {
 struct StageDriver {
     stage: ReplyStage,
     region: Arc<RingRegion>,
+    /// BPF's own completions (busy, markers): a ring of their own, so that each completion
+    /// ring has producers on one side only (a GPU executor and CPUs cannot share a
+    /// compare-and-swap target without host-native atomics).
+    side: Arc<RingRegion>,
     accepts: u64,
     listener_fd: RawFd,
     accept_armed: bool,
@@ -207,6 +211,7 @@ struct Bell {
 impl StageDriver {
     fn new(
         region: Arc<RingRegion>,
+        side: Arc<RingRegion>,
         listener_fd: RawFd,
         bell_fd: Option<RawFd>,
         stop_fd: Option<RawFd>,
@@ -214,6 +219,7 @@ impl StageDriver {
         StageDriver {
             stage: ReplyStage::new(),
             region,
+            side,
             accepts: 0,
             listener_fd,
             accept_armed: false,
@@ -236,12 +242,10 @@ impl StageDriver {
     /// Reap completions and CQEs, queue operations. Returns true if anything happened.
     fn pass(&mut self, uring: &Uring, io: &mut SqIo<'_>) -> bool {
         let mut did = false;
-        while let Some(()) = self
-            .region
-            .completions()
-            .try_pop(|e| self.stage.on_completion(e))
-        {
-            did = true;
+        for ring in [self.region.completions(), self.side.completions()] {
+            while let Some(()) = ring.try_pop(|e| self.stage.on_completion(e)) {
+                did = true;
+            }
         }
         while let Some(cqe) = uring.cq().pop() {
             did = true;
@@ -462,6 +466,7 @@ impl KernelTransport {
     fn run_loop(self, timer: Duration) -> io::Result<KernelStats> {
         let mut driver = StageDriver::new(
             self.rx.region(),
+            self.rx.side_region(),
             self.listener.as_raw_fd(),
             Some(self.waker_fd.as_raw_fd()),
             Some(self.shutdown_rx.as_raw_fd()),
@@ -486,7 +491,9 @@ impl KernelTransport {
             // Announce the sleep, then re-check: a completion published after the check
             // makes its executor write the eventfd, whose READ completion ends the wait.
             let guard = driver.region.completions().sleep_guard();
-            let idle = driver.region.completions().is_empty() && self.uring.cq().is_empty();
+            let idle = driver.region.completions().is_empty()
+                && driver.side.completions().is_empty()
+                && self.uring.cq().is_empty();
             // While sends, shutdowns or accepts are pending, wake at least every `timer`;
             // otherwise a longer timer still catches markers BPF published (it cannot write
             // the eventfd).
@@ -526,12 +533,13 @@ impl KernelTransport {
         let uring = self.uring.clone();
         let rx = self.rx.clone();
         let region = self.rx.region();
+        let side = self.rx.side_region();
         let listener_fd = self.listener.as_raw_fd();
         let stop2 = stop.clone();
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
-                let mut driver = StageDriver::new(region, listener_fd, None, None);
+                let mut driver = StageDriver::new(region, side, listener_fd, None, None);
                 let mut last_sweep = Instant::now();
                 while !stop2.load(Ordering::Acquire) {
                     let mut io = SqIo {

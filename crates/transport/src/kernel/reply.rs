@@ -77,6 +77,19 @@ pub struct ReplyStats {
     pub never_accepted: u64,
 }
 
+/// A completion's fields as the stage needs them, borrowing the payload from the ring slot.
+#[derive(Debug, Clone, Copy)]
+struct FrameRef<'a> {
+    status: u16,
+    final_: bool,
+    stream_seq: u32,
+    request_id: u32,
+    route: u32,
+    words: &'a [u32],
+}
+
+/// A completion that arrived before the items ahead of it: the only case that copies the
+/// payload out of the ring.
 #[derive(Debug)]
 struct Parked {
     status: u16,
@@ -86,6 +99,22 @@ struct Parked {
     route: u32,
     words: Vec<u32>,
 }
+
+impl Parked {
+    fn as_ref(&self) -> FrameRef<'_> {
+        FrameRef {
+            status: self.status,
+            final_: self.final_,
+            stream_seq: self.stream_seq,
+            request_id: self.request_id,
+            route: self.route,
+            words: &self.words,
+        }
+    }
+}
+
+/// Most spare send buffers kept for reuse.
+const SPARE_BUFFERS: usize = 1024;
 
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
 enum Phase {
@@ -136,6 +165,10 @@ pub struct ReplyStage {
     next_generation: u32,
     /// Connections with work for the next flush.
     dirty: Vec<usize>,
+    /// The list being flushed (kept to reuse its allocation).
+    flushing: Vec<usize>,
+    /// Send buffers to reuse: steady state allocates and frees nothing.
+    spare: Vec<Vec<u8>>,
     /// Connections the stage closed (cookies), for the caller to forget in BPF state.
     closed: Vec<u64>,
     /// Cookies of the most recently closed connections, so that markers arriving after the
@@ -236,34 +269,40 @@ impl ReplyStage {
             }
             return;
         }
-        let words = &e.payload[..(e.words as usize).min(e.payload.len())];
-        let parked = Parked {
+        let frame = FrameRef {
             status: e.status,
             final_: e.final_ != 0,
             stream_seq: e.stream_seq,
             request_id: e.request_id,
             route: e.route,
-            words: words.to_vec(),
+            words: &e.payload[..(e.words as usize).min(e.payload.len())],
         };
         if e.conn_seq == c.next_seq {
-            Self::emit(c, parked, &mut self.stats);
+            Self::emit(c, frame, &mut self.stats);
             // Items that were waiting behind this one.
-            while c.phase == Phase::Open {
+            while c.phase == Phase::Open && !c.parked.is_empty() {
                 let Some(frames) = c.parked.remove(&c.next_seq) else {
                     break;
                 };
-                for p in frames {
-                    Self::emit(c, p, &mut self.stats);
+                for p in &frames {
+                    Self::emit(c, p.as_ref(), &mut self.stats);
                 }
             }
         } else {
-            c.parked.entry(e.conn_seq).or_default().push(parked);
+            c.parked.entry(e.conn_seq).or_default().push(Parked {
+                status: frame.status,
+                final_: frame.final_,
+                stream_seq: frame.stream_seq,
+                request_id: frame.request_id,
+                route: frame.route,
+                words: frame.words.to_vec(),
+            });
         }
         self.dirty.push(idx);
     }
 
     /// Encode one frame of the front item (or handle a marker in its turn).
-    fn emit(c: &mut ConnOut, p: Parked, stats: &mut ReplyStats) {
+    fn emit(c: &mut ConnOut, p: FrameRef<'_>, stats: &mut ReplyStats) {
         if c.phase != Phase::Open {
             return;
         }
@@ -301,7 +340,7 @@ impl ReplyStage {
                 final_: p.final_,
                 stream_seq: p.stream_seq,
                 request_id: p.request_id,
-                words: &p.words,
+                words: p.words,
             };
             encode_frame(&mut c.out, framing, &mut c.http_started, &f);
         }
@@ -345,12 +384,13 @@ impl ReplyStage {
                     inf.sent += res as usize;
                     if inf.sent < inf.buf.len() {
                         self.stats.short_sends += 1;
-                    } else if let Some(Inflight { mut buf, .. }) = c.inflight.take()
-                        && c.out.is_empty()
-                    {
-                        // Reuse the allocation for the next batch.
+                    } else if let Some(Inflight { mut buf, .. }) = c.inflight.take() {
                         buf.clear();
-                        c.out = buf;
+                        if c.out.is_empty() && c.out.capacity() == 0 {
+                            c.out = buf;
+                        } else if self.spare.len() < SPARE_BUFFERS {
+                            self.spare.push(buf);
+                        }
                     }
                 }
                 self.dirty.push(idx);
@@ -362,7 +402,8 @@ impl ReplyStage {
             KIND_CLOSE => {
                 let cookie = c.cookie;
                 self.by_cookie.remove(&cookie);
-                self.conns.remove(idx);
+                let gone = self.conns.remove(idx);
+                self.recycle(gone);
                 self.stats.closed += 1;
                 self.recently_closed.insert(cookie);
                 self.recently_closed_order.push_back(cookie);
@@ -376,19 +417,30 @@ impl ReplyStage {
         }
     }
 
-    /// Issue the operations the state calls for: sends, shutdowns, closes.
-    pub fn flush(&mut self, io: &mut dyn ReplyIo) {
-        let mut dirty = std::mem::take(&mut self.dirty);
-        dirty.sort_unstable();
-        dirty.dedup();
-        let mut retry = Vec::new();
-        for idx in dirty.drain(..) {
-            if !self.flush_one(idx, io) {
-                retry.push(idx);
+    /// Keep a closed connection's buffers for reuse.
+    fn recycle(&mut self, c: ConnOut) {
+        let ConnOut { out, inflight, .. } = c;
+        for mut buf in [Some(out), inflight.map(|i| i.buf)].into_iter().flatten() {
+            if buf.capacity() > 0 && self.spare.len() < SPARE_BUFFERS {
+                buf.clear();
+                self.spare.push(buf);
             }
         }
-        self.dirty.append(&mut retry);
-        self.dirty.append(&mut dirty);
+    }
+
+    /// Issue the operations the state calls for: sends, shutdowns, closes.
+    pub fn flush(&mut self, io: &mut dyn ReplyIo) {
+        std::mem::swap(&mut self.dirty, &mut self.flushing);
+        self.flushing.sort_unstable();
+        self.flushing.dedup();
+        for i in 0..self.flushing.len() {
+            let idx = self.flushing[i];
+            if !self.flush_one(idx, io) {
+                // No room in the queue: try again at the next flush.
+                self.dirty.push(idx);
+            }
+        }
+        self.flushing.clear();
     }
 
     /// Returns false when the queue was full and the connection needs another flush.
@@ -417,9 +469,11 @@ impl ReplyStage {
             return true;
         }
         if !c.out.is_empty() {
-            let buf = std::mem::take(&mut c.out);
+            let fresh = self.spare.pop().unwrap_or_default();
+            let buf = std::mem::replace(&mut c.out, fresh);
             if !io.send(fd, buf.as_ptr(), buf.len(), ud_send) {
-                c.out = buf;
+                let fresh = std::mem::replace(&mut c.out, buf);
+                self.spare.push(fresh);
                 return false;
             }
             self.stats.sends += 1;
@@ -474,6 +528,7 @@ impl ReplyStage {
             let c = self.conns.remove(idx);
             self.by_cookie.remove(&c.cookie);
             self.stats.never_accepted += 1;
+            self.recycle(c);
         }
     }
 }
