@@ -16,7 +16,7 @@ port=7900
 start() { # name args...
   local name=$1; shift
   port=$((port + 1))
-  timeout 300 "$bgs" serve --listen 127.0.0.1:$port --cpus 0-3 "$@" >"$out/$name.server.log" 2>&1 &
+  "$bgs" serve --listen 127.0.0.1:$port --cpus 0-3 "$@" >"$out/$name.server.log" 2>&1 &
   spid=$!
   for _ in $(seq 100); do grep -q listening "$out/$name.server.log" 2>/dev/null && return 0; sleep 0.1; done
   echo "server $name did not start" | tee -a "$out/steps.log"; cat "$out/$name.server.log" | tee -a "$out/steps.log"

@@ -256,6 +256,12 @@ impl<E: Entry> Ring<E> {
         self.capacity as usize
     }
 
+    /// Positions claimed by producers since the ring was initialized (the tail counter): a
+    /// monotonic count of entries ever pushed, claimed ones included.
+    pub fn produced(&self) -> u64 {
+        self.tail().load(Ordering::Acquire)
+    }
+
     /// Entries claimed by producers and not yet claimed by consumers (approximate: the two
     /// counters are read one after the other while others move them).
     pub fn len(&self) -> usize {

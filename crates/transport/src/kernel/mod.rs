@@ -193,6 +193,10 @@ struct StageDriver {
     /// compare-and-swap target without host-native atomics).
     side: Arc<RingRegion>,
     accepts: u64,
+    /// Final completions taken from the executor's completion ring. Every request-ring entry
+    /// (request or rejection) ends in exactly one, so `requests().produced() - finals` is the
+    /// work still in the executor.
+    finals: u64,
     listener_fd: RawFd,
     accept_armed: bool,
     /// Loop mode: a READ on the executor's eventfd, re-armed after each completion.
@@ -221,6 +225,7 @@ impl StageDriver {
             region,
             side,
             accepts: 0,
+            finals: 0,
             listener_fd,
             accept_armed: false,
             bell: bell_fd.map(|fd| Bell {
@@ -242,10 +247,19 @@ impl StageDriver {
     /// Reap completions and CQEs, queue operations. Returns true if anything happened.
     fn pass(&mut self, uring: &Uring, io: &mut SqIo<'_>) -> bool {
         let mut did = false;
-        for ring in [self.region.completions(), self.side.completions()] {
-            while let Some(()) = ring.try_pop(|e| self.stage.on_completion(e)) {
-                did = true;
-            }
+        while let Some(final_) = self.region.completions().try_pop(|e| {
+            self.stage.on_completion(e);
+            e.final_ != 0
+        }) {
+            self.finals += u64::from(final_);
+            did = true;
+        }
+        while let Some(()) = self
+            .side
+            .completions()
+            .try_pop(|e| self.stage.on_completion(e))
+        {
+            did = true;
         }
         while let Some(cqe) = uring.cq().pop() {
             did = true;
@@ -494,10 +508,12 @@ impl KernelTransport {
             let idle = driver.region.completions().is_empty()
                 && driver.side.completions().is_empty()
                 && self.uring.cq().is_empty();
-            // While sends, shutdowns or accepts are pending, wake at least every `timer`;
-            // otherwise a longer timer still catches markers BPF published (it cannot write
-            // the eventfd).
-            let t = if driver.stage.busy() {
+            // While requests are in the executor, or sends, shutdowns or accepts are pending,
+            // wake at least every `timer` (a GPU executor cannot write the eventfd: this timer
+            // is its completion latency); otherwise a longer timer still catches markers BPF
+            // published (it cannot write the eventfd either).
+            let executing = driver.region.requests().produced() > driver.finals;
+            let t = if executing || driver.stage.busy() {
                 timer
             } else {
                 Duration::from_millis(5)
