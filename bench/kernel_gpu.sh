@@ -2,6 +2,7 @@
 # Kernel transport with the GPU executor (issue 4, part 6, --reply loop) and the kernel
 # transport's reply paths on a many-core machine. Runs ON the GPU machine from the repo root.
 # Usage: bash bench/kernel_gpu.sh BIN_DIR OUT_DIR
+#   CHECK="kloop-gpu native-gpu" PERF="native-gpu kloop-gpu ..." ROUNDS=2 select conditions.
 # Correctness first (bgs load --strict over every op and repeat count, each condition), then
 # CPU per request and latency at 1,000 req/s and near saturation. Server on CPUs 0-3, client
 # on 4-15 (SQPOLL, where used, on CPU 3).
@@ -31,7 +32,7 @@ declare -A conds=(
   [native-cpu]="--transport native --executor cpu --slots 2"
 )
 # (1) correctness over TCP, every op and repeat count
-for c in kloop-gpu native-gpu; do
+for c in ${CHECK-kloop-gpu native-gpu}; do
   # shellcheck disable=SC2086
   start "check-$c" ${conds[$c]} || continue
   for spec in "gemm8 1" "gemm8 16" "gemm8 256" "fft32 1" "fft32 16" "fft32 256" "echo 1"; do
@@ -46,8 +47,8 @@ for c in kloop-gpu native-gpu; do
   stop; tail -8 "$out/check-$c.server.log" >> "$out/steps.log"
 done
 # (2) CPU per request and latency, alternating conditions
-for round in 1 2; do
-  for c in native-gpu kloop-gpu native-cpu kloop-cpu ksqe-cpu; do
+for round in $(seq "${ROUNDS:-2}"); do
+  for c in ${PERF-native-gpu kloop-gpu native-cpu kloop-cpu ksqe-cpu}; do
     for rate in 1000 50000; do
       # shellcheck disable=SC2086
       start "perf-$c-$rate-r$round" ${conds[$c]} || continue

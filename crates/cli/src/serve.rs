@@ -343,6 +343,7 @@ fn serve_kernel(
         listen: args.listen,
         reply,
         framer,
+        executor_wakes: executor_kind == ExecutorKind::Cpu,
         max_connections: u32::try_from(args.max_connections).unwrap_or(u32::MAX),
         request_slots: args.ring_slots,
         // BPF answers busy into the completion ring as fast as segments arrive, in bursts

@@ -118,6 +118,15 @@ pub fn accept_multishot(listen_fd: RawFd, user_data: u64) -> Sqe {
     sqe
 }
 
+/// One-shot `IORING_OP_POLL_ADD`: completes when `fd` is readable (`POLLIN`); the CQE's `res`
+/// holds the ready events.
+pub fn poll_readable(fd: RawFd, user_data: u64) -> Sqe {
+    let mut sqe = Sqe::new(IoringOp::PollAdd, fd, user_data);
+    // POLLIN (0x1): the io_uring ABI takes the poll mask as a plain 32-bit word here.
+    sqe.0.op_flags.poll32_events = 0x1;
+    sqe
+}
+
 /// `IORING_OP_CLOSE` of `fd`.
 ///
 /// The ring takes over the descriptor: nothing else may use (or close) `fd` after this entry is

@@ -536,3 +536,18 @@ fn write_after_close_of_peer_reports_error_not_signal() {
     assert!(saw_error);
     let _ = (&tx).write(&[]);
 }
+
+#[test]
+fn poll_readable_completes_when_the_fd_becomes_readable() {
+    let ring = Uring::new(&RingOptions::default()).unwrap();
+    let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).unwrap();
+    ring.sq()
+        .push(&bgs_uring::poll_readable(efd.as_raw_fd(), 9))
+        .unwrap();
+    ring.enter(1, 0, None).unwrap();
+    assert!(ring.cq().is_empty(), "nothing to read yet");
+    rustix::io::write(&efd, &1u64.to_ne_bytes()).unwrap();
+    let c = reap(&ring, 1)[0];
+    assert_eq!(c.user_data, 9);
+    assert!(c.res > 0 && c.res & 0x1 != 0, "POLLIN in {}", c.res);
+}

@@ -69,6 +69,10 @@ pub struct KernelConfig {
     pub framer: FramerConfig,
     /// Most connections (sockhash and state map sizes).
     pub max_connections: u32,
+    /// Whether the executor wakes the reply loop when it publishes a completion (the CPU
+    /// executor writes an eventfd; a GPU cannot). Without it the loop watches BPF's doorbell
+    /// for new requests and polls at its timer while they execute.
+    pub executor_wakes: bool,
     /// Request ring slots.
     pub request_slots: u32,
     /// Completion ring slots.
@@ -123,6 +127,7 @@ impl std::fmt::Display for KernelStats {
 const UD_ACCEPT: u64 = 0xff << 56;
 const UD_DOORBELL: u64 = 0xfe << 56;
 const UD_SHUTDOWN: u64 = 0xfd << 56;
+const UD_WATCH: u64 = 0xfc << 56;
 
 /// The kernel transport, bound and loaded.
 pub struct KernelTransport {
@@ -204,6 +209,10 @@ struct StageDriver {
     /// Loop mode: a READ on the shutdown pipe; its completion stops the loop.
     stop: Option<Bell>,
     stop_requested: bool,
+    /// Loop mode with an executor that cannot wake us: a poll on BPF's doorbell, which rings
+    /// when a request is published while we are registered as a request-ring sleeper.
+    watch: Option<(RawFd, bool)>,
+    watch_fired: bool,
 }
 
 struct Bell {
@@ -239,6 +248,8 @@ impl StageDriver {
                 armed: false,
             }),
             stop_requested: false,
+            watch: None,
+            watch_fired: false,
         }
     }
 }
@@ -295,6 +306,12 @@ impl StageDriver {
                     }
                 }
                 UD_SHUTDOWN => self.stop_requested = true,
+                UD_WATCH => {
+                    if let Some((_, armed)) = &mut self.watch {
+                        *armed = false;
+                    }
+                    self.watch_fired = true;
+                }
                 ud => self.stage.on_cqe(ud, cqe.res),
             }
         }
@@ -309,6 +326,11 @@ impl StageDriver {
             // use of it (the driver is dropped after the loop, the ring after that).
             let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_DOORBELL) };
             b.armed = io.push(&sqe);
+        }
+        if let Some((fd, armed)) = &mut self.watch
+            && !*armed
+        {
+            *armed = io.push(&bgs_uring::poll_readable(*fd, UD_WATCH));
         }
         if let Some(b) = &mut self.stop
             && !b.armed
@@ -485,6 +507,9 @@ impl KernelTransport {
             Some(self.waker_fd.as_raw_fd()),
             Some(self.shutdown_rx.as_raw_fd()),
         );
+        if !self.cfg.executor_wakes {
+            driver.watch = Some((self.rx.doorbell_fd().as_raw_fd(), false));
+        }
         let mut wakeups = 0u64;
         let mut last_sweep = Instant::now();
         loop {
@@ -497,6 +522,10 @@ impl KernelTransport {
             if driver.stop_requested {
                 break;
             }
+            if std::mem::take(&mut driver.watch_fired) {
+                // Consume the records so the doorbell descriptor stops being readable.
+                self.rx.drain_doorbell();
+            }
             let now = Instant::now();
             if now.duration_since(last_sweep) > Duration::from_millis(5) {
                 driver.stage.sweep(now);
@@ -505,6 +534,12 @@ impl KernelTransport {
             // Announce the sleep, then re-check: a completion published after the check
             // makes its executor write the eventfd, whose READ completion ends the wait.
             let guard = driver.region.completions().sleep_guard();
+            // Without executor wake-ups, also count as a request-ring sleeper: BPF then rings
+            // its doorbell for the next request, and we start polling at the short timer.
+            let request_guard = driver
+                .watch
+                .is_some()
+                .then(|| driver.region.requests().sleep_guard());
             let idle = driver.region.completions().is_empty()
                 && driver.side.completions().is_empty()
                 && self.uring.cq().is_empty();
@@ -524,6 +559,7 @@ impl KernelTransport {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
+            drop(request_guard);
             drop(guard);
             wakeups += 1;
         }
