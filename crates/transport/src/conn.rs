@@ -250,12 +250,11 @@ impl ConnState {
                             self.emit(seq, Status::Busy, true, 0, id, &[]);
                         }
                         Submit::EchoNow => {
-                            let words: Vec<u32> = request
-                                .payload
-                                .chunks_exact(4)
-                                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                                .collect();
-                            self.emit(seq, Status::Ok, true, 0, id, &words);
+                            // On the stack: floor mode measures TCP, not the allocator.
+                            let mut words = [0u32; bgs_ring::SLOT_WORDS];
+                            let n = (request.payload.len() / 4).min(words.len());
+                            bgs_protocol::wire::words_from_le(request.payload, &mut words[..n]);
+                            self.emit(seq, Status::Ok, true, 0, id, &words[..n]);
                         }
                         Submit::Unsupported => {
                             stats.rejects[Status::UnknownOp as usize] += 1;

@@ -382,7 +382,7 @@ impl NativeTransport {
         let mut sink = RingSink {
             region: self.region.as_deref(),
             floor: self.cfg.floor,
-            now_ns: now_ns(),
+            now_ns: bgs_ring::monotonic_ns(),
         };
         let conn = &mut self.conns[idx];
         if conn.rbuf.is_empty() {
@@ -463,7 +463,7 @@ impl NativeTransport {
                 let mut sink = RingSink {
                     region: self.region.as_deref(),
                     floor: self.cfg.floor,
-                    now_ns: now_ns(),
+                    now_ns: bgs_ring::monotonic_ns(),
                 };
                 let before = conn.state.queued();
                 let used = conn.state.ingest(&conn.rbuf, &mut sink, &mut self.stats);
@@ -602,11 +602,6 @@ fn write_out(conn: &mut Conn, stats: &mut TransportStats) -> bool {
         }
     }
     true
-}
-
-fn now_ns() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
 /// Publishes framed requests into the request ring (or answers them in floor mode).
