@@ -117,6 +117,10 @@ pub struct ServeArgs {
     /// times it but at least 16384 (kernel: BPF answers busy into it in bursts).
     #[arg(long)]
     pub completion_slots: Option<u32>,
+    /// Print the transport's counters to stderr every this many seconds (they are always
+    /// printed at shutdown).
+    #[arg(long)]
+    pub stats_every: Option<f64>,
     /// Longest epoll wait while requests are outstanding, in microseconds.
     #[arg(long, default_value_t = 100)]
     pub poll_us: u64,
@@ -180,6 +184,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     match args.transport {
         TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg),
         TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg),
+    }
+}
+
+fn stats_every(args: &ServeArgs) -> Result<Option<Duration>> {
+    match args.stats_every {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => bail!("--stats-every must be a positive number of seconds (got {s})"),
     }
 }
 
@@ -276,6 +288,7 @@ fn serve_native(
         framer,
         poll_interval: Duration::from_micros(args.poll_us),
         floor: args.floor,
+        stats_every: stats_every(args)?,
         ..NativeConfig::default()
     };
     let region = if args.floor {
@@ -344,6 +357,7 @@ fn serve_kernel(
         reply,
         framer,
         executor_wakes: executor_kind == ExecutorKind::Cpu,
+        stats_every: stats_every(args)?,
         max_connections: u32::try_from(args.max_connections).unwrap_or(u32::MAX),
         request_slots: args.ring_slots,
         // BPF answers busy into the completion ring as fast as segments arrive, in bursts

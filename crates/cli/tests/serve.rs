@@ -122,3 +122,21 @@ fn executor_gpu_without_a_gpu_fails_with_a_message() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--executor gpu"), "{err}");
 }
+
+#[test]
+fn counters_are_printed_while_running() {
+    for args in with_each_transport(&["--stats-every", "0.2"]) {
+        let mut server = Server::start(&args);
+        let mut c = bgs_load::client::FrameClient::connect(server.addr).unwrap();
+        let h = bgs_protocol::RequestHeader::new(Op::Echo, 1, 1, 0);
+        assert_eq!(c.request(&h, &[9]).unwrap().words, vec![9]);
+        std::thread::sleep(std::time::Duration::from_millis(700));
+        let (ok, stderr) = server.stop();
+        assert!(ok, "{stderr}");
+        let running = stderr.split("bgs: shut down").next().unwrap_or("");
+        assert!(
+            running.matches("bgs: stats").count() >= 2,
+            "{args:?}: no periodic counters before shutdown:\n{stderr}"
+        );
+    }
+}

@@ -45,6 +45,8 @@ pub struct NativeConfig {
     pub floor: bool,
     /// How long shutdown waits for outstanding replies.
     pub drain_timeout: Duration,
+    /// Print the counters to stderr this often (None: only at shutdown).
+    pub stats_every: Option<Duration>,
 }
 
 impl Default for NativeConfig {
@@ -57,6 +59,7 @@ impl Default for NativeConfig {
             poll_interval: Duration::from_micros(100),
             floor: false,
             drain_timeout: Duration::from_secs(2),
+            stats_every: None,
         }
     }
 }
@@ -211,10 +214,28 @@ impl NativeTransport {
     pub fn run(mut self) -> io::Result<TransportStats> {
         let mut events = Vec::with_capacity(256);
         let mut dirty: Vec<usize> = Vec::new();
+        let mut next_stats = self.cfg.stats_every.map(|d| Instant::now() + d);
         loop {
             self.reap(&mut dirty);
             self.flush_dirty(&mut dirty);
-            let timeout = self.wait_timeout();
+            let mut timeout = self.wait_timeout();
+            if let Some(at) = next_stats {
+                let now = Instant::now();
+                if now >= at {
+                    eprintln!("bgs: stats\n{}", self.stats);
+                    next_stats = self.cfg.stats_every.map(|d| now + d);
+                }
+                // Wake for the next print even when idle.
+                let left = next_stats.map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
+                let cap = Timespec {
+                    tv_sec: left.as_secs() as _,
+                    tv_nsec: left.subsec_nanos() as _,
+                };
+                timeout = Some(match timeout {
+                    Some(t) if (t.tv_sec, t.tv_nsec) < (cap.tv_sec, cap.tv_nsec) => t,
+                    _ => cap,
+                });
+            }
             // Announce the sleep before waiting, so that an executor publishing after our
             // last reap writes the doorbell; if something arrived in between, don't sleep.
             let guard = self.region.as_ref().map(|r| r.completions().sleep_guard());

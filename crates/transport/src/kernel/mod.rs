@@ -73,6 +73,8 @@ pub struct KernelConfig {
     /// executor writes an eventfd; a GPU cannot). Without it the loop watches BPF's doorbell
     /// for new requests and polls at its timer while they execute.
     pub executor_wakes: bool,
+    /// Print the counters to stderr this often (None: only at shutdown).
+    pub stats_every: Option<Duration>,
     /// Request ring slots.
     pub request_slots: u32,
     /// Completion ring slots.
@@ -344,6 +346,42 @@ impl StageDriver {
     }
 }
 
+fn collect_stats(rx: &KernelRx, driver: &StageDriver, wakeups: u64) -> KernelStats {
+    KernelStats {
+        bpf: rx.counters(),
+        reply: driver.stage.stats().clone(),
+        wakeups,
+        accepts: driver.accepts,
+        sockhash_entries: rx.sockhash_len(),
+        conn_states: rx.conn_states_len(),
+    }
+}
+
+/// Prints the counters every `every`, if set.
+struct StatsTimer {
+    every: Option<Duration>,
+    next: Instant,
+}
+
+impl StatsTimer {
+    fn new(every: Option<Duration>) -> Self {
+        StatsTimer {
+            every,
+            next: Instant::now() + every.unwrap_or_default(),
+        }
+    }
+
+    fn due(&mut self, now: Instant) -> bool {
+        match self.every {
+            Some(every) if now >= self.next => {
+                self.next = now + every;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Bytes that arrived between the handshake and the accept sit in the socket's queue: the
 /// sockmap verdict path only runs once the socket has a `struct socket`, i.e. after accept,
 /// and only when more data arrives. Setting `SO_RCVLOWAT` makes TCP re-check readiness and
@@ -512,6 +550,7 @@ impl KernelTransport {
         }
         let mut wakeups = 0u64;
         let mut last_sweep = Instant::now();
+        let mut stats_timer = StatsTimer::new(self.cfg.stats_every);
         loop {
             let mut io = SqIo {
                 uring: &self.uring,
@@ -530,6 +569,9 @@ impl KernelTransport {
             if now.duration_since(last_sweep) > Duration::from_millis(5) {
                 driver.stage.sweep(now);
                 last_sweep = now;
+            }
+            if stats_timer.due(now) {
+                eprintln!("bgs: stats\n{}", self.stats(&driver, wakeups));
             }
             // Announce the sleep, then re-check: a completion published after the check
             // makes its executor write the eventfd, whose READ completion ends the wait.
@@ -567,14 +609,7 @@ impl KernelTransport {
     }
 
     fn stats(&self, driver: &StageDriver, wakeups: u64) -> KernelStats {
-        KernelStats {
-            bpf: self.rx.counters(),
-            reply: driver.stage.stats().clone(),
-            wakeups,
-            accepts: driver.accepts,
-            sockhash_entries: self.rx.sockhash_len(),
-            conn_states: self.rx.conn_states_len(),
-        }
+        collect_stats(&self.rx, driver, wakeups)
     }
 
     /// `--reply executor-sqe`: the executor's reply thread runs the stage without system
@@ -588,11 +623,14 @@ impl KernelTransport {
         let side = self.rx.side_region();
         let listener_fd = self.listener.as_raw_fd();
         let stop2 = stop.clone();
+        let wakeups2 = wakeups.clone();
+        let stats_every = self.cfg.stats_every;
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
                 let mut driver = StageDriver::new(region, side, listener_fd, None, None);
                 let mut last_sweep = Instant::now();
+                let mut stats_timer = StatsTimer::new(stats_every);
                 while !stop2.load(Ordering::Acquire) {
                     let mut io = SqIo {
                         uring: &uring,
@@ -604,6 +642,10 @@ impl KernelTransport {
                     if now.duration_since(last_sweep) > Duration::from_millis(5) {
                         driver.stage.sweep(now);
                         last_sweep = now;
+                    }
+                    if stats_timer.due(now) {
+                        let w = wakeups2.load(Ordering::Relaxed);
+                        eprintln!("bgs: stats\n{}", collect_stats(&rx, &driver, w));
                     }
                     if !did {
                         // Sleep on the completion ring's futex (executors and the watchdog
