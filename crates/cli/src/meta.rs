@@ -13,17 +13,23 @@ fn read_trim(path: &str) -> Option<String> {
 
 /// A description of this machine.
 pub fn machine() -> Value {
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| {
-        s.lines()
-            .find(|l| l.starts_with("model name"))
-            .and_then(|l| l.split(':').nth(1))
-            .map(|m| m.trim().to_string())
-    });
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    // The machine's CPUs, not this process's affinity (`--cpus` pins the load generator).
+    let cpus = cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count();
+    let allowed = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|m| m.trim().to_string());
     json!({
         "hostname": read_trim("/proc/sys/kernel/hostname"),
         "kernel": read_trim("/proc/sys/kernel/osrelease"),
         "cpus": cpus,
+        "cpus_allowed": allowed,
         "cpu_model": model,
     })
 }
