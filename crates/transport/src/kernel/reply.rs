@@ -144,9 +144,19 @@ struct ConnOut {
     /// The buffer being sent (one SEND at a time keeps the byte order).
     inflight: Option<Inflight>,
     phase: Phase,
+    /// Counted in `ReplyStage::busy_conns` (see `ConnOut::busy`).
+    busy_counted: bool,
     /// The peer's EOF marker arrived (in order).
     eof: bool,
     linger_until: Option<Instant>,
+}
+
+impl ConnOut {
+    /// Waiting on something that will need a timely look: a SEND in flight, a shutdown or
+    /// linger, or an accept that has not been reaped yet.
+    fn busy(&self) -> bool {
+        self.inflight.is_some() || self.phase != Phase::Open || self.fd.is_none()
+    }
 }
 
 #[derive(Debug)]
@@ -169,8 +179,9 @@ pub struct ReplyStage {
     flushing: Vec<usize>,
     /// Send buffers to reuse: steady state allocates and frees nothing.
     spare: Vec<Vec<u8>>,
-    /// Connections the stage closed (cookies), for the caller to forget in BPF state.
-    closed: Vec<u64>,
+    /// Connections whose `busy()` is true, kept current by `flush` so that [`Self::busy`]
+    /// is O(1) on the loop's hot path.
+    busy_conns: usize,
     /// Cookies of the most recently closed connections, so that markers arriving after the
     /// close do not resurrect them (cookies are never reused).
     recently_closed: std::collections::HashSet<u64>,
@@ -194,16 +205,35 @@ impl ReplyStage {
         self.conns.len()
     }
 
-    /// True when a SEND, SHUTDOWN or linger is outstanding (the caller should poll soon).
+    /// True when a SEND, SHUTDOWN or linger is outstanding, or an accept is awaited (the
+    /// caller should poll soon). Exact after [`Self::flush`].
     pub fn busy(&self) -> bool {
-        self.conns
-            .iter()
-            .any(|(_, c)| c.inflight.is_some() || c.phase != Phase::Open || c.fd.is_none())
+        self.busy_conns > 0
     }
 
-    /// Cookies of connections closed since the last call.
-    pub fn take_closed(&mut self) -> Vec<u64> {
-        std::mem::take(&mut self.closed)
+    /// Re-count connection `idx` in `busy_conns`.
+    fn refresh_busy(&mut self, idx: usize) {
+        if let Some(c) = self.conns.get_mut(idx) {
+            let b = c.busy();
+            if b != c.busy_counted {
+                c.busy_counted = b;
+                if b {
+                    self.busy_conns += 1;
+                } else {
+                    self.busy_conns -= 1;
+                }
+            }
+        }
+    }
+
+    /// Take connection `idx` out of the stage.
+    fn remove_conn(&mut self, idx: usize) -> ConnOut {
+        let c = self.conns.remove(idx);
+        if c.busy_counted {
+            self.busy_conns -= 1;
+        }
+        self.by_cookie.remove(&c.cookie);
+        c
     }
 
     fn conn_for(&mut self, cookie: u64) -> usize {
@@ -222,6 +252,7 @@ impl ReplyStage {
             out: Vec::new(),
             inflight: None,
             phase: Phase::Open,
+            busy_counted: false,
             eof: false,
             linger_until: None,
         });
@@ -401,8 +432,7 @@ impl ReplyStage {
             }
             KIND_CLOSE => {
                 let cookie = c.cookie;
-                self.by_cookie.remove(&cookie);
-                let gone = self.conns.remove(idx);
+                let gone = self.remove_conn(idx);
                 self.recycle(gone);
                 self.stats.closed += 1;
                 self.recently_closed.insert(cookie);
@@ -439,6 +469,7 @@ impl ReplyStage {
                 // No room in the queue: try again at the next flush.
                 self.dirty.push(idx);
             }
+            self.refresh_busy(idx);
         }
         self.flushing.clear();
     }
@@ -492,7 +523,6 @@ impl ReplyStage {
                     return false;
                 }
                 c.phase = Phase::Closed;
-                self.closed.push(c.cookie);
             }
             Phase::Closing => {
                 if !io.shutdown(fd, user_data(KIND_SHUTDOWN, idx, c.generation)) {
@@ -505,7 +535,6 @@ impl ReplyStage {
                     return false;
                 }
                 c.phase = Phase::Closed;
-                self.closed.push(c.cookie);
             }
             _ => {}
         }
@@ -525,8 +554,7 @@ impl ReplyStage {
             }
         }
         for idx in drop_idx {
-            let c = self.conns.remove(idx);
-            self.by_cookie.remove(&c.cookie);
+            let c = self.remove_conn(idx);
             self.stats.never_accepted += 1;
             self.recycle(c);
         }
@@ -597,6 +625,46 @@ mod tests {
         out
     }
 
+    impl ReplyStage {
+        /// The O(n) definition that `busy_conns` must agree with.
+        fn busy_slow(&self) -> bool {
+            self.conns.iter().any(|(_, c)| c.busy())
+        }
+    }
+
+    #[test]
+    fn busy_count_tracks_the_connections() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        let check = |st: &ReplyStage| assert_eq!(st.busy(), st.busy_slow());
+        st.on_completion(&completion(1, 0, 1, 0, Status::Ok));
+        st.flush(&mut io);
+        check(&st);
+        assert!(st.busy(), "waiting for the accept");
+        st.on_accept(5, 1);
+        st.flush(&mut io);
+        check(&st);
+        assert!(st.busy(), "send in flight");
+        let (_, bytes, ud) = io.sends[0].clone();
+        st.on_cqe(ud, bytes.len() as i32);
+        st.flush(&mut io);
+        check(&st);
+        assert!(!st.busy());
+        let mut eof = completion(1, 1, 0, route::EOF, Status::Ok);
+        eof.words = 0;
+        st.on_completion(&eof);
+        st.flush(&mut io);
+        check(&st);
+        st.on_cqe(io.closes[0].1, 0);
+        check(&st);
+        assert!(!st.busy());
+        st.on_completion(&completion(2, 0, 1, 0, Status::Ok));
+        st.flush(&mut io);
+        st.sweep(Instant::now() + ACCEPT_GRACE + Duration::from_secs(1));
+        check(&st);
+        assert!(!st.busy());
+    }
+
     #[test]
     fn orders_replies_and_waits_for_accept() {
         let mut st = ReplyStage::new();
@@ -656,7 +724,8 @@ mod tests {
         assert_eq!(io.closes.len(), 1);
         st.on_cqe(io.closes[0].1, 0);
         assert_eq!(st.connections(), 0);
-        assert_eq!(st.take_closed(), vec![1]);
+        assert_eq!(st.stats().closed, 1);
+        assert!(!st.busy());
     }
 
     #[test]
