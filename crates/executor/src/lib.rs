@@ -337,12 +337,14 @@ impl Emit for CompletionSink<'_> {
         self.final_sent = final_;
         // Futex sleepers (other executors' consumers, tests) and an epoll sleeper (the native
         // transport, through its eventfd) are both told; each costs a load when nobody sleeps.
+        // One fence and load when nobody sleeps (the common case under load); `notify`
+        // re-checks only when someone does.
         let ring = self.region.completions();
-        ring.notify();
-        if let Some(w) = self.waker
-            && ring.has_sleepers()
-        {
-            w();
+        if ring.has_sleepers() {
+            ring.notify();
+            if let Some(w) = self.waker {
+                w();
+            }
         }
     }
 }
