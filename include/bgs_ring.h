@@ -68,6 +68,14 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 #define BGS_ROUTE_RESET 0x10u                            /* completion marker: connection failed */
 #define BGS_ROUTE_HTTP_STATUS_SHIFT 0x10u                /* HTTP status override shift */
 #define BGS_ROUTE_HTTP_STATUS_MASK 0x3ffu                /* HTTP status override mask */
+#define BGS_TX_HEADER_BYTES 4096u                        /* GPU send table */
+#define BGS_TX_ENTRY_BYTES 64u
+#define BGS_TX_BUF_BYTES 1088u                           /* send buffer per entry */
+#define BGS_TX_PROBES 8u                                 /* lookup window */
+#define BGS_TX_TOMBSTONE 0xffffffffffffffffULL
+#define BGS_TX_UD_SEND 0xa0ULL                           /* user_data kind << 56 */
+#define BGS_TX_UD_WAKE 0xa1ULL                           /* user_data kind << 56 */
+#define BGS_TX_HASH_MUL 0x9e3779b97f4a7c15ULL            /* cookie hash */
 
 /* Region header at offset 0. Counters, waiters and doorbells are accessed atomically only. */
 struct bgs_ring_header {
@@ -197,5 +205,59 @@ struct bgs_completion_slot {
 BGS_STATIC_ASSERT(sizeof(struct bgs_completion_slot) == 1088, "sizeof bgs_completion_slot");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_slot, seq) == 0, "bgs_completion_slot.seq");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_slot, entry) == 8, "bgs_completion_slot.entry");
+
+/* GPU send table header (crates/ring/src/tx.rs). Geometry: host, once; counters: GPU only. */
+struct bgs_tx_header {
+    bgs_u32 capacity;                        /*    0: entries, a power of two */
+    bgs_u32 probes;                          /*    4: BGS_TX_PROBES */
+    bgs_u32 buf_bytes;                       /*    8: BGS_TX_BUF_BYTES */
+    bgs_u32 capacity_log2;                   /*   12: log2(capacity) */
+    bgs_u64 entries_offset;                  /*   16: entry array offset */
+    bgs_u64 bufs_offset;                     /*   24: send buffers offset */
+    bgs_u64 total_size;                      /*   32: bytes of the block */
+    bgs_u8 pad0[24];                         /*   40 */
+    bgs_u64 gpu_sends;                       /*   64: replies the GPU queued a SEND for */
+    bgs_u64 gpu_completed;                   /*   72: SEND completions the GPU reaped */
+    bgs_u64 gpu_send_errors;                 /*   80: of those, errors or short sends */
+    bgs_u64 gpu_deferred;                    /*   88: replies handed to the host stage */
+    bgs_u64 gpu_wakes;                       /*   96: futex wakes queued for the host stage */
+    bgs_u64 gpu_sq_full;                     /*  104: waits for submission queue room */
+    bgs_u64 gpu_other_cqes;                  /*  112: other completions reaped */
+    bgs_u64 pad1;                            /*  120 */
+};
+BGS_STATIC_ASSERT(sizeof(struct bgs_tx_header) == 128, "sizeof bgs_tx_header");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, capacity) == 0, "bgs_tx_header.capacity");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, probes) == 4, "bgs_tx_header.probes");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, buf_bytes) == 8, "bgs_tx_header.buf_bytes");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, capacity_log2) == 12, "bgs_tx_header.capacity_log2");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, entries_offset) == 16, "bgs_tx_header.entries_offset");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, bufs_offset) == 24, "bgs_tx_header.bufs_offset");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, total_size) == 32, "bgs_tx_header.total_size");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, pad0) == 40, "bgs_tx_header.pad0");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_sends) == 64, "bgs_tx_header.gpu_sends");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_completed) == 72, "bgs_tx_header.gpu_completed");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_send_errors) == 80, "bgs_tx_header.gpu_send_errors");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_deferred) == 88, "bgs_tx_header.gpu_deferred");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_wakes) == 96, "bgs_tx_header.gpu_wakes");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_sq_full) == 104, "bgs_tx_header.gpu_sq_full");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_other_cqes) == 112, "bgs_tx_header.gpu_other_cqes");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, pad1) == 120, "bgs_tx_header.pad1");
+
+/* One connection of the GPU send table; next_seq is the turn (tx.rs). */
+struct bgs_tx_entry {
+    bgs_u64 cookie;                          /*    0: socket cookie; 0 empty, ~0 tombstone; host, stored last */
+    bgs_u32 fd;                              /*    8: descriptor (an int); host */
+    bgs_u32 next_seq;                        /*   12: conn_seq of the next reply to send; its holder writes */
+    bgs_u32 gpu_sends;                       /*   16: GPU: SENDs completed */
+    bgs_u32 gpu_errors;                      /*   20: GPU: SEND errors */
+    bgs_u32 reserved[10];                    /*   24 */
+};
+BGS_STATIC_ASSERT(sizeof(struct bgs_tx_entry) == 64, "sizeof bgs_tx_entry");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_entry, cookie) == 0, "bgs_tx_entry.cookie");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_entry, fd) == 8, "bgs_tx_entry.fd");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_entry, next_seq) == 12, "bgs_tx_entry.next_seq");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_entry, gpu_sends) == 16, "bgs_tx_entry.gpu_sends");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_entry, gpu_errors) == 20, "bgs_tx_entry.gpu_errors");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_entry, reserved) == 24, "bgs_tx_entry.reserved");
 
 #endif /* BGS_RING_H */

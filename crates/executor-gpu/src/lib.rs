@@ -63,6 +63,10 @@ pub struct GpuExecutorConfig {
     pub cache_dir: Option<PathBuf>,
     /// Called when the executor fails at run time.
     pub on_error: Option<ErrorHook>,
+    /// The kernel transport's GPU send table and io_uring ring (`--reply executor-sqe`): when
+    /// set, the GPU puts replies on the wire itself (docs/gpu.md, "GPU-written SENDs") and
+    /// hands the rest to the host's reply stage through the completion ring.
+    pub tx: Option<bgs_ring::tx::TxDesc>,
 }
 
 impl Default for GpuExecutorConfig {
@@ -74,6 +78,7 @@ impl Default for GpuExecutorConfig {
             cuda_home: None,
             cache_dir: None,
             on_error: None,
+            tx: None,
         }
     }
 }

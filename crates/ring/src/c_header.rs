@@ -116,6 +116,8 @@ fn ring_structs() -> Vec<StructDesc> {
     type C = CompletionEntry;
     type RS = Slot<RequestEntry>;
     type CS = Slot<CompletionEntry>;
+    type TH = crate::tx::TxHeader;
+    type TE = crate::tx::TxEntry;
     let line = CACHE_LINE - 8;
     let sleep_pad = CACHE_LINE - 8;
     vec![
@@ -261,6 +263,53 @@ fn ring_structs() -> Vec<StructDesc> {
                     CType::Struct(COMPLETION_ENTRY_TAG, size_of::<C>()),
                     "written by the claiming producer, read by the claiming consumer"
                 ),
+            ],
+        },
+        StructDesc {
+            tag: "bgs_tx_header",
+            comment: "GPU send table header (crates/ring/src/tx.rs). Geometry: host, once; \
+                      counters: GPU only.",
+            size: size_of::<TH>(),
+            fields: vec![
+                field!(TH, capacity, U32, "entries, a power of two"),
+                field!(TH, probes, U32, "BGS_TX_PROBES"),
+                field!(TH, buf_bytes, U32, "BGS_TX_BUF_BYTES"),
+                field!(TH, capacity_log2, U32, "log2(capacity)"),
+                field!(TH, entries_offset, U64, "entry array offset"),
+                field!(TH, bufs_offset, U64, "send buffers offset"),
+                field!(TH, total_size, U64, "bytes of the block"),
+                field!(TH, pad0, U8; 24, ""),
+                field!(TH, gpu_sends, U64, "replies the GPU queued a SEND for"),
+                field!(TH, gpu_completed, U64, "SEND completions the GPU reaped"),
+                field!(TH, gpu_send_errors, U64, "of those, errors or short sends"),
+                field!(TH, gpu_deferred, U64, "replies handed to the host stage"),
+                field!(TH, gpu_wakes, U64, "futex wakes queued for the host stage"),
+                field!(TH, gpu_sq_full, U64, "waits for submission queue room"),
+                field!(TH, gpu_other_cqes, U64, "other completions reaped"),
+                field!(TH, pad1, U64, ""),
+            ],
+        },
+        StructDesc {
+            tag: "bgs_tx_entry",
+            comment: "One connection of the GPU send table; next_seq is the turn (tx.rs).",
+            size: size_of::<TE>(),
+            fields: vec![
+                field!(
+                    TE,
+                    cookie,
+                    U64,
+                    "socket cookie; 0 empty, ~0 tombstone; host, stored last"
+                ),
+                field!(TE, fd, U32, "descriptor (an int); host"),
+                field!(
+                    TE,
+                    next_seq,
+                    U32,
+                    "conn_seq of the next reply to send; its holder writes"
+                ),
+                field!(TE, gpu_sends, U32, "GPU: SENDs completed"),
+                field!(TE, gpu_errors, U32, "GPU: SEND errors"),
+                field!(TE, reserved, U32; 10, ""),
             ],
         },
     ]
@@ -511,6 +560,53 @@ pub fn render_ring() -> String {
         ] {
             define(&mut out, name, format!("{v:#x}u"), c);
         }
+    }
+    {
+        use crate::tx;
+        let d = |v: usize| format!("{v}u");
+        define(
+            &mut out,
+            "BGS_TX_HEADER_BYTES",
+            d(tx::TX_HEADER_BYTES),
+            "GPU send table",
+        );
+        define(&mut out, "BGS_TX_ENTRY_BYTES", d(tx::TX_ENTRY_BYTES), "");
+        define(
+            &mut out,
+            "BGS_TX_BUF_BYTES",
+            d(tx::TX_BUF_BYTES),
+            "send buffer per entry",
+        );
+        define(
+            &mut out,
+            "BGS_TX_PROBES",
+            format!("{}u", tx::TX_PROBES),
+            "lookup window",
+        );
+        define(
+            &mut out,
+            "BGS_TX_TOMBSTONE",
+            format!("{:#x}ULL", tx::TX_TOMBSTONE),
+            "",
+        );
+        define(
+            &mut out,
+            "BGS_TX_UD_SEND",
+            format!("{:#x}ULL", tx::TX_UD_SEND),
+            "user_data kind << 56",
+        );
+        define(
+            &mut out,
+            "BGS_TX_UD_WAKE",
+            format!("{:#x}ULL", tx::TX_UD_WAKE),
+            "user_data kind << 56",
+        );
+        define(
+            &mut out,
+            "BGS_TX_HASH_MUL",
+            format!("{:#x}ULL", tx::TX_HASH_MUL),
+            "cookie hash",
+        );
     }
     out.push('\n');
     for s in ring_structs() {

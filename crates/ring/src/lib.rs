@@ -20,6 +20,7 @@ pub mod layout;
 mod region;
 mod ring;
 mod sync;
+pub mod tx;
 
 pub use layout::{
     COMPLETION_SLOT_SIZE, CompletionEntry, DEFAULT_COMPLETION_SLOTS, DEFAULT_REQUEST_SLOTS,
