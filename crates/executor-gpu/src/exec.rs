@@ -14,7 +14,7 @@ use cudarc::driver::sys as cu;
 
 use crate::compile;
 use crate::layout::{
-    Ctl, FUSED, FUSED_NONE, GpuSlot, MAX_SLOTS, PROBE_LEN, REPEAT_BITS, STAGED, Sched, SlotCtl,
+    Ctl, FUSED, FUSED_NONE, GpuSlot, MAX_SLOTS, PROBE_LEN, REPEAT_BITS, STAGED, Sched, SlotCtl, Tx,
 };
 use crate::libs;
 use crate::plan::{self, Compute, SlotTable};
@@ -277,6 +277,12 @@ struct Device {
     /// Device copy of `fused` for the scheduler.
     fused_dev: u64,
     sched_exec: cu::CUgraphExec,
+    /// GPU-written SENDs: host memory registered for them (send table, io_uring rings, SQEs).
+    tx_registered: Vec<*mut c_void>,
+    /// `struct bgs_gpu_tx` in device memory (0: no GPU sends).
+    tx_dev: u64,
+    /// The stream of the resident CQ reaper.
+    tx_stream: cu::CUstream,
 }
 
 // SAFETY: the handles are plain driver/library handles and pointers to pinned or device memory;
@@ -365,12 +371,20 @@ impl Device {
                 let _ = cu::cuStreamDestroy_v2(self.sched_stream);
                 self.sched_stream = std::ptr::null_mut();
             }
+            if !self.tx_stream.is_null() {
+                let _ = cu::cuStreamDestroy_v2(self.tx_stream);
+                self.tx_stream = std::ptr::null_mut();
+            }
+            for p in self.tx_registered.drain(..) {
+                let _ = cu::cuMemHostUnregister(p);
+            }
             for d in [
                 &mut self.slots_dev,
                 &mut self.sched_dev,
                 &mut self.b_dev,
                 &mut self.workspace_dev,
                 &mut self.fused_dev,
+                &mut self.tx_dev,
             ] {
                 if *d != 0 {
                     let _ = cu::cuMemFree_v2(*d);
@@ -624,6 +638,9 @@ impl Running {
             fused: Vec::new(),
             fused_dev: 0,
             sched_exec: std::ptr::null_mut(),
+            tx_registered: Vec::new(),
+            tx_dev: 0,
+            tx_stream: std::ptr::null_mut(),
         };
         let built = build(&mut d, &env, &region, cfg);
         let cache_hit = match built {
@@ -763,6 +780,17 @@ impl Running {
                 Err(e) => sh.fail(e.to_string()),
             }
         }
+        if !sh.device.tx_stream.is_null() {
+            // The reaper returns once it sees `stop` (it checks every 64 idle polls).
+            match sh.device.wait_stream(sh.device.tx_stream, STOP_TIMEOUT) {
+                Ok(true) => {}
+                Ok(false) => {
+                    stuck = true;
+                    sh.fail("the GPU send reaper did not stop at shutdown".into());
+                }
+                Err(e) => sh.fail(e.to_string()),
+            }
+        }
         sh.stopping.store(true, Ordering::SeqCst);
         if let Some(m) = self.monitor.take() {
             let _ = m.join();
@@ -842,6 +870,7 @@ fn build(
     let f_start = get_function(d.module, "bgs_slot_start")?;
     let f_publish = get_function(d.module, "bgs_slot_publish")?;
     let f_probe = get_function(d.module, "bgs_layout_probe")?;
+    let f_reaper = get_function(d.module, "bgs_tx_reaper")?;
 
     // Layout self-check: the kernels' compiler must lay out the structs as Rust does.
     {
@@ -882,6 +911,10 @@ fn build(
         unsafe { cu::cuMemHostGetDevicePointer_v2(&mut d.region_dev, d.region_host, 0) },
         "cuMemHostGetDevicePointer(ring region)",
     )?;
+    // GPU-written SENDs: the send table and the GPU's io_uring ring, registered like the rings.
+    if let Some(desc) = cfg.tx {
+        d.tx_dev = setup_tx(d, region, &desc)?;
+    }
     let (ctl, ctl_dev) = host_alloc(size_of::<Ctl>(), "cuMemHostAlloc(control)")?;
     d.ctl_host = ctl.cast();
     d.ctl_dev = ctl_dev;
@@ -1055,6 +1088,7 @@ fn build(
             std::mem::offset_of!(GpuSlot, tail_hint),
             tail_hint_dev,
         );
+        put(&mut hdr, std::mem::offset_of!(GpuSlot, tx), d.tx_dev);
         ck(
             // SAFETY: the slot's first 256 bytes are its header; `hdr` has 256 bytes.
             unsafe {
@@ -1120,7 +1154,84 @@ fn build(
     )?;
     // SAFETY: a context is current.
     ck(unsafe { cu::cuCtxSynchronize() }, "graph upload")?;
+    if d.tx_dev != 0 {
+        ck(
+            // SAFETY: a context is current; out-pointer valid; destroyed in `free`.
+            unsafe { cu::cuStreamCreate(&mut d.tx_stream, STREAM_NON_BLOCKING) },
+            "cuStreamCreate",
+        )?;
+        let (mut a0, mut a1) = (d.tx_dev, d.ctl_dev);
+        let mut args = [
+            (&mut a0 as *mut u64).cast::<c_void>(),
+            (&mut a1 as *mut u64).cast(),
+        ];
+        launch_kernel(f_reaper, 32, d.tx_stream, &mut args)?;
+    }
     Ok(cache_hit)
+}
+
+/// Register the send table and the GPU's io_uring ring memory and build `struct bgs_gpu_tx`.
+/// Returns its device address.
+fn setup_tx(
+    d: &mut Device,
+    region: &Arc<RingRegion>,
+    desc: &bgs_ring::tx::TxDesc,
+) -> Result<u64, GpuError> {
+    let mut register = |p: *mut u8, len: usize, what: &str| -> Result<u64, GpuError> {
+        ck(
+            // SAFETY: `p`/`len` describe page-aligned host memory owned by the transport,
+            // which outlives the executor (the caller stops the executor first); unregistered
+            // in `free`.
+            unsafe { cu::cuMemHostRegister_v2(p.cast(), len, REGISTER_FLAGS) },
+            &format!("cuMemHostRegister({what})"),
+        )?;
+        d.tx_registered.push(p.cast());
+        let mut dp: u64 = 0;
+        ck(
+            // SAFETY: registered with DEVICEMAP just above.
+            unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dp, p.cast(), 0) },
+            &format!("cuMemHostGetDevicePointer({what})"),
+        )?;
+        Ok(dp)
+    };
+    let table = register(desc.table, desc.table_len, "GPU send table")?;
+    let rings = register(desc.rings, desc.rings_len, "io_uring rings")?;
+    let sqes = register(desc.sqes, desc.sqes_len, "io_uring SQEs")?;
+    // SAFETY: `sq_tail` is the offset of the ring's u32 SQ tail inside `rings` (the transport
+    // filled the descriptor from the ring's own layout); nobody else produces on this ring.
+    let tail = unsafe { AtomicU32::from_ptr(desc.rings.add(desc.sq_tail as usize).cast()) }
+        .load(Ordering::Acquire);
+    let futex_off = std::mem::offset_of!(bgs_ring::RegionHeader, completion_doorbell);
+    let tx = Tx {
+        table,
+        table_host: desc.table as u64,
+        rings,
+        sqes,
+        futex_host: region.as_ptr() as u64 + futex_off as u64,
+        sq_mask: desc.sq_entries - 1,
+        sq_entries: desc.sq_entries,
+        cq_mask: desc.cq_entries - 1,
+        off_sq_head: desc.sq_head,
+        off_sq_tail: desc.sq_tail,
+        off_cq_head: desc.cq_head,
+        off_cq_tail: desc.cq_tail,
+        off_cqes: desc.cqes,
+        reserve: tail,
+        committed: tail,
+        ..Tx::default()
+    };
+    if !desc.sq_entries.is_power_of_two() || !desc.cq_entries.is_power_of_two() {
+        return Err(GpuError::Failed(
+            "the GPU's io_uring ring sizes must be powers of two".into(),
+        ));
+    }
+    let dev = dev_alloc(size_of::<Tx>(), "cuMemAlloc(GPU send state)")?;
+    ck(
+        // SAFETY: `dev` has room for a `Tx`; `tx` is a live value of that type.
+        unsafe { cu::cuMemcpyHtoD_v2(dev, (&tx as *const Tx).cast(), size_of::<Tx>()) },
+        "cuMemcpyHtoD(GPU send state)",
+    )?;
+    Ok(dev)
 }
 
 /// `BGS_GPU_LAUNCH_LANES=1`: every scheduler lane launches its own request's graph (parallel

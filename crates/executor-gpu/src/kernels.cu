@@ -71,7 +71,8 @@ struct bgs_gpu_slot {
     bgs_u64 chain[2][BGS_GPU_REPEAT_BITS]; /* 48: [gemm|fft][k]: graph of 2^k repeats */
     bgs_u64 publish;                /* 192: the slot's publish graph */
     bgs_u64 tail_hint;              /* 200: bgs_u64 * in device memory: a completion_tail guess */
-    bgs_u8 pad[48];                 /* 208 */
+    bgs_u64 tx;                     /* 208: struct bgs_gpu_tx * (device memory), 0: no GPU sends */
+    bgs_u8 pad[40];                 /* 216 */
     bgs_u32 in[BGS_RING_SLOT_WORDS]; /* 256 */
     float out[64];                  /* 1280 */
 };
@@ -94,6 +95,40 @@ struct bgs_gpu_sched {
     bgs_u32 lanes;                  /* 592: 1: each lane launches its own graph; 0: lane 0 launches all */
     bgs_u32 batches;                /* 596: claims (one head CAS each), all executions */
 };
+
+/* GPU-written SENDs (`--reply executor-sqe` with the kernel transport; docs/gpu.md): where the
+ * send table (crates/ring/src/tx.rs, struct bgs_tx_header / bgs_tx_entry) and the GPU's own
+ * io_uring ring live. Device memory; the host fills it once. */
+struct bgs_gpu_tx {
+    bgs_u64 table;        /*   0: send table, device address */
+    bgs_u64 table_host;   /*   8: the same, host address (SQEs carry host addresses) */
+    bgs_u64 rings;        /*  16: io_uring rings region (heads, tails, CQEs), device address */
+    bgs_u64 sqes;         /*  24: SQE array, device address */
+    bgs_u64 futex_host;   /*  32: host address of the completion ring's doorbell word */
+    bgs_u32 sq_mask;      /*  40 */
+    bgs_u32 sq_entries;   /*  44 */
+    bgs_u32 cq_mask;      /*  48 */
+    bgs_u32 off_sq_head;  /*  52: offsets in rings */
+    bgs_u32 off_sq_tail;  /*  56 */
+    bgs_u32 off_cq_head;  /*  60 */
+    bgs_u32 off_cq_tail;  /*  64 */
+    bgs_u32 off_cqes;     /*  68 */
+    bgs_u32 reserve;      /*  72: next SQ index to claim (device atomics among publish kernels) */
+    bgs_u32 committed;    /*  76: SQ tail as last published, in order */
+    bgs_u32 reaper_stop;  /*  80: unused by the device; the reaper watches ctl->stop */
+    bgs_u32 pad0;         /*  84 */
+    bgs_u8 pad[40];       /*  88 */
+};
+
+/* The io_uring ABI (include/uapi/linux/io_uring.h, stable): the values the GPU writes. A Rust
+ * test (src/layout.rs) checks them against rustix's definitions. */
+#define BGS_IORING_OP_SEND 26
+#define BGS_IORING_OP_FUTEX_WAKE 52
+#define BGS_MSG_WAITALL 0x100
+#define BGS_FUTEX2_SIZE_U32 0x02
+#define BGS_FUTEX_BITSET_MATCH_ANY 0xffffffffull
+#define BGS_SQE_BYTES 64
+#define BGS_CQE_BYTES 16
 
 /* ---- system-scope accessors for host-shared words ---- */
 __device__ __forceinline__ bgs_u64 ld_acquire_sys(const bgs_u64 *p) {
@@ -430,6 +465,61 @@ extern "C" __global__ void bgs_slot_start(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
     if (err != cudaSuccess) record_error(ctl, (bgs_u32)err, 4);
 }
 
+/* ---- GPU-written SENDs ---- */
+__device__ __forceinline__ struct bgs_tx_entry *tx_entry(const struct bgs_gpu_tx *tx, bgs_u32 idx) {
+    const struct bgs_tx_header *th = (const struct bgs_tx_header *)tx->table;
+    return (struct bgs_tx_entry *)(tx->table + th->entries_offset) + idx;
+}
+
+/* The entry of `cookie` (the host's insert probes the same window), or -1. */
+__device__ __forceinline__ int tx_lookup(const struct bgs_gpu_tx *tx, bgs_u64 cookie) {
+    const struct bgs_tx_header *th = (const struct bgs_tx_header *)tx->table;
+    const bgs_u32 log2 = th->capacity_log2;
+    const bgs_u32 h = log2 == 0 ? 0u : (bgs_u32)((cookie * BGS_TX_HASH_MUL) >> (64 - log2));
+    const bgs_u32 mask = (1u << log2) - 1u;
+    for (bgs_u32 i = 0; i < BGS_TX_PROBES; i++) {
+        const bgs_u32 idx = (h + i) & mask;
+        const bgs_u64 c = ld_acquire_sys(&tx_entry(tx, idx)->cookie);
+        if (c == cookie) return (int)idx;
+        if (c == 0) return -1;
+    }
+    return -1;
+}
+
+/* Write one SQE into the GPU's submission queue and publish it. Publish kernels of several
+ * slots run at once: each claims an index (device atomics), waits for room (the kernel's SQPOLL
+ * thread advances sq_head), fills the entry, and publishes the tail in claim order. */
+__device__ void tx_submit(struct bgs_gpu_tx *tx, bgs_u32 opcode, bgs_u32 fd, bgs_u64 off,
+                          bgs_u64 addr, bgs_u32 len, bgs_u32 op_flags, bgs_u64 addr3,
+                          bgs_u64 user_data) {
+    struct bgs_tx_header *th = (struct bgs_tx_header *)tx->table;
+    const bgs_u32 my = atomicAdd(&tx->reserve, 1u);
+    const bgs_u32 *sq_head = (const bgs_u32 *)(tx->rings + tx->off_sq_head);
+    bool counted = false;
+    while (my - ld_acquire_sys32(sq_head) >= tx->sq_entries) {
+        if (!counted) {
+            counted = true;
+            atomicAdd_system((unsigned long long *)&th->gpu_sq_full, 1ull);
+        }
+        __nanosleep(1000);
+    }
+    volatile bgs_u64 *q = (volatile bgs_u64 *)(tx->sqes + (bgs_u64)(my & tx->sq_mask) * BGS_SQE_BYTES);
+    q[0] = (bgs_u64)opcode | ((bgs_u64)fd << 32); /* opcode, flags 0, ioprio 0, fd */
+    q[1] = off;
+    q[2] = addr;
+    q[3] = (bgs_u64)len | ((bgs_u64)op_flags << 32);
+    q[4] = user_data;
+    q[5] = 0; /* buf_index, personality, file_index */
+    q[6] = addr3;
+    q[7] = 0;
+    while (((volatile bgs_u32 *)&tx->committed)[0] != my) {
+    }
+    __threadfence_system(); /* the payload and the SQE before the tail */
+    st_release_sys32((bgs_u32 *)(tx->rings + tx->off_sq_tail), my + 1);
+    __threadfence();
+    atomicExch(&tx->committed, my + 1);
+}
+
 /* ---- per-slot publish: push the completion (Vyukov push, CAS on the tail), free the slot ----
  * The tail position comes from a device-memory hint (the last position any publish kernel of
  * this executor claimed, plus one) instead of a PCIe read of completion_tail: the common case
@@ -439,7 +529,54 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
                                             struct bgs_gpu_slot_ctl *sc, struct bgs_gpu_slot *s) {
     __shared__ struct bgs_completion_slot *cs;
     __shared__ bgs_u64 cpos;
+    __shared__ int tx_idx; /* >= 0: this reply goes out as a GPU-written SEND from entry tx_idx */
     const bgs_u32 t = threadIdx.x;
+    struct bgs_gpu_tx *tx = (struct bgs_gpu_tx *)s->tx;
+    if (tx != 0) {
+        /* GPU-written SEND when the connection is registered and this reply holds its turn
+         * (crates/ring/src/tx.rs); HTTP, closing and rejection-without-frame replies, and
+         * replies that are not the turn, go to the host's reply stage instead. */
+        if (t == 0) {
+            tx_idx = -1;
+            const bgs_u32 host_only = BGS_ROUTE_HTTP | BGS_ROUTE_CLOSE | BGS_ROUTE_NO_FRAME |
+                                      BGS_ROUTE_EOF | BGS_ROUTE_RESET;
+            if ((s->route & host_only) == 0) {
+                const int idx = tx_lookup(tx, s->conn);
+                if (idx >= 0 && ld_acquire_sys32(&tx_entry(tx, (bgs_u32)idx)->next_seq) == s->conn_seq)
+                    tx_idx = idx;
+            }
+        }
+        __syncthreads();
+        if (tx_idx >= 0) {
+            const struct bgs_tx_header *th = (const struct bgs_tx_header *)tx->table;
+            const bgs_u64 buf_off = th->bufs_offset + (bgs_u64)tx_idx * BGS_TX_BUF_BYTES;
+            bgs_u32 *buf = (bgs_u32 *)(tx->table + buf_off);
+            const bgs_u32 n = s->out_words > BGS_RING_SLOT_WORDS ? BGS_RING_SLOT_WORDS : s->out_words;
+            const bgs_u32 *src = s->from_out ? (const bgs_u32 *)s->out : s->in;
+            /* The binary reply frame: 24-byte header, then the payload words. */
+            for (bgs_u32 i = t; i < n; i += blockDim.x) buf[6 + i] = src[i];
+            if (t == 0) {
+                buf[0] = BGS_REPLY_MAGIC;
+                buf[1] = BGS_VERSION | (s->status << 16);
+                buf[2] = s->request_id;
+                buf[3] = n;
+                buf[4] = 0; /* seq: one-shot replies are not streamed */
+                buf[5] = 0;
+            }
+            __syncthreads();
+            if (t == 0) {
+                struct bgs_tx_entry *e = tx_entry(tx, (bgs_u32)tx_idx);
+                const bgs_u32 len = 24u + 4u * n;
+                ((volatile bgs_u32 *)e->reserved)[0] = len; /* the reaper checks the CQE against it */
+                const bgs_u64 ud = (BGS_TX_UD_SEND << 56) | ((bgs_u64)(bgs_u32)tx_idx << 32) | s->conn_seq;
+                tx_submit(tx, BGS_IORING_OP_SEND, e->fd, 0, tx->table_host + buf_off, len,
+                          BGS_MSG_WAITALL, 0, ud);
+                atomicAdd_system((unsigned long long *)&((struct bgs_tx_header *)th)->gpu_sends, 1ull);
+                st_release_sys32(&sc->busy, 0); /* the slot may take the next request */
+            }
+            return;
+        }
+    }
     if (t == 0) {
         struct bgs_ring_header *h = ring_header(ring);
         bgs_u64 *hint = (bgs_u64 *)s->tail_hint;
@@ -495,7 +632,69 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
     if (t == 0) {
         __threadfence_system();
         if (cs != 0) st_release_sys(&cs->seq, cpos + 1); /* publish: the last write of the entry */
+        if (tx != 0 && cs != 0) {
+            /* Handed to the host's reply stage: it cannot be woken by a GPU write, so if it
+             * sleeps on the completion ring's futex, bump the word and queue a FUTEX_WAKE. */
+            struct bgs_tx_header *th = (struct bgs_tx_header *)tx->table;
+            struct bgs_ring_header *h = ring_header(ring);
+            atomicAdd_system((unsigned long long *)&th->gpu_deferred, 1ull);
+            __threadfence_system();
+            if (ld_acquire_sys32(&h->completion_waiters) != 0) {
+                atomicAdd_system(&h->completion_doorbell, 1u);
+                __threadfence_system();
+                tx_submit(tx, BGS_IORING_OP_FUTEX_WAKE, BGS_FUTEX2_SIZE_U32, 0x7fffffffull,
+                          tx->futex_host, 0, 0, BGS_FUTEX_BITSET_MATCH_ANY, BGS_TX_UD_WAKE << 56);
+                atomicAdd_system((unsigned long long *)&th->gpu_wakes, 1ull);
+            }
+        }
         st_release_sys32(&sc->busy, 0); /* the slot may take the next request */
+    }
+}
+
+/* ---- the reaper of the GPU's io_uring completions: one thread, resident until stop ----
+ * The GPU is the only consumer of its ring's CQ. A SEND completion passes the connection's turn
+ * on (next_seq = conn_seq + 1), whether the send succeeded or not: a failed connection is
+ * reclaimed by the host when its reset or EOF marker gets the turn. */
+extern "C" __global__ void bgs_tx_reaper(struct bgs_gpu_tx *tx, struct bgs_gpu_ctl *ctl) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    struct bgs_tx_header *th = (struct bgs_tx_header *)tx->table;
+    bgs_u32 *cq_head = (bgs_u32 *)(tx->rings + tx->off_cq_head);
+    const bgs_u32 *cq_tail = (const bgs_u32 *)(tx->rings + tx->off_cq_tail);
+    bgs_u32 head = ((volatile bgs_u32 *)cq_head)[0];
+    bgs_u32 idle = 0;
+    for (;;) {
+        const bgs_u32 tail = ld_acquire_sys32(cq_tail);
+        if (tail == head) {
+            if ((idle & 63u) == 0 && ld_acquire_sys32(&ctl->stop)) return;
+            idle++;
+            __nanosleep(idle < 1024 ? 100 : 2000);
+            continue;
+        }
+        idle = 0;
+        while (head != tail) {
+            const volatile bgs_u64 *c =
+                (const volatile bgs_u64 *)(tx->rings + tx->off_cqes + (bgs_u64)(head & tx->cq_mask) * BGS_CQE_BYTES);
+            const bgs_u64 ud = c[0];
+            const int res = (int)(bgs_u32)c[1]; /* res, then flags */
+            if ((ud >> 56) == BGS_TX_UD_SEND) {
+                const bgs_u32 idx = (bgs_u32)(ud >> 32) & 0xffffffu;
+                const bgs_u32 seq = (bgs_u32)ud;
+                struct bgs_tx_entry *e = tx_entry(tx, idx);
+                const bgs_u32 want = ((volatile bgs_u32 *)e->reserved)[0];
+                if (res < 0 || (bgs_u32)res != want) {
+                    ((volatile bgs_u32 *)&e->gpu_errors)[0] = e->gpu_errors + 1;
+                    atomicAdd_system((unsigned long long *)&th->gpu_send_errors, 1ull);
+                }
+                ((volatile bgs_u32 *)&e->gpu_sends)[0] = e->gpu_sends + 1;
+                atomicAdd_system((unsigned long long *)&th->gpu_completed, 1ull);
+                __threadfence_system();
+                st_release_sys32(&e->next_seq, seq + 1); /* pass the turn */
+            } else {
+                atomicAdd_system((unsigned long long *)&th->gpu_other_cqes, 1ull);
+            }
+            head++;
+        }
+        st_release_sys32(cq_head, head);
     }
 }
 
@@ -523,6 +722,11 @@ extern "C" __global__ void bgs_layout_probe(bgs_u64 *out) {
     BGS_PROBE(23, struct bgs_gpu_ctl, chain_errors);
     BGS_PROBE(24, struct bgs_gpu_slot, tail_hint);
     BGS_PROBE(25, struct bgs_gpu_sched, fused);
+    BGS_PROBE(26, struct bgs_gpu_slot, tx);
+    BGS_PROBE(27, struct bgs_gpu_tx, reserve);
+    BGS_PROBE(28, struct bgs_tx_header, gpu_sends);
+    BGS_PROBE(29, struct bgs_tx_entry, next_seq);
+    out[30] = sizeof(struct bgs_gpu_tx);
     out[16] = sizeof(struct bgs_request_slot);
     out[17] = sizeof(struct bgs_completion_slot);
     out[18] = sizeof(struct bgs_gpu_slot_ctl);

@@ -15,7 +15,7 @@ pub const FUSED: usize = 2 * REPEAT_BITS + 1;
 /// Index of the no-compute fused graph.
 pub const FUSED_NONE: usize = 2 * REPEAT_BITS;
 /// Entries reported by `bgs_layout_probe`.
-pub const PROBE_LEN: usize = 26;
+pub const PROBE_LEN: usize = 31;
 
 /// `struct bgs_gpu_ctl` (mapped host memory).
 #[repr(C)]
@@ -59,7 +59,8 @@ pub struct GpuSlot {
     pub chain: [[u64; REPEAT_BITS]; 2],
     pub publish: u64,
     pub tail_hint: u64,
-    pub pad: [u8; 48],
+    pub tx: u64,
+    pub pad: [u8; 40],
     pub input: [u32; 256],
     pub out: [f32; 64],
 }
@@ -83,6 +84,30 @@ pub struct Sched {
     pub tail_hint: u64,
     pub lanes: u32,
     pub batches: u32,
+}
+
+/// `struct bgs_gpu_tx` (device memory): where the send table and the GPU's io_uring ring are.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Tx {
+    pub table: u64,
+    pub table_host: u64,
+    pub rings: u64,
+    pub sqes: u64,
+    pub futex_host: u64,
+    pub sq_mask: u32,
+    pub sq_entries: u32,
+    pub cq_mask: u32,
+    pub off_sq_head: u32,
+    pub off_sq_tail: u32,
+    pub off_cq_head: u32,
+    pub off_cq_tail: u32,
+    pub off_cqes: u32,
+    pub reserve: u32,
+    pub committed: u32,
+    pub reaper_stop: u32,
+    pub pad0: u32,
+    pub pad: [u64; 5],
 }
 
 /// What `bgs_layout_probe` must report, index by index.
@@ -118,6 +143,11 @@ pub fn expected_probe() -> [u64; PROBE_LEN] {
         offset_of!(Ctl, chain_errors),
         offset_of!(GpuSlot, tail_hint),
         offset_of!(Sched, fused),
+        offset_of!(GpuSlot, tx),
+        offset_of!(Tx, reserve),
+        offset_of!(bgs_ring::tx::TxHeader, gpu_sends),
+        offset_of!(bgs_ring::tx::TxEntry, next_seq),
+        size_of::<Tx>(),
     ]
     .map(|v| v as u64)
 }
@@ -142,5 +172,57 @@ mod tests {
         assert_eq!(p[22], 568);
         assert_eq!(p[24], 200);
         assert_eq!(p[25], 576);
+        assert_eq!(p[26], 208);
+        assert_eq!(p[27], 72);
+        assert_eq!(p[30], 128);
+    }
+
+    /// The io_uring values `kernels.cu` writes into SQEs, against rustix's definitions of the
+    /// kernel ABI.
+    #[test]
+    fn io_uring_abi_in_the_kernel_source() {
+        use core::mem::{offset_of, size_of};
+        use rustix::io_uring::{IoringOp, io_uring_cqe, io_uring_sqe};
+        let src = crate::compile::KERNEL_SOURCE;
+        let define = |name: &str| -> u64 {
+            let line = src
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} not defined in kernels.cu"));
+            let v = line
+                .split_whitespace()
+                .nth(2)
+                .unwrap()
+                .trim_end_matches("ull");
+            match v.strip_prefix("0x") {
+                Some(h) => u64::from_str_radix(h, 16).unwrap(),
+                None => v.parse().unwrap(),
+            }
+        };
+        assert_eq!(define("BGS_IORING_OP_SEND"), IoringOp::Send as u8 as u64);
+        assert_eq!(
+            define("BGS_IORING_OP_FUTEX_WAKE"),
+            IoringOp::FutexWake as u8 as u64
+        );
+        assert_eq!(define("BGS_MSG_WAITALL"), libc_msg_waitall());
+        assert_eq!(define("BGS_FUTEX2_SIZE_U32"), 2);
+        assert_eq!(define("BGS_SQE_BYTES"), size_of::<io_uring_sqe>() as u64);
+        assert_eq!(define("BGS_CQE_BYTES"), size_of::<io_uring_cqe>() as u64);
+        // The SQE words the kernel fills: opcode @0, fd @4, off @8, addr @16, len @24,
+        // op flags @28, user_data @32, addr3 @48.
+        assert_eq!(offset_of!(io_uring_sqe, opcode), 0);
+        assert_eq!(offset_of!(io_uring_sqe, fd), 4);
+        assert_eq!(offset_of!(io_uring_sqe, off_or_addr2), 8);
+        assert_eq!(offset_of!(io_uring_sqe, addr_or_splice_off_in), 16);
+        assert_eq!(offset_of!(io_uring_sqe, len), 24);
+        assert_eq!(offset_of!(io_uring_sqe, op_flags), 28);
+        assert_eq!(offset_of!(io_uring_sqe, user_data), 32);
+        assert_eq!(offset_of!(io_uring_sqe, addr3_or_cmd), 48);
+        assert_eq!(offset_of!(io_uring_cqe, user_data), 0);
+        assert_eq!(offset_of!(io_uring_cqe, res), 8);
+    }
+
+    fn libc_msg_waitall() -> u64 {
+        libc::MSG_WAITALL as u64
     }
 }
