@@ -112,7 +112,7 @@ pub struct TxEntry {
 const _: () = assert!(size_of::<TxHeader>() == 128 && size_of::<TxHeader>() <= TX_HEADER_BYTES);
 const _: () = assert!(size_of::<TxEntry>() == TX_ENTRY_BYTES);
 const _: () = assert!(offset_of!(TxHeader, gpu_sends) == 64);
-const _: () = assert!(TX_BUF_BYTES >= 24 + 4 * crate::SLOT_WORDS && TX_BUF_BYTES % 64 == 0);
+const _: () = assert!(TX_BUF_BYTES >= 24 + 4 * crate::SLOT_WORDS && TX_BUF_BYTES.is_multiple_of(64));
 
 /// Index of the `i`-th probe for `cookie` in a table of `1 << log2` entries.
 pub fn tx_probe(cookie: u64, log2: u32, i: u32) -> u32 {
