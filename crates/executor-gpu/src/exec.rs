@@ -264,7 +264,8 @@ struct Device {
     blas: cublas::cublasHandle_t,
     ffts: Vec<cufft::cufftHandle>,
     streams: Vec<cu::CUstream>,
-    sched_stream: cu::CUstream,
+    /// One stream per device scheduler.
+    sched_streams: Vec<cu::CUstream>,
     graphs: Vec<cu::CUgraph>,
     execs: Vec<cu::CUgraphExec>,
     /// Per slot: start, publish, chain[compute][k].
@@ -276,7 +277,11 @@ struct Device {
     fused: Vec<[cu::CUgraphExec; FUSED]>,
     /// Device copy of `fused` for the scheduler.
     fused_dev: u64,
-    sched_exec: cu::CUgraphExec,
+    /// One graph per device scheduler (each relaunches itself).
+    sched_execs: Vec<cu::CUgraphExec>,
+    /// Device schedulers; scheduler k owns a contiguous share of the slots and its `Sched` is
+    /// the k-th at `sched_dev`.
+    nsched: usize,
     /// GPU-written SENDs: host memory registered for them (send table, io_uring rings, SQEs).
     tx_registered: Vec<*mut c_void>,
     /// `struct bgs_gpu_tx` in device memory (0: no GPU sends).
@@ -367,9 +372,8 @@ impl Device {
             for s in self.streams.drain(..) {
                 let _ = cu::cuStreamDestroy_v2(s);
             }
-            if !self.sched_stream.is_null() {
-                let _ = cu::cuStreamDestroy_v2(self.sched_stream);
-                self.sched_stream = std::ptr::null_mut();
+            for s in self.sched_streams.drain(..) {
+                let _ = cu::cuStreamDestroy_v2(s);
             }
             if !self.tx_stream.is_null() {
                 let _ = cu::cuStreamDestroy_v2(self.tx_stream);
@@ -629,7 +633,7 @@ impl Running {
             blas: std::ptr::null_mut(),
             ffts: Vec::new(),
             streams: Vec::new(),
-            sched_stream: std::ptr::null_mut(),
+            sched_streams: Vec::new(),
             graphs: Vec::new(),
             execs: Vec::new(),
             start: Vec::new(),
@@ -637,7 +641,8 @@ impl Running {
             chain: Vec::new(),
             fused: Vec::new(),
             fused_dev: 0,
-            sched_exec: std::ptr::null_mut(),
+            sched_execs: Vec::new(),
+            nsched: 1,
             tx_registered: Vec::new(),
             tx_dev: 0,
             tx_stream: std::ptr::null_mut(),
@@ -666,7 +671,12 @@ impl Running {
         match cfg.dispatcher {
             Dispatcher::DeviceLaunch => {
                 let dd = &shared.device;
-                if let Err(e) = dd.launch(dd.sched_exec, dd.sched_stream) {
+                let launched = dd
+                    .sched_execs
+                    .iter()
+                    .zip(&dd.sched_streams)
+                    .try_for_each(|(&e, &st)| dd.launch(e, st));
+                if let Err(e) = launched {
                     let mut s = Arc::try_unwrap(shared).ok().expect("not shared yet");
                     s.device.free();
                     return Err(e);
@@ -751,16 +761,18 @@ impl Running {
         let mut stuck = false;
         match sh.mode {
             Dispatcher::DeviceLaunch => {
-                match sh.device.wait_stream(sh.device.sched_stream, STOP_TIMEOUT) {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        stuck = true;
-                        sh.fail(format!(
-                            "the scheduler did not stop within {} s",
-                            STOP_TIMEOUT.as_secs()
-                        ));
+                for &st in &sh.device.sched_streams {
+                    match sh.device.wait_stream(st, STOP_TIMEOUT) {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            stuck = true;
+                            sh.fail(format!(
+                                "the scheduler did not stop within {} s",
+                                STOP_TIMEOUT.as_secs()
+                            ));
+                        }
+                        Err(e) => sh.fail(e.to_string()),
                     }
-                    Err(e) => sh.fail(e.to_string()),
                 }
             }
             Dispatcher::HostLaunch => {
@@ -796,23 +808,27 @@ impl Running {
             let _ = m.join();
         }
         if sh.mode == Dispatcher::DeviceLaunch && !stuck {
-            let mut s = [0u8; size_of::<Sched>()];
-            // SAFETY: `sched_dev` holds a `Sched`; `s` has its size; the scheduler has exited.
-            let r =
-                unsafe { cu::cuMemcpyDtoH_v2(s.as_mut_ptr().cast(), sh.device.sched_dev, s.len()) };
-            if r == cu::CUresult::CUDA_SUCCESS {
+            stats.dispatched = 0;
+            for k in 0..sh.device.nsched {
+                let mut s = [0u8; size_of::<Sched>()];
+                let src = sh.device.sched_dev + (k * size_of::<Sched>()) as u64;
+                // SAFETY: `sched_dev` holds `nsched` `Sched`s; `s` has the size of one; the
+                // schedulers have exited.
+                let r = unsafe { cu::cuMemcpyDtoH_v2(s.as_mut_ptr().cast(), src, s.len()) };
+                if r != cu::CUresult::CUDA_SUCCESS {
+                    continue;
+                }
                 let rd =
                     |off: usize| u64::from_ne_bytes(s[off..off + 8].try_into().unwrap_or_default());
-                stats.scheduler_executions = rd(std::mem::offset_of!(Sched, executions));
-                stats.dispatched = rd(std::mem::offset_of!(Sched, dispatched));
-                let b = std::mem::offset_of!(Sched, batches);
-                stats.claims = u64::from(u32::from_ne_bytes(
-                    s[b..b + 4].try_into().unwrap_or_default(),
-                ));
-                let r = std::mem::offset_of!(Sched, retries);
-                stats.launch_retries = u64::from(u32::from_ne_bytes(
-                    s[r..r + 4].try_into().unwrap_or_default(),
-                ));
+                let rd32 = |off: usize| {
+                    u64::from(u32::from_ne_bytes(
+                        s[off..off + 4].try_into().unwrap_or_default(),
+                    ))
+                };
+                stats.scheduler_executions += rd(std::mem::offset_of!(Sched, executions));
+                stats.dispatched += rd(std::mem::offset_of!(Sched, dispatched));
+                stats.claims += rd32(std::mem::offset_of!(Sched, batches));
+                stats.launch_retries += rd32(std::mem::offset_of!(Sched, retries));
             }
         }
         stats.completion_full = sh
@@ -927,7 +943,11 @@ fn build(
         d.slot_ctl_dev = dp;
     }
     d.slots_dev = dev_alloc(n * size_of::<GpuSlot>(), "cuMemAlloc(slots)")?;
-    d.sched_dev = dev_alloc(size_of::<Sched>(), "cuMemAlloc(scheduler)")?;
+    d.nsched = match cfg.dispatcher {
+        Dispatcher::DeviceLaunch => schedulers(cfg),
+        Dispatcher::HostLaunch => 1,
+    };
+    d.sched_dev = dev_alloc(d.nsched * size_of::<Sched>(), "cuMemAlloc(schedulers)")?;
     d.b_dev = dev_alloc(64 * 4, "cuMemAlloc(B)")?;
     d.workspace_dev = dev_alloc(n * CUBLAS_WORKSPACE, "cuMemAlloc(cuBLAS workspace)")?;
     let b = bgs_protocol::wire::gemm8_b();
@@ -947,11 +967,15 @@ fn build(
         )?;
         d.streams.push(s);
     }
-    ck(
-        // SAFETY: as above.
-        unsafe { cu::cuStreamCreate(&mut d.sched_stream, STREAM_NON_BLOCKING) },
-        "cuStreamCreate",
-    )?;
+    for _ in 0..d.nsched {
+        let mut st: cu::CUstream = std::ptr::null_mut();
+        ck(
+            // SAFETY: as above.
+            unsafe { cu::cuStreamCreate(&mut st, STREAM_NON_BLOCKING) },
+            "cuStreamCreate",
+        )?;
+        d.sched_streams.push(st);
+    }
     // SAFETY: cuBLAS is loaded; out-pointer valid; the handle is destroyed in `free`.
     unsafe {
         ck_blas(cublas::cublasCreate_v2(&mut d.blas), "cublasCreate")?;
@@ -1089,6 +1113,8 @@ fn build(
             tail_hint_dev,
         );
         put(&mut hdr, std::mem::offset_of!(GpuSlot, tx), d.tx_dev);
+        let sp = std::mem::offset_of!(GpuSlot, sole_producer);
+        hdr[sp..sp + 4].copy_from_slice(&u32::from(cfg.sole_completion_producer).to_ne_bytes());
         ck(
             // SAFETY: the slot's first 256 bytes are its header; `hdr` has 256 bytes.
             unsafe {
@@ -1111,47 +1137,50 @@ fn build(
         "cuMemcpyHtoD(fused graph table)",
     )?;
 
-    let mut sched = Sched {
-        ring: d.region_dev,
-        ctl: d.ctl_dev,
-        slot_ctl: d.slot_ctl_dev,
-        self_exec: 0,
-        nslots: n as u32,
-        budget: plan::LAUNCH_BUDGET,
-        next: 0,
-        retries: 0,
-        work: [0; MAX_SLOTS],
-        executions: 0,
-        dispatched: 0,
-        fused: d.fused_dev,
-        tail_hint: tail_now,
-        lanes: u32::from(launch_lanes()),
-        batches: 0,
-    };
-    for (s, e) in d.start.iter().enumerate() {
-        sched.work[s] = *e as u64;
+    // Scheduler k owns slots [k * n / K, (k + 1) * n / K): its `Sched` points at the first of
+    // them (slot control, start graphs, fused rows) and numbers them from 0, so the kernel is
+    // the same for one scheduler or several. All publish kernels share scheduler 0's tail hint.
+    let sched_size = size_of::<Sched>();
+    for k in 0..d.nsched {
+        let first = k * n / d.nsched;
+        let end = (k + 1) * n / d.nsched;
+        let mut sched = Sched {
+            ring: d.region_dev,
+            ctl: d.ctl_dev,
+            slot_ctl: d.slot_ctl_dev + (first as u64) * sc_size,
+            self_exec: 0,
+            nslots: (end - first) as u32,
+            budget: plan::LAUNCH_BUDGET,
+            next: 0,
+            retries: 0,
+            work: [0; MAX_SLOTS],
+            executions: 0,
+            dispatched: 0,
+            fused: d.fused_dev + (first * FUSED * 8) as u64,
+            tail_hint: tail_now,
+            lanes: u32::from(launch_lanes()),
+            batches: 0,
+        };
+        for (j, e) in d.start[first..end].iter().enumerate() {
+            sched.work[j] = *e as u64;
+        }
+        let sched_at = d.sched_dev + (k * sched_size) as u64;
+        if cfg.dispatcher == Dispatcher::DeviceLaunch {
+            let mut sched_arg = sched_at;
+            let sstream = d.sched_streams[k];
+            let exec = capture(d, sstream, "scheduler", || {
+                let mut args = [(&mut sched_arg as *mut u64).cast::<c_void>()];
+                launch_kernel(f_sched, 32, sstream, &mut args)
+            })?;
+            d.sched_execs.push(exec);
+            sched.self_exec = exec as u64;
+        }
+        ck(
+            // SAFETY: `sched_at` holds a `Sched`; `sched` is a live value of that type.
+            unsafe { cu::cuMemcpyHtoD_v2(sched_at, (&sched as *const Sched).cast(), sched_size) },
+            "cuMemcpyHtoD(scheduler)",
+        )?;
     }
-    if cfg.dispatcher == Dispatcher::DeviceLaunch {
-        let mut sched_arg = d.sched_dev;
-        let sstream = d.sched_stream;
-        let exec = capture(d, sstream, "scheduler", || {
-            let mut args = [(&mut sched_arg as *mut u64).cast::<c_void>()];
-            launch_kernel(f_sched, 32, sstream, &mut args)
-        })?;
-        d.sched_exec = exec;
-        sched.self_exec = exec as u64;
-    }
-    ck(
-        // SAFETY: `sched_dev` holds a `Sched`; `sched` is a live value of that type.
-        unsafe {
-            cu::cuMemcpyHtoD_v2(
-                d.sched_dev,
-                (&sched as *const Sched).cast(),
-                size_of::<Sched>(),
-            )
-        },
-        "cuMemcpyHtoD(scheduler)",
-    )?;
     // SAFETY: a context is current.
     ck(unsafe { cu::cuCtxSynchronize() }, "graph upload")?;
     if d.tx_dev != 0 {
@@ -1232,6 +1261,15 @@ fn setup_tx(
         "cuMemcpyHtoD(GPU send state)",
     )?;
     Ok(dev)
+}
+
+/// Device schedulers: `cfg.schedulers`, or `BGS_GPU_SCHEDULERS` when set, at most one per slot.
+fn schedulers(cfg: &GpuExecutorConfig) -> usize {
+    let k = std::env::var("BGS_GPU_SCHEDULERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(cfg.schedulers);
+    k.clamp(1, cfg.slots.max(1))
 }
 
 /// `BGS_GPU_LAUNCH_LANES=1`: every scheduler lane launches its own request's graph (parallel
@@ -1343,7 +1381,7 @@ fn monitor(sh: &Shared) {
             break;
         }
         let stream = match sh.mode {
-            Dispatcher::DeviceLaunch => d.sched_stream,
+            Dispatcher::DeviceLaunch => d.sched_streams[0],
             Dispatcher::HostLaunch => d.streams[0],
         };
         // SAFETY: `stream` is live until `free`, which runs after this thread is joined.

@@ -72,7 +72,8 @@ struct bgs_gpu_slot {
     bgs_u64 publish;                /* 192: the slot's publish graph */
     bgs_u64 tail_hint;              /* 200: bgs_u64 * in device memory: a completion_tail guess */
     bgs_u64 tx;                     /* 208: struct bgs_gpu_tx * (device memory), 0: no GPU sends */
-    bgs_u8 pad[40];                 /* 216 */
+    bgs_u32 sole_producer;          /* 216: 1: this executor is the completion ring's only producer */
+    bgs_u8 pad[36];                 /* 220 */
     bgs_u32 in[BGS_RING_SLOT_WORDS]; /* 256 */
     float out[64];                  /* 1280 */
 };
@@ -577,7 +578,29 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             return;
         }
     }
-    if (t == 0) {
+    if (t == 0 && s->sole_producer) {
+        /* The only producer (this executor's publish kernels among themselves): positions come
+         * from a device-memory counter, so the claim costs no PCIe round trip; the slot's seq
+         * says whether the consumer has freed it (seq == pos), else the ring is full. The host
+         * word completion_tail is kept current with a fire-and-forget max after publishing. */
+        bgs_u64 *counter = (bgs_u64 *)s->tail_hint;
+        const bgs_u64 pos = atomicAdd((unsigned long long *)counter, 1ull);
+        struct bgs_completion_slot *c = completion_slot(ring, pos);
+        cs = c;
+        cpos = pos;
+        bool counted = false;
+        while (ld_acquire_sys(&c->seq) != pos) {
+            if (!counted) {
+                counted = true;
+                atomicAdd((unsigned long long *)&ctl->full_spins, 1ull);
+            }
+            if (ld_acquire_sys32(&ctl->stop)) {
+                cs = 0; /* shutting down: the position stays unpublished */
+                break;
+            }
+            __nanosleep(2000);
+        }
+    } else if (t == 0) {
         struct bgs_ring_header *h = ring_header(ring);
         bgs_u64 *hint = (bgs_u64 *)s->tail_hint;
         bgs_u64 pos = ((volatile bgs_u64 *)hint)[0];
@@ -632,6 +655,8 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
     if (t == 0) {
         __threadfence_system();
         if (cs != 0) st_release_sys(&cs->seq, cpos + 1); /* publish: the last write of the entry */
+        if (cs != 0 && s->sole_producer)
+            atomicMax_system((unsigned long long *)&ring_header(ring)->completion_tail, cpos + 1);
         if (tx != 0 && cs != 0) {
             /* Handed to the host's reply stage: it cannot be woken by a GPU write, so if it
              * sleeps on the completion ring's futex, bump the word and queue a FUTEX_WAKE. */

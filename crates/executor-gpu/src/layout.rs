@@ -60,7 +60,8 @@ pub struct GpuSlot {
     pub publish: u64,
     pub tail_hint: u64,
     pub tx: u64,
-    pub pad: [u8; 40],
+    pub sole_producer: u32,
+    pub pad: [u8; 36],
     pub input: [u32; 256],
     pub out: [f32; 64],
 }

@@ -55,12 +55,22 @@ pub struct GpuExecutorConfig {
     pub slots: usize,
     /// Dispatcher kind.
     pub dispatcher: Dispatcher,
+    /// Device launch: resident schedulers, each owning a contiguous share of the slots and
+    /// claiming from the same request ring (`BGS_GPU_SCHEDULERS` overrides). One scheduler
+    /// launches about 150k graphs/s; more launch in parallel.
+    pub schedulers: usize,
     /// CUDA device ordinal.
     pub device: usize,
     /// Where CUDA libraries live (else `CUDA_HOME`, `/usr/local/cuda`, the loader's path).
     pub cuda_home: Option<PathBuf>,
     /// Kernel cache directory (else `$XDG_CACHE_HOME/bgs`, `~/.cache/bgs`).
     pub cache_dir: Option<PathBuf>,
+    /// Nothing but this executor pushes into the region's completion ring (true for both
+    /// transports: the kernel transport's BPF answers go to a side ring). The publish kernels
+    /// then claim completion positions with device-memory atomics instead of a compare-and-swap
+    /// on the host word (one PCIe round trip less per request). Set false if another producer
+    /// shares the ring.
+    pub sole_completion_producer: bool,
     /// Called when the executor fails at run time.
     pub on_error: Option<ErrorHook>,
     /// The kernel transport's GPU send table and io_uring ring (`--reply executor-sqe`): when
@@ -74,10 +84,12 @@ impl Default for GpuExecutorConfig {
         GpuExecutorConfig {
             slots: 16,
             dispatcher: Dispatcher::DeviceLaunch,
+            schedulers: 1,
             device: 0,
             cuda_home: None,
             cache_dir: None,
             on_error: None,
+            sole_completion_producer: true,
             tx: None,
         }
     }

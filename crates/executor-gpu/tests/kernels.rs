@@ -87,6 +87,7 @@ __device__ unsigned long long atomicCAS_system(unsigned long long *, unsigned lo
 __device__ unsigned atomicAdd_system(unsigned *, unsigned);
 __device__ unsigned long long atomicAdd_system(unsigned long long *, unsigned long long);
 __device__ unsigned atomicExch(unsigned *, unsigned);
+__device__ unsigned long long atomicMax_system(unsigned long long *, unsigned long long);
 __device__ unsigned long long atomicAdd(unsigned long long *, unsigned long long);
 __device__ unsigned long long atomicMax(unsigned long long *, unsigned long long);
 __device__ void __syncwarp(unsigned = 0xffffffffu);

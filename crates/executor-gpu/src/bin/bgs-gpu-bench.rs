@@ -1,9 +1,9 @@
 //! GPU executor checks and in-process measurements (run on the GPU machine by bench/gpu/run.sh).
 //!
 //! ```text
-//! bgs-gpu-bench check      [--dispatcher device|host] [--slots N] [--digest FILE]
-//! bgs-gpu-bench rtt        [--dispatcher ..] [--slots N] [--op gemm8|fft32|echo] [--repeat R] [--n N]
-//! bgs-gpu-bench throughput [--dispatcher ..] [--slots N] [--op ..] [--repeat R] [--seconds S] [--outstanding K]
+//! bgs-gpu-bench check      [--dispatcher device|host] [--slots N] [--schedulers K] [--digest FILE]
+//! bgs-gpu-bench rtt        [--dispatcher ..] [--slots N] [--schedulers K] [--op gemm8|fft32|echo] [--repeat R] [--n N]
+//! bgs-gpu-bench throughput [--dispatcher ..] [--slots N] [--schedulers K] [--op ..] [--repeat R] [--seconds S] [--outstanding K]
 //! ```
 //! Every mode prints one JSON object on stdout.
 
@@ -20,6 +20,7 @@ struct Args {
     mode: String,
     dispatcher: Dispatcher,
     slots: usize,
+    schedulers: usize,
     op: Op,
     repeat: u32,
     n: usize,
@@ -37,6 +38,7 @@ fn parse() -> Result<Args, String> {
         mode,
         dispatcher: Dispatcher::DeviceLaunch,
         slots: 16,
+        schedulers: 1,
         op: Op::Gemm8,
         repeat: 1,
         n: 20_000,
@@ -56,6 +58,7 @@ fn parse() -> Result<Args, String> {
                 }
             }
             "--slots" => a.slots = num(&v)? as usize,
+            "--schedulers" => a.schedulers = num(&v)? as usize,
             "--op" => {
                 a.op = match v.as_str() {
                     "gemm8" => Op::Gemm8,
@@ -148,6 +151,7 @@ fn start(a: &Args, region: &Arc<RingRegion>) -> GpuExecutor {
     let cfg = GpuExecutorConfig {
         slots: a.slots,
         dispatcher: a.dispatcher,
+        schedulers: a.schedulers,
         ..Default::default()
     };
     match GpuExecutor::start(region.clone(), &cfg) {
@@ -332,6 +336,7 @@ fn check(a: &Args) -> i32 {
             "mode": "check",
             "dispatcher": format!("{:?}", a.dispatcher),
             "slots": a.slots,
+            "schedulers": a.schedulers,
             "requests": reqs.len(),
             "answered": got.len(),
             "failures": failures.len(),
@@ -392,6 +397,7 @@ fn rtt(a: &Args) -> i32 {
             "mode": "rtt",
             "dispatcher": format!("{:?}", a.dispatcher),
             "slots": a.slots,
+            "schedulers": a.schedulers,
             "op": a.op.name(),
             "repeat": a.repeat,
             "n": lat.len(),
@@ -453,6 +459,7 @@ fn throughput(a: &Args) -> i32 {
             "mode": "throughput",
             "dispatcher": format!("{:?}", a.dispatcher),
             "slots": a.slots,
+            "schedulers": a.schedulers,
             "op": a.op.name(),
             "repeat": a.repeat,
             "outstanding": a.outstanding,
