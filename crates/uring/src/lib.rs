@@ -38,6 +38,11 @@
 //! * The SQPOLL thread sleeps about 2 ms after setup whatever `sq_thread_idle` says, and after
 //!   every idle period; nothing pushed is seen until [`Uring::wake_sqpoll`] (or an
 //!   [`Uring::enter`], which wakes it when needed).
+//! * `IORING_SETUP_ATTACH_WQ` ([`Uring::new_attached`]) between two SQPOLL rings of one process
+//!   gives one kernel thread for both (no second thread appears in `/proc/self/task`); when it
+//!   sleeps it sets `IORING_SQ_NEED_WAKEUP` in both rings, a wake-up through either ring serves
+//!   both, and it keeps running for the attached ring after the first ring is closed
+//!   (`tests/attach.rs`).
 
 use std::fmt;
 use std::io;
@@ -375,6 +380,21 @@ impl WrappingAdd for NonNull<u8> {
 impl Uring {
     /// Sets up a ring. Invalid options give `InvalidInput`; kernel refusals give the errno.
     pub fn new(opts: &RingOptions) -> io::Result<Uring> {
+        Self::build(opts, None)
+    }
+
+    /// Sets up a ring attached to `wq` (`IORING_SETUP_ATTACH_WQ`): when both rings use SQPOLL,
+    /// the new ring is served by `wq`'s SQPOLL kernel thread instead of a thread of its own
+    /// (the new ring's `sqpoll.cpu` is then ignored, and the shared thread idles for the
+    /// longer of the two `idle_ms`). The thread lives until every ring attached to it is
+    /// closed, so the rings may be dropped in any order; it sets `IORING_SQ_NEED_WAKEUP` in
+    /// every attached ring when it sleeps, and [`Uring::wake_sqpoll`] on any of them wakes it.
+    /// Without SQPOLL the kernel only checks that `wq` is an io_uring.
+    pub fn new_attached(opts: &RingOptions, wq: &Uring) -> io::Result<Uring> {
+        Self::build(opts, Some(wq.fd.as_fd()))
+    }
+
+    fn build(opts: &RingOptions, attach: Option<BorrowedFd<'_>>) -> io::Result<Uring> {
         if opts.entries == 0 || opts.entries > MAX_SQ_ENTRIES {
             return Err(invalid("io_uring entries must be in 1..=32768"));
         }
@@ -410,10 +430,19 @@ impl Uring {
         if opts.no_mmap {
             flags |= IoringSetupFlags::NO_MMAP;
         }
+        if attach.is_some() {
+            flags |= IoringSetupFlags::ATTACH_WQ;
+        }
         // NO_SQARRAY (6.6+) makes SQE slot = tail & mask, which is simpler for foreign producers.
-        match Self::setup(opts, flags | IoringSetupFlags::NO_SQARRAY, sq_n, cq_n) {
+        match Self::setup(
+            opts,
+            attach,
+            flags | IoringSetupFlags::NO_SQARRAY,
+            sq_n,
+            cq_n,
+        ) {
             Err(e) if e.raw_os_error() == Some(Errno::INVAL.raw_os_error()) => {
-                Self::setup(opts, flags, sq_n, cq_n)
+                Self::setup(opts, attach, flags, sq_n, cq_n)
             }
             r => r,
         }
@@ -421,6 +450,7 @@ impl Uring {
 
     fn setup(
         opts: &RingOptions,
+        attach: Option<BorrowedFd<'_>>,
         flags: IoringSetupFlags,
         sq_n: u32,
         cq_n: u32,
@@ -432,6 +462,9 @@ impl Uring {
         if let Some(sp) = opts.sqpoll {
             p.sq_thread_idle = sp.idle_ms;
             p.sq_thread_cpu = sp.cpu.unwrap_or(0);
+        }
+        if let Some(wq) = attach {
+            p.wq_fd = wq.as_raw_fd();
         }
         let has_array = !flags.contains(IoringSetupFlags::NO_SQARRAY);
         // With NO_MMAP: our own memory, sized like the kernel's `rings_size()` plus slack.
@@ -450,10 +483,11 @@ impl Uring {
         } else {
             None
         };
-        // SAFETY: ATTACH_WQ is never set (so `wq_fd` is not read). With NO_MMAP, `user_addr`s
-        // point to live, page-aligned, writable mappings owned by `user`, which the returned
-        // `Uring` keeps until after the fd is closed; each is followed by a PROT_NONE page, so
-        // a size mismatch fails with EFAULT instead of pinning unrelated memory.
+        // SAFETY: ATTACH_WQ is set only with `wq_fd` from a borrowed, open io_uring fd (a live
+        // `Uring`). With NO_MMAP, `user_addr`s point to live, page-aligned, writable mappings
+        // owned by `user`, which the returned `Uring` keeps until after the fd is closed; each
+        // is followed by a PROT_NONE page, so a size mismatch fails with EFAULT instead of
+        // pinning unrelated memory.
         let fd = unsafe { rustix::io_uring::io_uring_setup(sq_n, &mut p) }?;
         let sq_entries = p.sq_entries;
         let cq_entries = p.cq_entries;
