@@ -1028,12 +1028,6 @@ fn build(
         unsafe { AtomicU64::from_ptr(region.as_ptr().add(off).cast()) }.load(Ordering::Acquire)
     };
 
-    // Device launch copies each request into its slot in the scheduler (the values arrive in the
-    // round trip that reads op/words/param anyway), so fused work graphs start with the
-    // library calls; host launch keeps the start kernel (it reads the staged copy).
-    // `BGS_GPU_COPY_IN=0` restores the start kernel for comparison.
-    let copy_in = cfg.dispatcher == Dispatcher::DeviceLaunch
-        && !std::env::var("BGS_GPU_COPY_IN").is_ok_and(|v| v == "0");
     // Per-slot graphs.
     for s in 0..n {
         let stream = d.streams[s];
@@ -1081,18 +1075,14 @@ fn build(
                 chain[c.index()][k] = capture(d, stream, "a compute graph", || compute(c, 1 << k))?;
                 fused[c.index() * REPEAT_BITS + k] =
                     capture(d, stream, "a fused work graph", || {
-                        if !copy_in {
-                            start_kernel(1)?;
-                        }
+                        start_kernel(1)?;
                         compute(c, 1 << k)?;
                         publish_kernel()
                     })?;
             }
         }
         fused[FUSED_NONE] = capture(d, stream, "the no-compute work graph", || {
-            if !copy_in {
-                start_kernel(1)?;
-            }
+            start_kernel(1)?;
             publish_kernel()
         })?;
         // The slot's header: chain mode, graph handles, tail hint.
@@ -1170,11 +1160,6 @@ fn build(
             tail_hint: tail_now,
             lanes: u32::from(launch_lanes()),
             batches: 0,
-            slots: if copy_in {
-                d.slots_dev + first as u64 * slot_size
-            } else {
-                0
-            },
         };
         for (j, e) in d.start[first..end].iter().enumerate() {
             sched.work[j] = *e as u64;

@@ -95,7 +95,6 @@ struct bgs_gpu_sched {
     bgs_u64 tail_hint;              /* 584: completion_tail guess (device memory, publish kernels) */
     bgs_u32 lanes;                  /* 592: 1: each lane launches its own graph; 0: lane 0 launches all */
     bgs_u32 batches;                /* 596: claims (one head CAS each), all executions */
-    bgs_u64 slots;                  /* 600: struct bgs_gpu_slot[nslots] of this scheduler; 0: no copy-in */
 };
 
 /* GPU-written SENDs (`--reply executor-sqe` with the kernel transport; docs/gpu.md): where the
@@ -156,16 +155,6 @@ __device__ __forceinline__ void st_release_sys32(bgs_u32 *p, bgs_u32 v) {
 }
 __device__ __forceinline__ bgs_u64 cas_sys(bgs_u64 *p, bgs_u64 expect, bgs_u64 desired) {
     return atomicCAS_system((unsigned long long *)p, expect, desired);
-}
-
-/* 16 bytes of host memory, relaxed (after an acquire of the slot's seq, which orders it). */
-__device__ __forceinline__ uint4 ld_relaxed_sys_v4(const void *p) {
-    uint4 v;
-    asm volatile("ld.relaxed.sys.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
 }
 
 __device__ __forceinline__ struct bgs_ring_header *ring_header(bgs_u8 *ring) {
@@ -266,8 +255,6 @@ extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
     const bgs_u32 n = s->nslots;
     const bgs_u32 budget = s->budget;
     const bool lanes_launch = s->lanes != 0;
-    const bool copy_in = s->slots != 0;
-    struct bgs_gpu_slot *gslots = (struct bgs_gpu_slot *)s->slots;
     bgs_u32 next = s->next;
     bgs_u32 launches = 0;
     bgs_u32 rounds = 0;
@@ -321,24 +308,11 @@ extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
         /* op / words / param of the published prefix (after this lane's acquire of its seq),
          * and one CAS claiming all m (issued together: the loads do not feed the CAS). */
         bgs_u32 op = 0, words = 0, param = 0;
-        /* Copy-in mode (s->slots != 0): also the rest of the entry's header and up to 64
-         * payload words (one-shot requests have exactly 64), in the same round trip, so the
-         * fused work graph needs no start kernel (and no second read of host memory). */
-        bgs_u64 meta[6];
-        uint4 pay[16];
         if (lane < m) {
             const volatile struct bgs_request_entry *e = &request_slot(ring, pos + lane)->entry;
             op = e->op;
             words = e->words;
             param = e->param;
-            if (copy_in) {
-                const bgs_u8 *eb = (const bgs_u8 *)e;
-                /* conn, conn_seq, op, version, request_id, words, param, flags, publish_ns,
-                 * route: the first 48 bytes (8-byte aligned: the entry is at slot + 8); the
-                 * payload starts at slot + 64 (16-byte aligned). */
-                for (int i = 0; i < 6; i++) meta[i] = ld_relaxed_sys((const bgs_u64 *)(eb + 8 * i));
-                for (int i = 0; i < 16; i++) pay[i] = ld_relaxed_sys_v4(eb + 56 + 16 * i);
-            }
         }
         bgs_u64 old = 0;
         if (lane == 0) old = cas_sys(&h->request_head, pos, pos + m);
@@ -367,40 +341,12 @@ extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
             bgs_u32 status, out_words, from_out;
             const bgs_u32 r = plan(op, param, words, &status, &out_words, &from_out);
             const bgs_u64 *fs = fused + (bgs_u64)slot * BGS_GPU_FUSED;
-            const bool fused_graph = r == 0 || (r & (r - 1)) == 0;
             if (r == 0) {
                 g = fs[BGS_GPU_FUSED_NONE];
             } else if ((r & (r - 1)) == 0) {
                 g = fs[(op == BGS_OP_GEMM8 ? 0 : BGS_GPU_REPEAT_BITS) + (31 - __clz(r))];
             } else {
                 g = s->work[slot]; /* start graph: exact chain for other repeat counts */
-            }
-            if (copy_in && fused_graph) {
-                /* What bgs_slot_start does, from the values loaded above. */
-                struct bgs_gpu_slot *gs = gslots + slot;
-                const bgs_u32 *mw = (const bgs_u32 *)meta;
-                gs->conn = (bgs_u64)mw[0] | ((bgs_u64)mw[1] << 32);
-                gs->conn_seq = mw[2];
-                gs->request_id = mw[4];
-                gs->route = mw[10];
-                gs->op = op;
-                gs->param = param;
-                gs->words = words;
-                gs->status = status;
-                gs->out_words = out_words;
-                gs->from_out = from_out;
-                uint4 *in4 = (uint4 *)gs->in;
-                const bgs_u32 quads = (words + 3) / 4;
-                for (int i = 0; i < 16; i++)
-                    if ((bgs_u32)i < quads) in4[i] = pay[i];
-                if (words > 64) {
-                    /* Larger echo payloads: the rest, after the first 64 words. */
-                    const bgs_u8 *eb = (const bgs_u8 *)&request_slot(ring, pos + lane)->entry;
-                    for (bgs_u32 i = 16; i < quads; i++) in4[i] = ld_relaxed_sys_v4(eb + 56 + 16 * i);
-                }
-                /* Consumed: free the ring slot for the producer of pos + capacity. */
-                st_release_sys(&request_slot(ring, pos + lane)->seq,
-                               pos + lane + (bgs_u64)h->request_capacity);
             }
             ((volatile bgs_u64 *)&sc[slot].pos)[0] = pos + lane;
             ((volatile bgs_u32 *)&sc[slot].busy)[0] = 1;

@@ -85,7 +85,6 @@ pub struct Sched {
     pub tail_hint: u64,
     pub lanes: u32,
     pub batches: u32,
-    pub slots: u64,
 }
 
 /// `struct bgs_gpu_tx` (device memory): where the send table and the GPU's io_uring ring are.
@@ -169,7 +168,7 @@ mod tests {
         assert_eq!(p[15], 48);
         assert_eq!(p[18], 1152);
         assert_eq!(p[19], 1536);
-        assert_eq!(p[20], 608);
+        assert_eq!(p[20], 600);
         assert_eq!(p[21], 32);
         assert_eq!(p[22], 568);
         assert_eq!(p[24], 200);

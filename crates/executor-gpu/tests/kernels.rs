@@ -68,7 +68,6 @@ const STUB_PRELUDE: &str = r#"
 #define __shared__ __attribute__((shared))
 #define __forceinline__ __attribute__((always_inline)) inline
 struct bgs_stub_dim3 { unsigned x, y, z; };
-struct uint4 { unsigned x, y, z, w; };
 extern __device__ const bgs_stub_dim3 bgs_stub_tid, bgs_stub_bid, bgs_stub_bdim;
 #define threadIdx bgs_stub_tid
 #define blockIdx bgs_stub_bid
