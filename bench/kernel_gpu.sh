@@ -2,7 +2,10 @@
 # Kernel transport with the GPU executor (issue 4, part 6, --reply loop) and the kernel
 # transport's reply paths on a many-core machine. Runs ON the GPU machine from the repo root.
 # Usage: bash bench/kernel_gpu.sh BIN_DIR OUT_DIR
-#   CHECK="kloop-gpu native-gpu" PERF="native-gpu kloop-gpu ..." ROUNDS=2 select conditions.
+#   CHECK="kloop-gpu native-gpu" PERF="native-gpu kloop-gpu ..." ROUNDS=2 select conditions;
+#   BIG="ksqe-gpu" also sends 1,000,000 requests (50k req/s, 128 connections) through those;
+#   SYSCALLS="ksqe-gpu kloop-gpu" counts the server's system calls per request at 1k req/s
+#   (perf, when installed).
 # Correctness first (bgs load --strict over every op and repeat count, each condition), then
 # CPU per request and latency at 1,000 req/s and near saturation. Server on CPUs 0-3, client
 # on 4-15 (SQPOLL, where used, on CPU 3).
@@ -30,6 +33,7 @@ declare -A conds=(
   [kloop-cpu]="--transport kernel --reply loop --executor cpu --slots 2"
   [ksqe-cpu]="--transport kernel --reply executor-sqe --executor cpu --slots 2 --sqpoll-cpu 3"
   [native-cpu]="--transport native --executor cpu --slots 2"
+  [ksqe-gpu]="--transport kernel --reply executor-sqe --executor gpu --sqpoll-cpu 3"
 )
 # (1) correctness over TCP, every op and repeat count
 for c in ${CHECK-kloop-gpu native-gpu}; do
@@ -44,7 +48,35 @@ for c in ${CHECK-kloop-gpu native-gpu}; do
       echo "check $c $1 r=$2 $http rc=$?" | tee -a "$out/steps.log"
     done
   done
-  stop; tail -8 "$out/check-$c.server.log" >> "$out/steps.log"
+  # pipelined connections: replies that are not their connection's turn go to the host stage
+  timeout 120 "$bgs" load --target 127.0.0.1:$port --op gemm8 --repeat 1 --rate 20000 \
+    --requests 20000 --warmup 0.5 --connections 16 --pipeline 8 --strict --cpus "$client_cpus" \
+    >"$out/check-$c-pipelined.txt" 2>&1
+  echo "check $c gemm8 r=1 pipelined rc=$?" | tee -a "$out/steps.log"
+  stop; tail -12 "$out/check-$c.server.log" >> "$out/steps.log"
+done
+# (1b) a million requests through the full path
+for c in ${BIG-}; do
+  # shellcheck disable=SC2086
+  start "big-$c" ${conds[$c]} || continue
+  timeout 200 "$bgs" load --target 127.0.0.1:$port --op gemm8 --repeat 1 --rate 50000 \
+    --requests 1000000 --warmup 0.5 --connections 128 --strict --cpus "$client_cpus" \
+    --json "$out/big-$c.json" >"$out/big-$c.txt" 2>&1
+  echo "big $c 1000000 rc=$? $(grep -E 'failures|completed' "$out/big-$c.txt" | tr '\n' ' ')" | tee -a "$out/steps.log"
+  stop; tail -12 "$out/big-$c.server.log" >> "$out/steps.log"
+done
+# (1c) system calls per request of the whole server process at 1k req/s
+for c in ${SYSCALLS-}; do
+  command -v perf >/dev/null || { echo "syscalls: no perf here" | tee -a "$out/steps.log"; break; }
+  # shellcheck disable=SC2086
+  start "sys-$c" ${conds[$c]} || continue
+  timeout 60 "$bgs" load --target 127.0.0.1:$port --op gemm8 --repeat 1 --rate 1000 \
+    --duration 8 --warmup 1 --connections 128 --cpus "$client_cpus" >"$out/sys-$c.txt" 2>&1 &
+  lp=$!; sleep 3
+  perf stat -e raw_syscalls:sys_enter -p "$spid" -o "$out/sys-$c.perf" -- sleep 4 2>/dev/null
+  wait $lp
+  echo "syscalls $c $(grep -E 'raw_syscalls' "$out/sys-$c.perf" | awk '{print $1}') in 4 s at 1000 req/s" | tee -a "$out/steps.log"
+  stop
 done
 # (2) CPU per request and latency, alternating conditions
 for round in $(seq "${ROUNDS:-2}"); do
