@@ -27,7 +27,8 @@ pub enum TransportKind {
 pub enum ReplyKind {
     /// A service thread reaps completions and submits SENDs through io_uring.
     Loop,
-    /// The executor writes SEND SQEs into an SQPOLL ring; no system calls per request.
+    /// SENDs are written as SQEs into SQPOLL ring memory; no system calls per request. With
+    /// the GPU executor the GPU writes most of them itself, into an io_uring ring of its own.
     ExecutorSqe,
 }
 
@@ -95,7 +96,12 @@ pub struct ServeArgs {
     /// Pin the server (all its threads) to these CPUs (e.g. `0` or `0-1`).
     #[arg(long)]
     pub cpus: Option<String>,
-    /// Kernel transport reply path.
+    /// Kernel transport reply path. `loop`: a service thread reaps completions and submits
+    /// SENDs. `executor-sqe`: SENDs go into an SQPOLL ring without system calls, written by
+    /// the reply stage's thread (CPU executor) or, with `--executor gpu` (or `auto` finding a
+    /// GPU), by the GPU itself for plain binary replies, through a second SQPOLL ring that
+    /// shares the first one's kernel thread; the stage sends the rest (HTTP, closing and
+    /// busy replies, and replies that are not yet their connection's turn).
     #[arg(long, value_enum, default_value = "loop")]
     pub reply: ReplyKind,
     /// Kernel transport, `--reply loop`: longest wait while replies are outstanding (us).
@@ -338,10 +344,10 @@ fn serve_kernel(
     if args.floor {
         bail!("--floor is a mode of the native transport");
     }
-    if executor_kind == ExecutorKind::Gpu && args.reply == ReplyKind::ExecutorSqe {
-        // The GPU would have to run the reply stage itself (order, encode, write SQEs).
-        bail!("--reply executor-sqe with the GPU executor is not supported yet: use --reply loop");
-    }
+    // The GPU writes SEND SQEs itself (docs/kernel.md, "GPU-written SENDs"). Both dispatchers
+    // publish through the same publish kernel, so `--dispatcher host` sends the same way; and
+    // an executor that never sends leaves every reply to the stage, which the turn allows.
+    let gpu_sends = executor_kind == ExecutorKind::Gpu && args.reply == ReplyKind::ExecutorSqe;
     let reply = match args.reply {
         ReplyKind::Loop => ReplyMode::Loop {
             timer: Duration::from_micros(args.reply_timer_us),
@@ -366,6 +372,7 @@ fn serve_kernel(
         completion_slots: args
             .completion_slots
             .unwrap_or_else(|| args.ring_slots.saturating_mul(4).max(16384)),
+        gpu_sends,
     };
     let transport = KernelTransport::bind(cfg).with_context(|| {
         format!(
@@ -375,10 +382,15 @@ fn serve_kernel(
     })?;
     install_signals(&transport.shutdown_handle())?;
     let region = transport.region();
+    // The GPU holds raw addresses into the send table and its io_uring ring: they must live
+    // until the executor has stopped, after `run` consumed the transport.
+    let gpu_tx_owner = transport.gpu_tx_owner();
+    let mut gpu_cfg = gpu_cfg.clone();
+    gpu_cfg.tx = transport.gpu_tx();
     let executor = start_executor(
         args,
         executor_kind,
-        gpu_cfg,
+        &gpu_cfg,
         &region,
         transport.waker(),
         Some(transport.executor_wait()?),
@@ -386,11 +398,19 @@ fn serve_kernel(
     )?;
     let mode = match args.reply {
         ReplyKind::Loop => "kernel, reply loop",
+        ReplyKind::ExecutorSqe if gpu_sends => "kernel, reply executor-sqe, GPU-written sends",
         ReplyKind::ExecutorSqe => "kernel, reply executor-sqe",
     };
     announce(transport.local_addr(), mode, Some(&executor))?;
     let stats = transport.run().context("transport failed")?;
-    stop_executor(Some(executor))?;
+    let stopped = stop_executor(Some(executor));
+    if stopped.is_err() {
+        // A GPU that did not stop may still touch the table and the ring: keep them mapped.
+        std::mem::forget(gpu_tx_owner);
+    } else {
+        drop(gpu_tx_owner);
+    }
+    stopped?;
     eprintln!("bgs: shut down\n{stats}");
     Ok(())
 }

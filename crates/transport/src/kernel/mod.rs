@@ -17,6 +17,12 @@
 //! Per connection, userspace still does: take the accept CQE, read the socket cookie
 //! (`getsockopt(SO_COOKIE)`), and close the descriptor (a CLOSE operation) when the connection
 //! ends. Nothing per request.
+//!
+//! With [`KernelConfig::gpu_sends`] (`--reply executor-sqe` with the GPU executor) the GPU puts
+//! most replies on the wire itself, through an io_uring ring of its own (SQPOLL, memory we
+//! provide, served by the same SQPOLL kernel thread as our ring) and the send table
+//! ([`bgs_ring::tx::TxTable`]), whose per-connection turn the reply stage shares with it
+//! ([`reply`] module docs). See [`KernelTransport::gpu_tx`] and docs/kernel.md.
 
 pub mod reply;
 
@@ -25,12 +31,13 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bgs_bpf::{KernelRx, KernelRxConfig};
 use bgs_protocol::FramerConfig;
 use bgs_ring::RingRegion;
+use bgs_ring::tx::{TxCounters, TxDesc, TxTable};
 use bgs_uring::{RingOptions, SqPoll, Uring};
 use serde::Serialize;
 
@@ -79,6 +86,10 @@ pub struct KernelConfig {
     pub request_slots: u32,
     /// Completion ring slots.
     pub completion_slots: u32,
+    /// `ReplyMode::ExecutorSqe` with a GPU executor that writes SEND SQEs itself: create the
+    /// send table and the GPU's io_uring ring ([`KernelTransport::gpu_tx`]) and share each
+    /// connection's turn with the GPU. Refused with `ReplyMode::Loop`.
+    pub gpu_sends: bool,
 }
 
 /// Counters of the kernel transport, printed at shutdown.
@@ -96,6 +107,38 @@ pub struct KernelStats {
     pub sockhash_entries: usize,
     /// BPF per-connection states at the same moment.
     pub conn_states: usize,
+    /// The GPU's send counters, when it writes SENDs ([`KernelConfig::gpu_sends`]).
+    pub gpu: Option<GpuSendStats>,
+}
+
+/// The GPU's counters from the send table's header (it writes them; we only read).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct GpuSendStats {
+    /// Replies the GPU queued a SEND for.
+    pub sends: u64,
+    /// SEND completions the GPU reaped.
+    pub completed: u64,
+    /// Of those, errors or short sends.
+    pub send_errors: u64,
+    /// Replies the GPU handed to the reply stage (not its turn, not registered, HTTP, closing).
+    pub deferred: u64,
+    /// Futex wakes the GPU queued for the sleeping reply stage.
+    pub wakes: u64,
+    /// Times a SEND waited for room in the GPU's submission queue.
+    pub sq_full: u64,
+}
+
+impl From<TxCounters> for GpuSendStats {
+    fn from(c: TxCounters) -> Self {
+        GpuSendStats {
+            sends: c.gpu_sends,
+            completed: c.gpu_completed,
+            send_errors: c.gpu_send_errors,
+            deferred: c.gpu_deferred,
+            wakes: c.gpu_wakes,
+            sq_full: c.gpu_sq_full,
+        }
+    }
 }
 
 impl std::fmt::Display for KernelStats {
@@ -117,6 +160,25 @@ impl std::fmt::Display for KernelStats {
             self.reply.stale,
             self.reply.never_accepted
         )?;
+        if let Some(g) = &self.gpu {
+            let r = &self.reply;
+            writeln!(
+                f,
+                "gpu sends: {} sent, {} completed, {} errors, {} deferred to the stage, {} wakes, {} sq-full",
+                g.sends, g.completed, g.send_errors, g.deferred, g.wakes, g.sq_full
+            )?;
+            writeln!(
+                f,
+                "turns: {} registered, {} refused, {} passed by the stage, {} waits, {} replies skipped (sent by the GPU), {} behind the turn, {} forced resets",
+                r.tx_registered,
+                r.tx_refused,
+                r.turn_passes,
+                r.turn_waits,
+                r.gpu_sent_skipped,
+                r.behind_turn,
+                r.resets_forced
+            )?;
+        }
         writeln!(f, "wake-ups: {}; accepts: {}", self.wakeups, self.accepts)?;
         write!(
             f,
@@ -131,6 +193,70 @@ const UD_DOORBELL: u64 = 0xfe << 56;
 const UD_SHUTDOWN: u64 = 0xfd << 56;
 const UD_WATCH: u64 = 0xfc << 56;
 
+/// What a GPU that writes SENDs itself works on: the send table and its own io_uring ring
+/// (SQPOLL, `IORING_SETUP_NO_MMAP`). The GPU holds raw addresses into both, so keep this alive
+/// (the `Arc` from [`KernelTransport::gpu_tx_owner`]) until the executor has stopped.
+///
+/// The GPU is the ring's only SQ producer and only CQ consumer: the host creates the ring,
+/// wakes its SQPOLL thread when it sleeps, and never touches its queues.
+pub struct GpuTx {
+    // Field order is drop order: close the ring (its SENDs point into the table's buffers)
+    // before unmapping the table.
+    ring: Uring,
+    table: Arc<TxTable>,
+    /// The ring is served by the host ring's SQPOLL thread (`IORING_SETUP_ATTACH_WQ`).
+    shared_sqpoll: bool,
+}
+
+impl std::fmt::Debug for GpuTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuTx")
+            .field("ring", &self.ring)
+            .field("capacity", &self.table.capacity())
+            .field("shared_sqpoll", &self.shared_sqpoll)
+            .finish()
+    }
+}
+
+impl GpuTx {
+    /// The descriptor a GPU executor needs (`GpuExecutorConfig::tx`): the table's block and
+    /// the ring's memory and offsets.
+    pub fn desc(&self) -> TxDesc {
+        let m = self.ring.memory();
+        TxDesc {
+            table: self.table.as_ptr(),
+            table_len: self.table.len(),
+            rings: m.rings,
+            rings_len: m.rings_len,
+            sqes: m.sqes,
+            sqes_len: m.sqes_len,
+            sq_entries: m.sq_entries,
+            cq_entries: m.cq_entries,
+            sq_head: m.sq_head,
+            sq_tail: m.sq_tail,
+            sq_flags: m.sq_flags,
+            cq_head: m.cq_head,
+            cq_tail: m.cq_tail,
+            cqes: m.cqes,
+        }
+    }
+
+    /// The send table.
+    pub fn table(&self) -> &Arc<TxTable> {
+        &self.table
+    }
+
+    /// The GPU's ring (for tests and diagnostics: its queues belong to the GPU).
+    pub fn ring(&self) -> &Uring {
+        &self.ring
+    }
+
+    /// Whether the GPU's ring shares the host ring's SQPOLL thread.
+    pub fn shared_sqpoll(&self) -> bool {
+        self.shared_sqpoll
+    }
+}
+
 /// The kernel transport, bound and loaded.
 pub struct KernelTransport {
     cfg: KernelConfig,
@@ -142,6 +268,8 @@ pub struct KernelTransport {
     shutdown_tx: ShutdownHandle,
     /// Executor completions wake the reply loop through this eventfd (loop mode).
     waker_fd: Arc<OwnedFd>,
+    /// The send table and the GPU's ring ([`KernelConfig::gpu_sends`]).
+    gpu: Option<Arc<GpuTx>>,
 }
 
 impl std::fmt::Debug for KernelTransport {
@@ -346,7 +474,12 @@ impl StageDriver {
     }
 }
 
-fn collect_stats(rx: &KernelRx, driver: &StageDriver, wakeups: u64) -> KernelStats {
+fn collect_stats(
+    rx: &KernelRx,
+    driver: &StageDriver,
+    wakeups: u64,
+    gpu: Option<&GpuTx>,
+) -> KernelStats {
     KernelStats {
         bpf: rx.counters(),
         reply: driver.stage.stats().clone(),
@@ -354,7 +487,47 @@ fn collect_stats(rx: &KernelRx, driver: &StageDriver, wakeups: u64) -> KernelSta
         accepts: driver.accepts,
         sockhash_entries: rx.sockhash_len(),
         conn_states: rx.conn_states_len(),
+        gpu: gpu.map(|g| g.table.counters().into()),
     }
+}
+
+/// Sleep until the executor's completion ring is probably non-empty or `timeout` passes, on
+/// a *private* futex on the ring's doorbell word: the GPU's wake (an io_uring FUTEX_WAKE that
+/// the SQPOLL thread, which shares our address space, executes) must find us there. The ring's
+/// own `wait_nonempty` uses a shared futex, and the kernel refuses shared futexes on this
+/// memory (a BPF map's mapping has no page-cache mapping: `futex(2)` fails with EFAULT at
+/// once), so it would not sleep at all. The handshake is `Ring::wait_nonempty`'s: count as a
+/// sleeper, read the doorbell, re-check, then sleep only while the doorbell is unchanged.
+fn wait_completions_private(region: &RingRegion, timeout: Duration) {
+    let ring = region.completions();
+    if !ring.is_empty() {
+        return;
+    }
+    let _guard = ring.sleep_guard();
+    let off = std::mem::offset_of!(bgs_ring::RegionHeader, completion_doorbell);
+    // SAFETY: the doorbell is an aligned u32 of the region header, inside the region mapping
+    // that `region` keeps alive; every agent accesses it atomically.
+    let bell = unsafe { AtomicU32::from_ptr(region.as_ptr().add(off).cast()) };
+    let seen = bell.load(Ordering::SeqCst);
+    if !ring.is_empty() {
+        return;
+    }
+    let ts = rustix::thread::futex::Timespec {
+        tv_sec: timeout.as_secs() as _,
+        tv_nsec: timeout.subsec_nanos() as _,
+    };
+    // EAGAIN (rung meanwhile), ETIMEDOUT and EINTR all mean: go and look.
+    let _ =
+        rustix::thread::futex::wait(bell, rustix::thread::futex::Flags::PRIVATE, seen, Some(&ts));
+}
+
+/// Wake a stage sleeping in [`wait_completions_private`] (what the GPU's FUTEX_WAKE does).
+fn wake_completions_private(region: &RingRegion) {
+    let off = std::mem::offset_of!(bgs_ring::RegionHeader, completion_doorbell);
+    // SAFETY: as in `wait_completions_private`.
+    let bell = unsafe { AtomicU32::from_ptr(region.as_ptr().add(off).cast()) };
+    bell.fetch_add(1, Ordering::SeqCst);
+    let _ = rustix::thread::futex::wake(bell, rustix::thread::futex::Flags::PRIVATE, u32::MAX);
 }
 
 /// Prints the counters every `every`, if set.
@@ -412,6 +585,12 @@ fn kick_verdict(fd: std::os::fd::BorrowedFd<'_>) {
 impl KernelTransport {
     /// Bind, load the BPF programs for the port, set up io_uring.
     pub fn bind(cfg: KernelConfig) -> io::Result<Self> {
+        if cfg.gpu_sends && !matches!(cfg.reply, ReplyMode::ExecutorSqe { .. }) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "GPU-written SENDs need the executor-sqe reply path (--reply executor-sqe)",
+            ));
+        }
         let listener = TcpListener::bind(cfg.listen)?;
         let local_addr = listener.local_addr()?;
         let rx = KernelRx::load(&KernelRxConfig {
@@ -448,6 +627,11 @@ impl KernelTransport {
             },
         };
         let uring = Uring::new(&opts)?;
+        let gpu = if cfg.gpu_sends {
+            Some(Arc::new(Self::gpu_ring(&cfg, &opts, &uring)?))
+        } else {
+            None
+        };
         let (shutdown_rx, tx) = UnixStream::pair()?;
         shutdown_rx.set_nonblocking(true)?;
         tx.set_nonblocking(true)?;
@@ -464,7 +648,48 @@ impl KernelTransport {
             shutdown_rx,
             shutdown_tx: ShutdownHandle::from_stream(tx),
             waker_fd,
+            gpu,
         })
+    }
+
+    /// The send table and the GPU's ring: the same sizes and SQPOLL settings as ours,
+    /// attached to our ring's SQPOLL thread, so one kernel thread spins for both.
+    fn gpu_ring(cfg: &KernelConfig, opts: &RingOptions, host: &Uring) -> io::Result<GpuTx> {
+        let table = Arc::new(TxTable::new(cfg.max_connections)?);
+        let (ring, shared_sqpoll) = match Uring::new_attached(opts, host) {
+            Ok(ring) => (ring, true),
+            Err(e) => {
+                tracing::warn!(
+                    "io_uring ATTACH_WQ refused ({e}): the GPU's ring gets an SQPOLL thread of its own"
+                );
+                (Uring::new(opts)?, false)
+            }
+        };
+        if !ring.memory().user_provided || !ring.is_sqpoll() {
+            return Err(io::Error::other(
+                "the GPU's io_uring ring needs SQPOLL and user-provided memory",
+            ));
+        }
+        Ok(GpuTx {
+            ring,
+            table,
+            shared_sqpoll,
+        })
+    }
+
+    /// With [`KernelConfig::gpu_sends`]: what the GPU executor needs to send replies itself
+    /// (`GpuExecutorConfig::tx`). The addresses stay valid while the transport or an
+    /// [`Self::gpu_tx_owner`] handle lives: the caller must stop the executor (which
+    /// unregisters this memory from the device and stops touching it) before dropping the
+    /// last of them. [`Self::run`] consumes the transport, so hold the owner handle across it.
+    pub fn gpu_tx(&self) -> Option<TxDesc> {
+        self.gpu.as_ref().map(|g| g.desc())
+    }
+
+    /// Keeps the send table and the GPU's ring alive after the transport is gone (see
+    /// [`Self::gpu_tx`]).
+    pub fn gpu_tx_owner(&self) -> Option<Arc<GpuTx>> {
+        self.gpu.clone()
     }
 
     /// The rings (they live in the BPF map).
@@ -609,11 +834,13 @@ impl KernelTransport {
     }
 
     fn stats(&self, driver: &StageDriver, wakeups: u64) -> KernelStats {
-        collect_stats(&self.rx, driver, wakeups)
+        collect_stats(&self.rx, driver, wakeups, self.gpu.as_deref())
     }
 
     /// `--reply executor-sqe`: the executor's reply thread runs the stage without system
-    /// calls (SQEs land in SQPOLL ring memory); this thread is the watchdog.
+    /// calls (SQEs land in SQPOLL ring memory); this thread is the watchdog. With
+    /// `gpu_sends` the stage shares each connection's turn with the GPU, and the watchdog also
+    /// wakes the SQPOLL thread for the GPU's ring.
     fn run_executor_sqe(self, watchdog: Duration) -> io::Result<KernelStats> {
         let stop = Arc::new(AtomicBool::new(false));
         let wakeups = Arc::new(AtomicU64::new(0));
@@ -625,10 +852,14 @@ impl KernelTransport {
         let stop2 = stop.clone();
         let wakeups2 = wakeups.clone();
         let stats_every = self.cfg.stats_every;
+        let gpu = self.gpu.clone();
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
                 let mut driver = StageDriver::new(region, side, listener_fd, None, None);
+                if let Some(g) = &gpu {
+                    driver.stage = ReplyStage::with_turns(g.table.clone());
+                }
                 let mut last_sweep = Instant::now();
                 let mut stats_timer = StatsTimer::new(stats_every);
                 while !stop2.load(Ordering::Acquire) {
@@ -645,17 +876,37 @@ impl KernelTransport {
                     }
                     if stats_timer.due(now) {
                         let w = wakeups2.load(Ordering::Relaxed);
-                        eprintln!("bgs: stats\n{}", collect_stats(&rx, &driver, w));
+                        eprintln!(
+                            "bgs: stats\n{}",
+                            collect_stats(&rx, &driver, w, gpu.as_deref())
+                        );
                     }
                     if !did {
                         // Sleep on the completion ring's futex (executors and the watchdog
-                        // wake it); CQEs are picked up by the watchdog's nudge or the timeout.
-                        let t = if driver.stage.busy() {
-                            Duration::from_micros(100)
-                        } else {
-                            Duration::from_millis(2)
+                        // wake it; a GPU queues a FUTEX_WAKE on its ring); CQEs are picked
+                        // up by the watchdog's nudge or the timeout.
+                        let t = match &gpu {
+                            None if driver.stage.busy() => Duration::from_micros(100),
+                            None => Duration::from_millis(2),
+                            Some(g) => {
+                                // The GPU cannot wake us when it passes a turn, and its own
+                                // SENDs are finals we never see: poll soon while replies wait
+                                // for a turn or requests are still on the GPU.
+                                let answered = driver.finals + g.table.counters().gpu_sends;
+                                if driver.stage.busy()
+                                    || driver.region.requests().produced() > answered
+                                {
+                                    Duration::from_micros(50)
+                                } else {
+                                    Duration::from_millis(2)
+                                }
+                            }
                         };
-                        driver.region.completions().wait_nonempty(t);
+                        if gpu.is_some() {
+                            wait_completions_private(&driver.region, t);
+                        } else {
+                            driver.region.completions().wait_nonempty(t);
+                        }
                     }
                 }
                 driver
@@ -675,11 +926,24 @@ impl KernelTransport {
             tv_nsec: watchdog.subsec_nanos() as _,
         };
         let mut events = Vec::with_capacity(1);
+        let gpu = self.gpu.clone();
         loop {
             // The only thing this thread does: the stage (the executor) cannot make system
-            // calls, so someone must wake the SQPOLL thread once it went to sleep.
-            if self.uring.needs_wakeup() {
+            // calls, so someone must wake the SQPOLL thread once it went to sleep. The GPU's
+            // ring shares that thread (one wake serves both) unless ATTACH_WQ was refused.
+            let host_sleeps = self.uring.needs_wakeup();
+            let (gpu_sleeps, shared) = gpu
+                .as_ref()
+                .map_or((false, true), |g| (g.ring.needs_wakeup(), g.shared_sqpoll));
+            if host_sleeps || (gpu_sleeps && shared) {
                 self.uring.wake_sqpoll()?;
+                wakeups.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(g) = &gpu
+                && gpu_sleeps
+                && !shared
+            {
+                g.ring.wake_sqpoll()?;
                 wakeups.fetch_add(1, Ordering::Relaxed);
             }
             events.clear();
@@ -694,7 +958,11 @@ impl KernelTransport {
             }
         }
         stop.store(true, Ordering::Release);
-        region.completions().notify();
+        if self.gpu.is_some() {
+            wake_completions_private(&region);
+        } else {
+            region.completions().notify();
+        }
         let driver = stage_thread
             .join()
             .map_err(|_| io::Error::other("reply stage thread panicked"))?;

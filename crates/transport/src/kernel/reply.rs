@@ -9,12 +9,37 @@
 //! of a short send, and reclaims the connection: after an EOF marker once everything owed is
 //! sent, after a closing reply (shutdown, then close when the peer closes or a linger timer
 //! runs out), and at once on a reset.
+//!
+//! # Sharing connections with a GPU that sends ([`ReplyStage::with_turns`])
+//! With a GPU executor that writes SEND SQEs itself (`--reply executor-sqe --executor gpu`),
+//! the replies of one connection are sent by two agents, and the send table's per-connection
+//! turn (`bgs_ring::tx`, module docs) decides who may send: the entry's `next_seq` names the
+//! reply that goes on the wire next, and only the agent holding that reply acts. The stage
+//! then:
+//! - registers each accepted connection with the `conn_seq` of the first reply it has not sent
+//!   (a connection the table refuses stays host-only: the GPU's lookup fails and it hands every
+//!   reply to us);
+//! - sends only when the turn names the first reply of its buffer (or it holds the turn
+//!   already), and passes the turn on (`next_seq =` the sequence after the last complete reply
+//!   sent) when that SEND completed in full while the connection stays open; a connection that
+//!   is ending (closing reply, send error, EOF, reset) keeps the turn, so the GPU can never
+//!   send on its descriptor again;
+//! - catches up with replies the GPU sent (they never reach the stage): when it holds nothing
+//!   for a connection and the turn is past its next expected sequence, it skips to the turn
+//!   and emits what was parked there;
+//! - handles RESET markers in order, like EOF (the GPU may still hold earlier replies, and the
+//!   descriptor must not be closed and reused while it might write a SEND for it), and
+//!   tombstones the entry before every CLOSE;
+//! - counts a connection that waits for the turn as busy, so the caller polls it soon (the GPU
+//!   cannot wake the stage when it passes a turn).
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::RawFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bgs_protocol::{Framing, Reject, Status};
+use bgs_ring::tx::TxTable;
 use bgs_ring::{CompletionEntry, route};
 use serde::Serialize;
 use slab::Slab;
@@ -47,6 +72,14 @@ pub const LINGER: Duration = Duration::from_secs(2);
 const RECENTLY_CLOSED: usize = 1 << 16;
 /// How long replies for a connection wait for its accept before they are dropped.
 pub const ACCEPT_GRACE: Duration = Duration::from_secs(5);
+/// With a send table: how long a RESET marker waits for a turn that does not move before the
+/// connection is closed anyway (BPF lost a reply before it: both rings were full).
+pub const RESET_GRACE: Duration = Duration::from_secs(5);
+
+/// `a` comes after `b` in wrapping `conn_seq` order.
+fn seq_after(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
 
 /// Counters of the reply stage.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -75,6 +108,20 @@ pub struct ReplyStats {
     pub stale: u64,
     /// Connections dropped because no accept arrived in time.
     pub never_accepted: u64,
+    /// Send table: connections registered at accept.
+    pub tx_registered: u64,
+    /// Send table: connections it refused (no free entry in the probe window; host-only).
+    pub tx_refused: u64,
+    /// Send table: turns passed on after a host SEND completed.
+    pub turn_passes: u64,
+    /// Send table: flushes that found replies ready but the turn elsewhere.
+    pub turn_waits: u64,
+    /// Send table: replies skipped because the turn moved past them (the GPU sent them).
+    pub gpu_sent_skipped: u64,
+    /// Send table: parked replies found behind the turn and dropped (should stay 0).
+    pub behind_turn: u64,
+    /// Send table: RESET markers whose turn never came within [`RESET_GRACE`].
+    pub resets_forced: u64,
 }
 
 /// A completion's fields as the stage needs them, borrowing the payload from the ring slot.
@@ -149,13 +196,48 @@ struct ConnOut {
     /// The peer's EOF marker arrived (in order).
     eof: bool,
     linger_until: Option<Instant>,
+    /// Send table entry (registered at accept; taken when the entry is tombstoned).
+    tx: Option<u32>,
+    /// `conn_seq` of the first reply in `out` (valid while `out` is non-empty).
+    out_first: u32,
+    /// `conn_seq` after the last complete reply in the SEND in flight: the turn passed on
+    /// when it completes.
+    inflight_end: u32,
+    /// Registered and took the turn with a SEND that has not passed it on.
+    holds_turn: bool,
+    /// Registered: a RESET marker is parked waiting for its turn; the turn last seen and
+    /// since when it has not moved.
+    reset_wait: Option<(u32, Instant)>,
 }
 
 impl ConnOut {
     /// Waiting on something that will need a timely look: a SEND in flight, a shutdown or
-    /// linger, or an accept that has not been reaped yet.
+    /// linger, an accept that has not been reaped yet, or (registered) replies waiting for
+    /// the turn, which the GPU passes without waking anyone.
     fn busy(&self) -> bool {
-        self.inflight.is_some() || self.phase != Phase::Open || self.fd.is_none()
+        self.inflight.is_some()
+            || self.phase != Phase::Open
+            || self.fd.is_none()
+            || (self.tx.is_some() && (!self.parked.is_empty() || !self.out.is_empty()))
+    }
+
+    /// Registered, accepted, and holding replies that wait for the turn: flush again on the
+    /// next pass.
+    fn waits_for_turn(&self) -> bool {
+        self.tx.is_some()
+            && self.fd.is_some()
+            && self.inflight.is_none()
+            && self.phase != Phase::Closed
+            && (!self.out.is_empty() || (self.phase == Phase::Open && !self.parked.is_empty()))
+    }
+
+    /// The first reply not handed to the wire yet: what the turn must name for the host.
+    fn first_unsent(&self) -> u32 {
+        if self.out.is_empty() {
+            self.next_seq
+        } else {
+            self.out_first
+        }
     }
 }
 
@@ -186,6 +268,8 @@ pub struct ReplyStage {
     /// close do not resurrect them (cookies are never reused).
     recently_closed: std::collections::HashSet<u64>,
     recently_closed_order: std::collections::VecDeque<u64>,
+    /// The send table shared with a GPU that sends replies itself (module docs).
+    turns: Option<Arc<TxTable>>,
     stats: ReplyStats,
 }
 
@@ -193,6 +277,15 @@ impl ReplyStage {
     /// An empty stage.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty stage that shares its connections with a GPU sending replies through `table`
+    /// (module docs).
+    pub fn with_turns(table: Arc<TxTable>) -> Self {
+        ReplyStage {
+            turns: Some(table),
+            ..Self::default()
+        }
     }
 
     /// Counters.
@@ -205,8 +298,9 @@ impl ReplyStage {
         self.conns.len()
     }
 
-    /// True when a SEND, SHUTDOWN or linger is outstanding, or an accept is awaited (the
-    /// caller should poll soon). Exact after [`Self::flush`].
+    /// True when a SEND, SHUTDOWN or linger is outstanding, an accept is awaited, or replies
+    /// wait for the GPU to pass a turn (the caller should poll soon). Exact after
+    /// [`Self::flush`].
     pub fn busy(&self) -> bool {
         self.busy_conns > 0
     }
@@ -229,6 +323,12 @@ impl ReplyStage {
     /// Take connection `idx` out of the stage.
     fn remove_conn(&mut self, idx: usize) -> ConnOut {
         let c = self.conns.remove(idx);
+        if let (Some(t), Some(ti)) = (&self.turns, c.tx) {
+            // Every path to here tombstones first (before the CLOSE); keep the table clean
+            // regardless.
+            debug_assert!(false, "connection removed while registered");
+            t.remove(ti);
+        }
         if c.busy_counted {
             self.busy_conns -= 1;
         }
@@ -255,6 +355,11 @@ impl ReplyStage {
             busy_counted: false,
             eof: false,
             linger_until: None,
+            tx: None,
+            out_first: 0,
+            inflight_end: 0,
+            holds_turn: false,
+            reset_wait: None,
         });
         self.by_cookie.insert(cookie, idx);
         idx
@@ -263,7 +368,21 @@ impl ReplyStage {
     /// The transport accepted connection `fd` whose socket cookie is `cookie`.
     pub fn on_accept(&mut self, fd: RawFd, cookie: u64) {
         let idx = self.conn_for(cookie);
-        self.conns[idx].fd = Some(fd);
+        let c = &mut self.conns[idx];
+        c.fd = Some(fd);
+        if let Some(t) = &self.turns
+            && c.phase == Phase::Open
+        {
+            // Until now the GPU's lookup failed, so every reply came here: the turn starts at
+            // the first one we have not sent (nothing was sent without a descriptor).
+            match t.insert(cookie, fd, c.first_unsent()) {
+                Some(ti) => {
+                    c.tx = Some(ti);
+                    self.stats.tx_registered += 1;
+                }
+                None => self.stats.tx_refused += 1,
+            }
+        }
         self.stats.accepted += 1;
         self.dirty.push(idx);
     }
@@ -279,9 +398,17 @@ impl ReplyStage {
         // An unknown cookie is a connection whose accept has not been reaped yet: keep what
         // arrives for it (markers included) until the accept brings its descriptor.
         let idx = self.conn_for(e.conn);
-        if e.route & route::RESET != 0 {
+        let c = &mut self.conns[idx];
+        if let (Some(t), Some(ti)) = (&self.turns, c.tx) {
+            // Skip what the GPU sent meanwhile, so this item is not parked for nothing.
+            Self::catch_up(c, t, ti, &mut self.stats);
+        }
+        // A registered, open connection takes its reset in order: the GPU may still hold
+        // earlier replies and write SENDs on the descriptor. Otherwise (host-only, or the
+        // stage already ended the connection and keeps the turn for good) at once.
+        let in_order = c.tx.is_some() && c.phase == Phase::Open;
+        if e.route & route::RESET != 0 && !in_order {
             self.stats.resets += 1;
-            let c = &mut self.conns[idx];
             c.out.clear();
             c.parked.clear();
             c.phase = Phase::Closing;
@@ -289,7 +416,6 @@ impl ReplyStage {
             self.dirty.push(idx);
             return;
         }
-        let c = &mut self.conns[idx];
         if c.phase != Phase::Open {
             // The server already ended this connection; only the peer's EOF still matters.
             if e.route & route::EOF != 0 {
@@ -311,15 +437,13 @@ impl ReplyStage {
         if e.conn_seq == c.next_seq {
             Self::emit(c, frame, &mut self.stats);
             // Items that were waiting behind this one.
-            while c.phase == Phase::Open && !c.parked.is_empty() {
-                let Some(frames) = c.parked.remove(&c.next_seq) else {
-                    break;
-                };
-                for p in &frames {
-                    Self::emit(c, p.as_ref(), &mut self.stats);
-                }
-            }
+            Self::drain_parked(c, &mut self.stats);
         } else {
+            if e.route & route::RESET != 0
+                && let Some((t, ti)) = self.turns.as_ref().zip(c.tx)
+            {
+                c.reset_wait = Some((t.next_seq(ti), Instant::now()));
+            }
             c.parked.entry(e.conn_seq).or_default().push(Parked {
                 status: frame.status,
                 final_: frame.final_,
@@ -330,6 +454,42 @@ impl ReplyStage {
             });
         }
         self.dirty.push(idx);
+    }
+
+    /// Emit the parked items that are now in turn, up to a gap or the end of the connection.
+    fn drain_parked(c: &mut ConnOut, stats: &mut ReplyStats) {
+        while c.phase == Phase::Open && !c.parked.is_empty() {
+            let Some(frames) = c.parked.remove(&c.next_seq) else {
+                break;
+            };
+            for p in &frames {
+                Self::emit(c, p.as_ref(), stats);
+            }
+        }
+    }
+
+    /// Registered connection holding nothing: if the turn moved past the next item we
+    /// expect, the GPU sent the items in between (they never come here); continue at the
+    /// turn and emit what was parked there.
+    fn catch_up(c: &mut ConnOut, t: &TxTable, ti: u32, stats: &mut ReplyStats) {
+        if c.phase != Phase::Open || c.holds_turn || c.inflight.is_some() || !c.out.is_empty() {
+            return;
+        }
+        let s = t.next_seq(ti);
+        if !seq_after(s, c.next_seq) {
+            return;
+        }
+        stats.gpu_sent_skipped += u64::from(s.wrapping_sub(c.next_seq));
+        c.next_seq = s;
+        c.http_started = false;
+        // Items the GPU sent never reach us, so nothing can be parked behind the turn; if
+        // something is, it can no longer be sent in order.
+        c.parked.retain(|&k, _| {
+            let behind = seq_after(s, k);
+            stats.behind_turn += u64::from(behind);
+            !behind
+        });
+        Self::drain_parked(c, stats);
     }
 
     /// Encode one frame of the front item (or handle a marker in its turn).
@@ -343,6 +503,17 @@ impl ReplyStage {
             c.phase = Phase::Closing;
             return;
         }
+        if p.route & route::RESET != 0 {
+            // In order (registered connections only): everything before it is sent or in
+            // flight; the peer is gone, so drop what is unsent and close.
+            stats.resets += 1;
+            c.out.clear();
+            c.parked.clear();
+            c.eof = true;
+            c.phase = Phase::Closing;
+            return;
+        }
+        let was_empty = c.out.is_empty();
         let framing = if p.route & route::HTTP != 0 {
             Framing::Http {
                 keep_alive: p.route & route::CLOSE == 0,
@@ -376,6 +547,9 @@ impl ReplyStage {
             encode_frame(&mut c.out, framing, &mut c.http_started, &f);
         }
         stats.frames += 1;
+        if was_empty && !c.out.is_empty() {
+            c.out_first = c.next_seq;
+        }
         if p.final_ {
             c.next_seq = c.next_seq.wrapping_add(1);
             c.http_started = false;
@@ -403,7 +577,8 @@ impl ReplyStage {
                 };
                 inf.issued = false;
                 if res < 0 {
-                    // EPIPE, ECONNRESET: the peer is gone; nothing more can be delivered.
+                    // EPIPE, ECONNRESET: the peer is gone; nothing more can be delivered. A
+                    // registered connection keeps the turn: nobody sends on it again.
                     self.stats.send_errors += 1;
                     c.inflight = None;
                     c.out.clear();
@@ -416,6 +591,16 @@ impl ReplyStage {
                     if inf.sent < inf.buf.len() {
                         self.stats.short_sends += 1;
                     } else if let Some(Inflight { mut buf, .. }) = c.inflight.take() {
+                        if let (Some(t), Some(ti)) = (&self.turns, c.tx)
+                            && c.phase == Phase::Open
+                        {
+                            // Everything up to `inflight_end` is on the wire: the next reply
+                            // may go out from whoever holds it. A connection that is ending
+                            // keeps the turn.
+                            t.pass_turn(ti, c.inflight_end);
+                            c.holds_turn = false;
+                            self.stats.turn_passes += 1;
+                        }
                         buf.clear();
                         if c.out.is_empty() && c.out.capacity() == 0 {
                             c.out = buf;
@@ -465,8 +650,10 @@ impl ReplyStage {
         self.flushing.dedup();
         for i in 0..self.flushing.len() {
             let idx = self.flushing[i];
-            if !self.flush_one(idx, io) {
-                // No room in the queue: try again at the next flush.
+            if !self.flush_one(idx, io) || self.conns.get(idx).is_some_and(ConnOut::waits_for_turn)
+            {
+                // No room in the queue, or replies wait for the GPU to pass the turn: look
+                // again at the next flush.
                 self.dirty.push(idx);
             }
             self.refresh_busy(idx);
@@ -486,6 +673,10 @@ impl ReplyStage {
         if c.phase == Phase::Closed {
             return true;
         }
+        let turns = self.turns.as_deref();
+        if let (Some(t), Some(ti)) = (turns, c.tx) {
+            Self::catch_up(c, t, ti, &mut self.stats);
+        }
         let ud_send = user_data(KIND_SEND, idx, c.generation);
         if let Some(inf) = c.inflight.as_mut() {
             if !inf.issued && inf.sent < inf.buf.len() {
@@ -500,6 +691,14 @@ impl ReplyStage {
             return true;
         }
         if !c.out.is_empty() {
+            if let (Some(t), Some(ti)) = (turns, c.tx)
+                && !c.holds_turn
+                && t.next_seq(ti) != c.out_first
+            {
+                // Not our turn: the GPU still sends replies before these.
+                self.stats.turn_waits += 1;
+                return true;
+            }
             let fresh = self.spare.pop().unwrap_or_default();
             let buf = std::mem::replace(&mut c.out, fresh);
             if !io.send(fd, buf.as_ptr(), buf.len(), ud_send) {
@@ -508,6 +707,8 @@ impl ReplyStage {
                 return false;
             }
             self.stats.sends += 1;
+            c.inflight_end = c.next_seq;
+            c.holds_turn = c.tx.is_some();
             // Moving the Vec moves only its header: the heap buffer the SEND points at stays
             // where it is, untouched, until the CQE.
             c.inflight = Some(Inflight {
@@ -519,6 +720,7 @@ impl ReplyStage {
         }
         match c.phase {
             Phase::Closing if c.eof => {
+                Self::unregister(c, turns);
                 if !io.close(fd, c.cookie, user_data(KIND_CLOSE, idx, c.generation)) {
                     return false;
                 }
@@ -531,6 +733,7 @@ impl ReplyStage {
                 c.phase = Phase::Lingering;
             }
             Phase::Lingering if c.eof || c.linger_until.is_some_and(|t| t <= Instant::now()) => {
+                Self::unregister(c, turns);
                 if !io.close(fd, c.cookie, user_data(KIND_CLOSE, idx, c.generation)) {
                     return false;
                 }
@@ -541,13 +744,47 @@ impl ReplyStage {
         true
     }
 
-    /// Timers: lingering connections past their deadline, and replies for connections that
-    /// were never accepted. Call every few milliseconds.
+    /// Before closing a registered connection's descriptor: tombstone its entry, so that the
+    /// GPU's lookups fail from now on (the turn, which this stage keeps, already stops it from
+    /// sending).
+    fn unregister(c: &mut ConnOut, turns: Option<&TxTable>) {
+        if let (Some(t), Some(ti)) = (turns, c.tx.take()) {
+            t.remove(ti);
+        }
+    }
+
+    /// Timers: lingering connections past their deadline, replies for connections that were
+    /// never accepted, and (send table) resets whose turn never comes. Call every few
+    /// milliseconds.
     pub fn sweep(&mut self, now: Instant) {
         let mut drop_idx = Vec::new();
         for (idx, c) in self.conns.iter_mut() {
             if c.phase == Phase::Lingering && c.linger_until.is_some_and(|t| t <= now) {
                 self.dirty.push(idx);
+            }
+            if let (Some(t), Some(ti), Some((seen, since))) = (&self.turns, c.tx, c.reset_wait)
+                && c.phase == Phase::Open
+                && c.inflight.is_none()
+                && c.out.is_empty()
+            {
+                let turn = t.next_seq(ti);
+                if turn != seen {
+                    c.reset_wait = Some((turn, now));
+                } else if now.saturating_duration_since(since) > RESET_GRACE {
+                    // The turn has stood still at a reply nobody holds: BPF lost it (both
+                    // rings full) and published the reset after it. The GPU holds nothing
+                    // for this connection (it would have passed the turn), so unregister it
+                    // and close, as a reset without a send table does at once.
+                    t.remove(ti);
+                    c.tx = None;
+                    c.out.clear();
+                    c.parked.clear();
+                    c.eof = true;
+                    c.phase = Phase::Closing;
+                    self.stats.resets += 1;
+                    self.stats.resets_forced += 1;
+                    self.dirty.push(idx);
+                }
             }
             if c.fd.is_none() && now.duration_since(c.created) > ACCEPT_GRACE {
                 drop_idx.push(idx);
@@ -573,6 +810,15 @@ mod tests {
         shutdowns: Vec<(RawFd, u64)>,
         closes: Vec<(RawFd, u64)>,
         full: bool,
+        /// (fd, reply id) in the order replies went on the wire, from the stage and from the
+        /// fake GPU.
+        wire: Vec<(RawFd, u32)>,
+        /// Host sends whose completion the test has delivered.
+        acked: usize,
+        /// With a send table: cookies that were still registered when their CLOSE was issued
+        /// (must stay empty: tombstone first).
+        turns: Option<Arc<TxTable>>,
+        closed_registered: Vec<u64>,
     }
 
     impl ReplyIo for Recorder {
@@ -582,6 +828,9 @@ mod tests {
             }
             // SAFETY: the stage guarantees the buffer is live until the CQE; we copy it now.
             let bytes = unsafe { std::slice::from_raw_parts(ptr, len) }.to_vec();
+            for id in ids(&bytes) {
+                self.wire.push((fd, id));
+            }
             self.sends.push((fd, bytes, ud));
             true
         }
@@ -589,7 +838,12 @@ mod tests {
             self.shutdowns.push((fd, ud));
             true
         }
-        fn close(&mut self, fd: RawFd, _cookie: u64, ud: u64) -> bool {
+        fn close(&mut self, fd: RawFd, cookie: u64, ud: u64) -> bool {
+            if let Some(t) = &self.turns
+                && t.lookup(cookie).is_some()
+            {
+                self.closed_registered.push(cookie);
+            }
             self.closes.push((fd, ud));
             true
         }
@@ -807,5 +1061,500 @@ mod tests {
         st.sweep(Instant::now() + ACCEPT_GRACE + Duration::from_secs(1));
         assert_eq!(st.connections(), 0);
         assert_eq!(st.stats().never_accepted, 1);
+    }
+
+    /// The send table and a test standing in for the GPU (crates/ring/src/tx.rs, and the
+    /// GPU's rules in docs/kernel.md): it sends a finished reply itself when the connection
+    /// is registered, the reply is a plain binary one, and the turn names it; otherwise it
+    /// hands the completion to the stage. Its reaper passes the turn when a SEND completes.
+    mod turns {
+        use super::*;
+        use bgs_ring::tx::{TX_ENTRY_BYTES, TX_HEADER_BYTES, TxEntry, tx_probe};
+
+        struct FakeGpu {
+            t: Arc<TxTable>,
+            /// (entry, conn_seq) of SENDs queued and not reaped yet.
+            inflight: Vec<(u32, u32)>,
+            sent: usize,
+        }
+
+        impl FakeGpu {
+            fn new(t: &Arc<TxTable>) -> Self {
+                FakeGpu {
+                    t: t.clone(),
+                    inflight: Vec::new(),
+                    sent: 0,
+                }
+            }
+
+            /// The GPU finished request `seq` of `cookie`: send the reply (id `id`) or give
+            /// the stage its completion.
+            fn finish(
+                &mut self,
+                st: &mut ReplyStage,
+                io: &mut Recorder,
+                cookie: u64,
+                seq: u32,
+                id: u32,
+                route_bits: u32,
+            ) {
+                let host_only =
+                    route::HTTP | route::CLOSE | route::NO_FRAME | route::EOF | route::RESET;
+                if route_bits & host_only == 0
+                    && let Some(i) = self.t.lookup(cookie)
+                    && self.t.next_seq(i) == seq
+                {
+                    let fd = entry_fd(&self.t, i);
+                    assert!(
+                        !io.closes.iter().any(|&(f, _)| f == fd),
+                        "the GPU found a closed descriptor"
+                    );
+                    io.wire.push((fd, id));
+                    self.inflight.push((i, seq));
+                    self.sent += 1;
+                } else {
+                    st.on_completion(&completion(cookie, seq, id, route_bits, Status::Ok));
+                }
+            }
+
+            /// The reaper: every queued SEND completed; pass each turn on.
+            fn reap(&mut self) {
+                for (i, seq) in self.inflight.drain(..) {
+                    self.t.pass_turn(i, seq.wrapping_add(1));
+                }
+            }
+        }
+
+        fn entry_fd(t: &TxTable, i: u32) -> RawFd {
+            assert!(i < t.capacity());
+            let off = TX_HEADER_BYTES + i as usize * TX_ENTRY_BYTES;
+            // SAFETY: entry `i` lies inside the table's mapping; this thread is the only one
+            // that writes the table.
+            unsafe {
+                std::ptr::read_volatile(&raw const (*t.as_ptr().add(off).cast::<TxEntry>()).fd)
+            }
+        }
+
+        fn setup() -> (Arc<TxTable>, ReplyStage, Recorder, FakeGpu) {
+            let t = Arc::new(TxTable::new(16).unwrap());
+            let st = ReplyStage::with_turns(t.clone());
+            let io = Recorder {
+                turns: Some(t.clone()),
+                ..Default::default()
+            };
+            let gpu = FakeGpu::new(&t);
+            (t, st, io, gpu)
+        }
+
+        /// Flush and check the busy count against its definition.
+        fn flush(st: &mut ReplyStage, io: &mut Recorder) {
+            st.flush(io);
+            assert_eq!(st.busy(), st.busy_slow());
+        }
+
+        /// Deliver the completions of every host SEND issued so far (all bytes sent).
+        fn ack(st: &mut ReplyStage, io: &mut Recorder) {
+            while io.acked < io.sends.len() {
+                let (_, bytes, ud) = io.sends[io.acked].clone();
+                io.acked += 1;
+                st.on_cqe(ud, bytes.len() as i32);
+            }
+        }
+
+        fn wire(io: &Recorder, fd: RawFd) -> Vec<u32> {
+            io.wire
+                .iter()
+                .filter(|&&(f, _)| f == fd)
+                .map(|&(_, id)| id)
+                .collect()
+        }
+
+        fn marker(cookie: u64, seq: u32, bits: u32) -> CompletionEntry {
+            let mut e = completion(cookie, seq, 0, bits, Status::Ok);
+            e.words = 0;
+            e
+        }
+
+        #[test]
+        fn gpu_and_host_sends_interleave_in_order() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            st.on_accept(5, 1);
+            flush(&mut st, &mut io);
+            let i = t.lookup(1).expect("registered at accept");
+            assert_eq!(t.next_seq(i), 0);
+            assert_eq!(entry_fd(&t, i), 5);
+            // 0: the GPU holds the turn and sends.
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            // 2 finishes while the GPU's SEND of 0 is in flight: not its turn, so the host
+            // gets it and must hold it.
+            gpu.finish(&mut st, &mut io, 1, 2, 102, 0);
+            flush(&mut st, &mut io);
+            assert!(io.sends.is_empty(), "the host holds 2 until 1 is sent");
+            assert!(st.busy(), "waiting for the GPU to pass the turn");
+            gpu.reap();
+            // 1 is a busy answer from BPF (the side ring): the host's.
+            st.on_completion(&completion(1, 1, 101, 0, Status::Busy));
+            flush(&mut st, &mut io);
+            assert_eq!(io.sends.len(), 1);
+            assert_eq!(ids(&io.sends[0].1), vec![101, 102]);
+            assert_eq!(st.stats().gpu_sent_skipped, 1);
+            // 3 finishes while the host's SEND is in flight: the host holds the turn.
+            gpu.finish(&mut st, &mut io, 1, 3, 103, 0);
+            flush(&mut st, &mut io);
+            assert_eq!(io.sends.len(), 1, "one SEND in flight per connection");
+            ack(&mut st, &mut io);
+            assert_eq!(t.next_seq(i), 3, "the host passed the turn after 2");
+            flush(&mut st, &mut io);
+            assert_eq!(ids(&io.sends[1].1), vec![103]);
+            ack(&mut st, &mut io);
+            assert_eq!(t.next_seq(i), 4);
+            flush(&mut st, &mut io);
+            assert!(!st.busy());
+            // 4 and 5: the GPU again; then 6 while its SEND of 5 is in flight: the host's.
+            gpu.finish(&mut st, &mut io, 1, 4, 104, 0);
+            gpu.reap();
+            gpu.finish(&mut st, &mut io, 1, 5, 105, 0);
+            gpu.finish(&mut st, &mut io, 1, 6, 106, 0);
+            flush(&mut st, &mut io);
+            assert_eq!(io.sends.len(), 2, "6 waits for the GPU's 5");
+            gpu.reap();
+            flush(&mut st, &mut io);
+            assert_eq!(ids(&io.sends[2].1), vec![106]);
+            ack(&mut st, &mut io);
+            flush(&mut st, &mut io);
+            assert_eq!(wire(&io, 5), (100..=106).collect::<Vec<_>>());
+            assert_eq!(gpu.sent, 3);
+            assert_eq!(st.stats().gpu_sent_skipped, 3);
+            assert_eq!(st.stats().turn_passes, 3);
+            assert_eq!(st.stats().behind_turn, 0);
+            assert_eq!(t.next_seq(i), 7);
+            assert!(!st.busy());
+        }
+
+        #[test]
+        fn backlog_before_accept_registers_the_first_unsent_reply() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            // Not registered yet: the GPU's lookup fails and the host gets everything.
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            gpu.finish(&mut st, &mut io, 1, 1, 101, 0);
+            flush(&mut st, &mut io);
+            assert_eq!(gpu.sent, 0);
+            st.on_accept(5, 1);
+            let i = t.lookup(1).unwrap();
+            assert_eq!(t.next_seq(i), 0, "0 and 1 are unsent: the turn starts at 0");
+            // 2 finishes before the host sent its backlog: not the GPU's turn.
+            gpu.finish(&mut st, &mut io, 1, 2, 102, 0);
+            flush(&mut st, &mut io);
+            assert_eq!(ids(&io.sends[0].1), vec![100, 101, 102]);
+            ack(&mut st, &mut io);
+            assert_eq!(t.next_seq(i), 3);
+            gpu.finish(&mut st, &mut io, 1, 3, 103, 0);
+            assert_eq!(gpu.sent, 1);
+            assert_eq!(wire(&io, 5), vec![100, 101, 102, 103]);
+
+            // A backlog with a gap: only 1 arrived before the accept, so the turn starts at 0
+            // and the GPU may send 0 itself.
+            st.on_completion(&completion(2, 1, 201, 0, Status::Busy));
+            flush(&mut st, &mut io);
+            st.on_accept(6, 2);
+            let j = t.lookup(2).unwrap();
+            assert_eq!(t.next_seq(j), 0);
+            flush(&mut st, &mut io);
+            gpu.finish(&mut st, &mut io, 2, 0, 200, 0);
+            flush(&mut st, &mut io);
+            assert!(wire(&io, 6) == vec![200], "1 waits for the GPU's 0");
+            gpu.reap();
+            flush(&mut st, &mut io);
+            assert_eq!(wire(&io, 6), vec![200, 201]);
+        }
+
+        #[test]
+        fn eof_after_gpu_sends_closes_when_the_turn_reaches_it() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            st.on_accept(5, 1);
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            gpu.reap();
+            gpu.finish(&mut st, &mut io, 1, 1, 101, 0);
+            // The peer's FIN: BPF's marker takes the next conn_seq.
+            st.on_completion(&marker(1, 2, route::EOF));
+            flush(&mut st, &mut io);
+            assert!(
+                io.closes.is_empty(),
+                "the GPU's SEND of 1 is still in flight"
+            );
+            assert!(t.lookup(1).is_some());
+            assert!(st.busy());
+            gpu.reap();
+            flush(&mut st, &mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert!(
+                io.closed_registered.is_empty(),
+                "tombstoned before the CLOSE"
+            );
+            assert_eq!(t.lookup(1), None);
+            st.on_cqe(io.closes[0].1, 0);
+            assert_eq!(st.connections(), 0);
+            assert_eq!(st.stats().eof, 1);
+            assert_eq!(wire(&io, 5), vec![100, 101]);
+            assert!(io.sends.is_empty());
+            assert!(!st.busy());
+        }
+
+        #[test]
+        fn reset_waits_while_the_gpu_holds_earlier_replies() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            st.on_accept(5, 1);
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            // 1 is the host's (busy), 2 the reset marker.
+            st.on_completion(&completion(1, 1, 101, 0, Status::Busy));
+            st.on_completion(&marker(1, 2, route::RESET));
+            for _ in 0..3 {
+                flush(&mut st, &mut io);
+            }
+            assert!(
+                io.closes.is_empty(),
+                "the GPU may still write a SEND on fd 5"
+            );
+            assert!(io.sends.is_empty());
+            assert_eq!(st.stats().resets, 0, "not handled before its turn");
+            assert!(t.lookup(1).is_some());
+            // A reset that arrives before its turn does not drop the connection's state.
+            assert_eq!(st.connections(), 1);
+            gpu.reap();
+            flush(&mut st, &mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert!(io.closed_registered.is_empty());
+            assert!(io.sends.is_empty(), "the peer is gone: 1 is dropped");
+            assert_eq!(st.stats().resets, 1);
+            st.on_cqe(io.closes[0].1, 0);
+            assert_eq!(st.connections(), 0);
+            // A late reply finds no entry and is stale.
+            gpu.finish(&mut st, &mut io, 1, 3, 103, 0);
+            assert_eq!(gpu.sent, 1);
+        }
+
+        #[test]
+        fn reset_waits_for_the_host_send_in_flight() {
+            let (t, mut st, mut io, _gpu) = setup();
+            st.on_accept(5, 1);
+            st.on_completion(&completion(1, 0, 100, 0, Status::Busy));
+            flush(&mut st, &mut io);
+            assert_eq!(io.sends.len(), 1);
+            st.on_completion(&marker(1, 1, route::RESET));
+            flush(&mut st, &mut io);
+            assert!(io.closes.is_empty(), "the host's SEND is still in flight");
+            ack(&mut st, &mut io);
+            flush(&mut st, &mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert!(io.closed_registered.is_empty());
+            let _ = t;
+        }
+
+        #[test]
+        fn send_error_keeps_the_turn_and_closes() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            st.on_accept(5, 1);
+            let i = t.lookup(1).unwrap();
+            st.on_completion(&completion(1, 0, 100, 0, Status::Busy));
+            flush(&mut st, &mut io);
+            // 1 finishes on the GPU while the host's SEND of 0 is in flight.
+            gpu.finish(&mut st, &mut io, 1, 1, 101, 0);
+            st.on_cqe(io.sends[0].2, -32); // EPIPE
+            assert_eq!(t.next_seq(i), 0, "the turn stays with the host");
+            gpu.finish(&mut st, &mut io, 1, 2, 102, 0);
+            assert_eq!(gpu.sent, 0);
+            flush(&mut st, &mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert!(io.closed_registered.is_empty());
+            assert_eq!(t.next_seq(i), 0);
+            assert_eq!(st.stats().turn_passes, 0);
+            st.on_cqe(io.closes[0].1, 0);
+            gpu.finish(&mut st, &mut io, 1, 3, 103, 0);
+            assert_eq!(gpu.sent, 0);
+            assert_eq!(io.sends.len(), 1);
+        }
+
+        #[test]
+        fn closing_reply_keeps_the_turn() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            st.on_accept(5, 1);
+            let i = t.lookup(1).unwrap();
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            gpu.reap();
+            // An HTTP request with `Connection: close`: the GPU hands it to the host.
+            gpu.finish(&mut st, &mut io, 1, 1, 101, route::HTTP | route::CLOSE);
+            flush(&mut st, &mut io);
+            assert_eq!(io.sends.len(), 1);
+            ack(&mut st, &mut io);
+            assert_eq!(
+                t.next_seq(i),
+                1,
+                "the closing reply's SEND does not pass the turn"
+            );
+            flush(&mut st, &mut io);
+            assert_eq!(io.shutdowns.len(), 1);
+            st.on_cqe(io.shutdowns[0].1, 0);
+            // Nothing can take the turn: a (hypothetical) later reply is handed over.
+            gpu.finish(&mut st, &mut io, 1, 2, 102, 0);
+            assert_eq!(gpu.sent, 1);
+            st.on_completion(&marker(1, 3, route::EOF));
+            flush(&mut st, &mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert!(io.closed_registered.is_empty());
+            assert_eq!(st.stats().turn_passes, 0);
+        }
+
+        #[test]
+        fn closing_item_behind_a_send_in_flight_is_sent_without_passing_the_turn() {
+            let (t, mut st, mut io, _gpu) = setup();
+            st.on_accept(5, 1);
+            let i = t.lookup(1).unwrap();
+            st.on_completion(&completion(1, 0, 100, 0, Status::Busy));
+            flush(&mut st, &mut io);
+            // A closing error reply while 0 is in flight.
+            st.on_completion(&completion(1, 1, 101, route::CLOSE, Status::Busy));
+            flush(&mut st, &mut io);
+            ack(&mut st, &mut io);
+            assert_eq!(t.next_seq(i), 0, "ending: the turn stays with the host");
+            flush(&mut st, &mut io);
+            assert_eq!(
+                io.sends.len(),
+                2,
+                "the host still holds the turn and sends 1"
+            );
+            assert_eq!(ids(&io.sends[1].1), vec![101]);
+            ack(&mut st, &mut io);
+            flush(&mut st, &mut io);
+            assert_eq!(t.next_seq(i), 0);
+            assert_eq!(io.shutdowns.len(), 1);
+        }
+
+        #[test]
+        fn refused_insert_leaves_a_host_only_connection() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            // Fill the cookie's probe window with other connections.
+            let log2 = t.capacity().trailing_zeros();
+            let home = tx_probe(1, log2, 0);
+            let others: Vec<u64> = (2u64..)
+                .filter(|&c| tx_probe(c, log2, 0) == home)
+                .take(bgs_ring::tx::TX_PROBES as usize)
+                .collect();
+            for &c in &others {
+                t.insert(c, 99, 0).unwrap();
+            }
+            st.on_accept(5, 1);
+            assert_eq!(st.stats().tx_refused, 1);
+            assert_eq!(t.lookup(1), None);
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            gpu.finish(&mut st, &mut io, 1, 1, 101, 0);
+            flush(&mut st, &mut io);
+            assert_eq!(gpu.sent, 0);
+            assert_eq!(ids(&io.sends[0].1), vec![100, 101]);
+            ack(&mut st, &mut io);
+            flush(&mut st, &mut io);
+            assert!(!st.busy());
+            // A reset is handled at once, as without a send table.
+            gpu.finish(&mut st, &mut io, 1, 2, 102, 0);
+            st.on_completion(&marker(1, 9, route::RESET));
+            flush(&mut st, &mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert_eq!(io.sends.len(), 1);
+            assert_eq!(st.stats().turn_passes, 0);
+            for &c in &others {
+                assert_eq!(
+                    t.next_seq(t.lookup(c).unwrap()),
+                    0,
+                    "other entries untouched"
+                );
+            }
+        }
+
+        #[test]
+        fn reset_whose_turn_never_comes_is_forced_after_the_grace() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            st.on_accept(5, 1);
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            gpu.reap();
+            // BPF lost 1 (both rings full), then published the reset as 2.
+            st.on_completion(&marker(1, 2, route::RESET));
+            flush(&mut st, &mut io);
+            let t0 = Instant::now();
+            st.sweep(t0 + Duration::from_secs(1));
+            flush(&mut st, &mut io);
+            assert!(io.closes.is_empty());
+            st.sweep(t0 + RESET_GRACE + Duration::from_secs(2));
+            flush(&mut st, &mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert!(io.closed_registered.is_empty());
+            assert_eq!(st.stats().resets_forced, 1);
+            assert_eq!(t.lookup(1), None);
+        }
+
+        #[test]
+        fn a_moving_turn_restarts_the_reset_grace() {
+            let (_t, mut st, mut io, mut gpu) = setup();
+            st.on_accept(5, 1);
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            st.on_completion(&marker(1, 2, route::RESET));
+            flush(&mut st, &mut io);
+            let t0 = Instant::now();
+            gpu.reap(); // the turn moves to 1 (the GPU is computing 1)
+            st.sweep(t0 + RESET_GRACE + Duration::from_secs(1));
+            flush(&mut st, &mut io);
+            assert!(io.closes.is_empty(), "the turn moved: not lost");
+            gpu.finish(&mut st, &mut io, 1, 1, 101, 0);
+            gpu.reap();
+            flush(&mut st, &mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert_eq!(st.stats().resets_forced, 0);
+            assert_eq!(wire(&io, 5), vec![100, 101]);
+        }
+
+        #[test]
+        fn parked_items_behind_the_turn_are_counted_and_dropped() {
+            let (t, mut st, mut io, _gpu) = setup();
+            st.on_accept(5, 1);
+            let i = t.lookup(1).unwrap();
+            st.on_completion(&completion(1, 1, 101, 0, Status::Busy));
+            flush(&mut st, &mut io);
+            // A broken GPU that skips past an item the host holds.
+            t.pass_turn(i, 3);
+            st.on_completion(&completion(1, 3, 103, 0, Status::Busy));
+            flush(&mut st, &mut io);
+            assert_eq!(st.stats().behind_turn, 1);
+            assert_eq!(wire(&io, 5), vec![103]);
+        }
+
+        #[test]
+        fn host_does_not_send_without_the_turn() {
+            // Defensive check: the turn names an earlier reply (only a misbehaving GPU could
+            // leave it there while the host holds later ones); the host waits.
+            let (t, mut st, mut io, _gpu) = setup();
+            st.on_completion(&completion(1, 0, 100, 0, Status::Busy));
+            st.on_accept(5, 1);
+            let i = t.lookup(1).unwrap();
+            t.pass_turn(i, u32::MAX);
+            flush(&mut st, &mut io);
+            flush(&mut st, &mut io);
+            assert!(io.sends.is_empty());
+            assert!(st.stats().turn_waits >= 2);
+            assert!(st.busy());
+            t.pass_turn(i, 0);
+            flush(&mut st, &mut io);
+            assert_eq!(wire(&io, 5), vec![100]);
+        }
+
+        #[test]
+        fn without_a_table_nothing_changes() {
+            // The same sequence on a host-only stage: a reset closes at once.
+            let mut st = ReplyStage::new();
+            let mut io = Recorder::default();
+            st.on_accept(5, 1);
+            st.on_completion(&completion(1, 1, 101, 0, Status::Busy));
+            st.on_completion(&marker(1, 2, route::RESET));
+            st.flush(&mut io);
+            assert_eq!(io.closes.len(), 1);
+            assert_eq!(st.stats().tx_registered, 0);
+        }
     }
 }

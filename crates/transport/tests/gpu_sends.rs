@@ -1,0 +1,518 @@
+//! GPU-written SENDs (`KernelConfig::gpu_sends`) end to end on loopback, as root (BPF, io_uring).
+//!
+//! No GPU here: a CPU thread plays the device with only what a GPU executor is given, the
+//! `TxDesc` (the send table, and the raw memory and offsets of its own io_uring ring), and
+//! behaves as the GPU's publish kernel and reaper do: it takes requests from the request ring,
+//! finishes them in a shuffled order, puts a reply on the wire itself (reply in the entry's
+//! send buffer, SEND SQE in its ring, SQ tail published) when the connection is registered and
+//! the turn names the reply, else pushes the completion for the host's reply stage and, if
+//! the stage sleeps, queues a shared FUTEX_WAKE on the completion ring's doorbell; its reaper
+//! consumes its ring's CQ and passes the turn on every SEND completion.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use bgs_protocol::{FramerConfig, Op, ReplyHeader, RequestHeader, Status, encode_reply};
+use bgs_ring::tx::{
+    TX_BUF_BYTES, TX_EMPTY, TX_HEADER_BYTES, TX_TOMBSTONE, TX_UD_SEND, TX_UD_WAKE, TxDesc, TxEntry,
+    TxHeader, TxTable,
+};
+use bgs_ring::{RegionHeader, RingRegion, route};
+use bgs_transport::kernel::{GpuTx, KernelConfig, KernelStats, KernelTransport, ReplyMode};
+use bgs_uring::sys::SendFlags;
+use bgs_uring::{Sqe, futex_wake, send_with_flags};
+
+const MSG_WAITALL: u32 = 0x100;
+
+fn config(reply: ReplyMode) -> KernelConfig {
+    KernelConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        reply,
+        framer: FramerConfig::default(),
+        max_connections: 256,
+        executor_wakes: false,
+        stats_every: None,
+        request_slots: 1024,
+        completion_slots: 16384,
+        gpu_sends: true,
+    }
+}
+
+fn sqe_mode() -> ReplyMode {
+    ReplyMode::ExecutorSqe {
+        watchdog: Duration::from_micros(50),
+        sqpoll_idle_ms: 10,
+        sqpoll_cpu: None,
+    }
+}
+
+#[derive(Debug)]
+struct Req {
+    conn: u64,
+    seq: u32,
+    id: u32,
+    route: u32,
+    words: Vec<u32>,
+}
+
+/// The stand-in for the GPU (see the file docs).
+struct Device {
+    desc: TxDesc,
+    table: Arc<TxTable>,
+    region: Arc<RingRegion>,
+    bufs_offset: usize,
+    entries_offset: usize,
+    /// The SQ tail as published (the device is the only producer).
+    sq_tail: u32,
+    cq_head: u32,
+    /// Bytes of the SEND in flight per entry.
+    lens: HashMap<u32, i32>,
+    pending: Vec<Req>,
+    rng: u64,
+    sends: u64,
+    deferred: u64,
+    wakes: u64,
+    /// Sleepers the FUTEX_WAKEs woke (their CQEs' results).
+    woken: u64,
+    errors: u64,
+}
+
+impl Device {
+    fn new(desc: TxDesc, table: Arc<TxTable>, region: Arc<RingRegion>) -> Self {
+        // SAFETY: the header at the start of the table block; its geometry is written once
+        // by the host before the descriptor is handed out.
+        let h = unsafe { &*desc.table.cast::<TxHeader>() };
+        let mut d = Device {
+            desc,
+            table,
+            region,
+            bufs_offset: h.bufs_offset as usize,
+            entries_offset: h.entries_offset as usize,
+            sq_tail: 0,
+            cq_head: 0,
+            lens: HashMap::new(),
+            pending: Vec::new(),
+            rng: 0x9e37_79b9_7f4a_7c15,
+            sends: 0,
+            deferred: 0,
+            wakes: 0,
+            woken: 0,
+            errors: 0,
+        };
+        d.sq_tail = d.word(desc.sq_tail).load(Ordering::Acquire);
+        d.cq_head = d.word(desc.cq_head).load(Ordering::Acquire);
+        d
+    }
+
+    fn word(&self, off: u32) -> &AtomicU32 {
+        assert!(off as usize + 4 <= self.desc.rings_len && off.is_multiple_of(4));
+        // SAFETY: an aligned u32 of the ring region (offset from the kernel), accessed
+        // atomically by us and the kernel.
+        unsafe { AtomicU32::from_ptr(self.desc.rings.add(off as usize).cast()) }
+    }
+
+    fn entry_fd(&self, idx: u32) -> i32 {
+        let off = self.entries_offset + idx as usize * size_of::<TxEntry>();
+        // SAFETY: entry `idx` of the table block; `fd` is written by the host before the
+        // cookie (release) that our lookup acquired.
+        unsafe {
+            std::ptr::read_volatile(&raw const (*self.desc.table.add(off).cast::<TxEntry>()).fd)
+        }
+    }
+
+    fn submit(&mut self, sqe: &Sqe) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self
+            .sq_tail
+            .wrapping_sub(self.word(self.desc.sq_head).load(Ordering::Acquire))
+            >= self.desc.sq_entries
+        {
+            assert!(Instant::now() < deadline, "the GPU ring's SQ never drained");
+            std::thread::yield_now();
+        }
+        let slot = (self.sq_tail & (self.desc.sq_entries - 1)) as usize;
+        assert!((slot + 1) * 64 <= self.desc.sqes_len);
+        // SAFETY: slot < sq_entries inside the SQE array; the kernel consumed it (head).
+        unsafe {
+            self.desc
+                .sqes
+                .cast::<bgs_uring::sys::io_uring_sqe>()
+                .add(slot)
+                .write(sqe.0)
+        };
+        self.sq_tail = self.sq_tail.wrapping_add(1);
+        self.word(self.desc.sq_tail)
+            .store(self.sq_tail, Ordering::Release);
+    }
+
+    fn next_rand(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng
+    }
+
+    fn finish(&mut self, r: Req) {
+        let host_only = route::HTTP | route::CLOSE | route::NO_FRAME | route::EOF | route::RESET;
+        if r.route & host_only == 0
+            && let Some(idx) = self.table.lookup(r.conn)
+            && self.table.next_seq(idx) == r.seq
+        {
+            let mut bytes = Vec::new();
+            encode_reply(&mut bytes, Status::Ok, r.id, 0, &r.words);
+            assert!(bytes.len() <= TX_BUF_BYTES);
+            let off = self.bufs_offset + idx as usize * TX_BUF_BYTES;
+            assert!(off + TX_BUF_BYTES <= self.desc.table_len);
+            // SAFETY: entry idx's send buffer lies inside the table block (checked above).
+            let buf = unsafe { self.desc.table.add(off) };
+            // SAFETY: only the holder of the entry's turn writes its buffer, and the previous
+            // SEND from it completed before the turn came back; `bytes` fits (checked above).
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len()) };
+            let fd = self.entry_fd(idx);
+            let ud = (TX_UD_SEND << 56) | (u64::from(idx) << 32) | u64::from(r.seq);
+            // SAFETY: the buffer stays untouched until the SEND's CQE passes the turn.
+            let sqe = unsafe {
+                send_with_flags(
+                    fd,
+                    buf,
+                    bytes.len() as u32,
+                    SendFlags::from_bits_retain(MSG_WAITALL) | SendFlags::NOSIGNAL,
+                    ud,
+                )
+            };
+            self.lens.insert(idx, bytes.len() as i32);
+            self.submit(&sqe);
+            self.table.gpu_sends_word().fetch_add(1, Ordering::Release);
+            self.sends += 1;
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let pushed = self.region.completions().try_push(|c| {
+                c.conn = r.conn;
+                c.conn_seq = r.seq;
+                c.status = Status::Ok as u16;
+                c.final_ = 1;
+                c.request_id = r.id;
+                c.words = r.words.len() as u32;
+                c.stream_seq = 0;
+                c.route = r.route;
+                c.payload[..r.words.len()].copy_from_slice(&r.words);
+            });
+            if pushed.is_ok() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "completion ring full for 10 s");
+            std::thread::yield_now();
+        }
+        self.deferred += 1;
+        if self.region.completions().has_sleepers() {
+            let off = std::mem::offset_of!(RegionHeader, completion_doorbell);
+            // SAFETY: the completion ring's doorbell word in the live region header.
+            let bell = unsafe { AtomicU32::from_ptr(self.region.as_ptr().add(off).cast()) };
+            bell.fetch_add(1, Ordering::SeqCst);
+            // A private futex (the SQPOLL thread shares our address space): the region is a
+            // BPF map's mapping, on which shared futexes fail with EFAULT.
+            let sqe = futex_wake(bell, i32::MAX as u32, TX_UD_WAKE << 56);
+            self.submit(&sqe);
+            self.wakes += 1;
+        }
+    }
+
+    /// The reaper: the device is the only consumer of its ring's CQ.
+    fn reap(&mut self) {
+        let tail = self.word(self.desc.cq_tail).load(Ordering::Acquire);
+        while self.cq_head != tail {
+            let slot = (self.cq_head & (self.desc.cq_entries - 1)) as usize;
+            let off = self.desc.cqes as usize + slot * 16;
+            assert!(off + 16 <= self.desc.rings_len);
+            // SAFETY: a CQE the kernel published (tail acquired) in the rings region.
+            let (ud, res) = unsafe {
+                let p = self.desc.rings.add(off);
+                (
+                    std::ptr::read_volatile(p.cast::<u64>()),
+                    std::ptr::read_volatile(p.add(8).cast::<i32>()),
+                )
+            };
+            if ud >> 56 == TX_UD_SEND {
+                let idx = ((ud >> 32) & 0xff_ffff) as u32;
+                let seq = ud as u32;
+                if Some(&res) != self.lens.get(&idx) {
+                    self.errors += 1;
+                }
+                self.table.pass_turn(idx, seq.wrapping_add(1));
+            } else {
+                assert_eq!(ud, TX_UD_WAKE << 56);
+                assert!(res >= 0, "FUTEX_WAKE failed: {res}");
+                self.woken += res as u64;
+            }
+            self.cq_head = self.cq_head.wrapping_add(1);
+        }
+        self.word(self.desc.cq_head)
+            .store(self.cq_head, Ordering::Release);
+    }
+
+    fn run(mut self, stop: &AtomicBool) -> Self {
+        while !stop.load(Ordering::Acquire) {
+            let mut got = 0;
+            while let Some(r) = self.region.requests().try_pop(|e| Req {
+                conn: e.conn,
+                seq: e.conn_seq,
+                id: e.request_id,
+                route: e.route,
+                words: e.payload[..e.words as usize].to_vec(),
+            }) {
+                assert_eq!(
+                    r.route & route::HTTP,
+                    0,
+                    "this test sends binary requests only"
+                );
+                self.pending.push(r);
+                got += 1;
+            }
+            // Finish in a shuffled order, keeping a few back while requests keep coming, so
+            // replies of one connection complete out of order.
+            let keep = if got > 0 { 3 } else { 0 };
+            while self.pending.len() > keep {
+                let k = (self.next_rand() % self.pending.len() as u64) as usize;
+                let r = self.pending.swap_remove(k);
+                self.finish(r);
+            }
+            self.reap();
+            if got == 0 {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+        self.reap();
+        self
+    }
+}
+
+/// CPU time (user + system, clock ticks) of this process's thread named `name`.
+fn thread_ticks(name: &str) -> u64 {
+    for t in std::fs::read_dir("/proc/self/task").unwrap() {
+        let path = t.unwrap().path();
+        if std::fs::read_to_string(path.join("comm")).unwrap().trim() == name {
+            let stat = std::fs::read_to_string(path.join("stat")).unwrap();
+            let fields: Vec<&str> = stat
+                .rsplit(')')
+                .next()
+                .unwrap()
+                .split_whitespace()
+                .collect();
+            // After the command: state is field 3, utime 14, stime 15.
+            return fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        }
+    }
+    panic!("no thread named {name}");
+}
+
+fn fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+fn request(id: u32, words: &[u32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    bgs_protocol::encode_request(
+        &mut out,
+        &RequestHeader::new(Op::Echo, id, words.len() as u32, 0),
+        words,
+    );
+    out
+}
+
+/// One pipelining client: `rounds` × `pipe` echo requests, each reply checked (order, id,
+/// payload); then FIN, and the server must close after the last reply.
+fn client(addr: SocketAddr, c: u32, rounds: u32, pipe: u32) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut next = 0u32;
+    for _ in 0..rounds {
+        let mut batch = Vec::new();
+        for k in 0..pipe {
+            let n = next + k;
+            batch.extend_from_slice(&request(c << 20 | n, &[n, c, n ^ c]));
+        }
+        s.write_all(&batch).unwrap();
+        for k in 0..pipe {
+            let n = next + k;
+            let mut h = [0u8; 24];
+            s.read_exact(&mut h).unwrap();
+            let h = ReplyHeader::decode(&h);
+            assert_eq!(
+                h.request_id,
+                c << 20 | n,
+                "connection {c}: reply out of order"
+            );
+            assert_eq!(h.status, Status::Ok as u16);
+            assert_eq!(h.words, 3);
+            let mut p = [0u8; 12];
+            s.read_exact(&mut p).unwrap();
+            let w: Vec<u32> = p
+                .chunks(4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(w, vec![n, c, n ^ c]);
+        }
+        next += pipe;
+    }
+    s.shutdown(Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "no bytes after the last reply");
+}
+
+/// A client that sends requests and resets the connection without reading the replies.
+fn resetting_client(addr: SocketAddr, c: u32) {
+    let s = TcpStream::connect(addr).unwrap();
+    let mut batch = Vec::new();
+    for n in 0..16 {
+        batch.extend_from_slice(&request(c << 20 | n, &[n]));
+    }
+    (&s).write_all(&batch).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    rustix::net::sockopt::set_socket_linger(&s, Some(Duration::ZERO)).unwrap();
+    drop(s);
+}
+
+struct Server {
+    addr: SocketAddr,
+    handle: bgs_transport::ShutdownHandle,
+    thread: std::thread::JoinHandle<KernelStats>,
+    owner: Arc<GpuTx>,
+    stop: Arc<AtomicBool>,
+    device: std::thread::JoinHandle<Device>,
+}
+
+fn start() -> Server {
+    let transport = KernelTransport::bind(config(sqe_mode())).expect("kernel transport (root)");
+    let desc = transport.gpu_tx().expect("a send table with gpu_sends");
+    let owner = transport.gpu_tx_owner().unwrap();
+    assert!(
+        owner.shared_sqpoll(),
+        "the GPU's ring attached to our SQPOLL thread"
+    );
+    assert_eq!(desc.table, owner.table().as_ptr());
+    assert_eq!(desc.sq_entries, 4096);
+    assert_eq!(desc.cq_entries, 16384);
+    let device = Device::new(desc, owner.table().clone(), transport.region());
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let device = std::thread::spawn(move || device.run(&stop2));
+    let addr = transport.local_addr();
+    let handle = transport.shutdown_handle();
+    let thread = std::thread::spawn(move || transport.run().unwrap());
+    Server {
+        addr,
+        handle,
+        thread,
+        owner,
+        stop,
+        device,
+    }
+}
+
+impl Server {
+    /// Stop the transport, then the device (it uses the table and ring, which `owner` keeps
+    /// alive after the transport is gone).
+    fn stop(self) -> (KernelStats, Device, Arc<GpuTx>) {
+        self.handle.shutdown();
+        let stats = self.thread.join().unwrap();
+        self.stop.store(true, Ordering::Release);
+        let device = self.device.join().unwrap();
+        (stats, device, self.owner)
+    }
+}
+
+#[test]
+fn gpu_sends_and_host_sends_share_connections_in_order() {
+    let server = start();
+    // Idle, the stage sleeps on its futex instead of spinning (a shared futex on the BPF
+    // map's memory would fail at once and never sleep).
+    std::thread::sleep(Duration::from_millis(50));
+    let before = thread_ticks("bgs-exec-sqe");
+    std::thread::sleep(Duration::from_millis(500));
+    let idle = thread_ticks("bgs-exec-sqe") - before;
+    assert!(
+        idle <= 10,
+        "the idle stage thread used {idle} ticks in 500 ms"
+    );
+    let base_fds = fd_count();
+    const CONNS: u32 = 16;
+    const RESETS: u32 = 4;
+    std::thread::scope(|s| {
+        for c in 0..CONNS {
+            let addr = server.addr;
+            s.spawn(move || client(addr, c, 40, 8));
+        }
+        for c in 0..RESETS {
+            let addr = server.addr;
+            s.spawn(move || resetting_client(addr, 1000 + c));
+        }
+    });
+    // Every connection is closed by the server: in turn after its EOF or reset.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fd_count() > base_fds && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let fds_left = fd_count().saturating_sub(base_fds);
+    let (stats, dev, owner) = server.stop();
+    eprintln!(
+        "{stats}\ndevice: {} sends, {} deferred, {} wakes ({} woken), {} send errors",
+        dev.sends, dev.deferred, dev.wakes, dev.woken, dev.errors
+    );
+    assert_eq!(fds_left, 0, "the server closes every connection");
+    let r = &stats.reply;
+    let total = u64::from(CONNS + RESETS);
+    assert_eq!(r.tx_registered, total);
+    assert_eq!(r.tx_refused, 0);
+    assert_eq!(r.closed, total);
+    assert_eq!(r.eof, u64::from(CONNS));
+    assert_eq!(r.resets, u64::from(RESETS));
+    assert_eq!(r.resets_forced, 0);
+    assert_eq!(r.behind_turn, 0);
+    assert!(dev.sends > 0, "the device sent replies");
+    assert!(
+        dev.woken > 0,
+        "the device's FUTEX_WAKEs reached the sleeping stage"
+    );
+    assert!(dev.deferred > 0, "and handed some to the stage");
+    assert!(r.frames > 0);
+    // Every reply the device sent was skipped by the stage exactly once.
+    assert_eq!(r.gpu_sent_skipped, dev.sends);
+    let g = stats.gpu.expect("GPU counters in the stats");
+    assert_eq!(g.sends, dev.sends);
+    assert_eq!(stats.sockhash_entries, 0);
+    assert_eq!(stats.conn_states, 0);
+    assert_eq!(owner.ring().sq_dropped(), 0);
+    assert_eq!(owner.ring().cq_overflow(), 0);
+    // Every entry was tombstoned before its CLOSE: no live cookie is left in the table.
+    let t = owner.table();
+    let mut tombstones = 0;
+    for i in 0..t.capacity() as usize {
+        let off = TX_HEADER_BYTES + i * size_of::<TxEntry>();
+        // SAFETY: entry i of the live table; nobody writes it any more.
+        let cookie = unsafe { std::ptr::read_volatile(t.as_ptr().add(off).cast::<u64>()) };
+        assert!(
+            cookie == TX_EMPTY || cookie == TX_TOMBSTONE,
+            "entry {i} still registered"
+        );
+        tombstones += usize::from(cookie == TX_TOMBSTONE);
+    }
+    assert!(tombstones > 0 && tombstones <= total as usize);
+}
+
+#[test]
+fn gpu_sends_need_the_executor_sqe_reply_path() {
+    let e = KernelTransport::bind(config(ReplyMode::Loop {
+        timer: Duration::from_micros(60),
+    }))
+    .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("executor-sqe"), "{e}");
+}
