@@ -124,6 +124,31 @@ fn executor_gpu_without_a_gpu_fails_with_a_message() {
 }
 
 #[test]
+fn kernel_executor_sqe_with_the_gpu_reaches_the_executor() {
+    // No longer refused: the kernel transport builds the send table and the GPU's ring, and
+    // only starting the GPU executor fails on a machine without one.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bgs"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "kernel",
+            "--reply",
+            "executor-sqe",
+            "--executor",
+            "gpu",
+        ])
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--executor gpu"), "{err}");
+    assert!(!err.contains("not supported"), "{err}");
+}
+
+#[test]
 fn counters_are_printed_while_running() {
     for args in with_each_transport(&["--stats-every", "0.2"]) {
         let mut server = Server::start(&args);
