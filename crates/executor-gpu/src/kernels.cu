@@ -126,7 +126,7 @@ struct bgs_gpu_tx {
 #define BGS_IORING_OP_SEND 26
 #define BGS_IORING_OP_FUTEX_WAKE 52
 #define BGS_MSG_WAITALL 0x100
-#define BGS_FUTEX2_SIZE_U32 0x02
+#define BGS_FUTEX2_FLAGS 0x82 /* FUTEX2_SIZE_U32 | FUTEX2_PRIVATE: the host stage sleeps on a private futex */
 #define BGS_FUTEX_BITSET_MATCH_ANY 0xffffffffull
 #define BGS_SQE_BYTES 64
 #define BGS_CQE_BYTES 16
@@ -667,7 +667,7 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             if (ld_acquire_sys32(&h->completion_waiters) != 0) {
                 atomicAdd_system(&h->completion_doorbell, 1u);
                 __threadfence_system();
-                tx_submit(tx, BGS_IORING_OP_FUTEX_WAKE, BGS_FUTEX2_SIZE_U32, 0x7fffffffull,
+                tx_submit(tx, BGS_IORING_OP_FUTEX_WAKE, BGS_FUTEX2_FLAGS, 0x7fffffffull,
                           tx->futex_host, 0, 0, BGS_FUTEX_BITSET_MATCH_ANY, BGS_TX_UD_WAKE << 56);
                 atomicAdd_system((unsigned long long *)&th->gpu_wakes, 1ull);
             }

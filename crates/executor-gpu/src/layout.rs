@@ -206,7 +206,9 @@ mod tests {
             IoringOp::FutexWake as u8 as u64
         );
         assert_eq!(define("BGS_MSG_WAITALL"), libc_msg_waitall());
-        assert_eq!(define("BGS_FUTEX2_SIZE_U32"), 2);
+        let futex2 =
+            rustix::io_uring::FutexWaitFlags::SIZE_U32 | rustix::io_uring::FutexWaitFlags::PRIVATE;
+        assert_eq!(define("BGS_FUTEX2_FLAGS"), u64::from(futex2.bits()));
         assert_eq!(define("BGS_SQE_BYTES"), size_of::<io_uring_sqe>() as u64);
         assert_eq!(define("BGS_CQE_BYTES"), size_of::<io_uring_cqe>() as u64);
         // The SQE words the kernel fills: opcode @0, fd @4, off @8, addr @16, len @24,

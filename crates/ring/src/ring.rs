@@ -433,8 +433,12 @@ impl Drop for SleepGuard<'_> {
 
 #[cfg(not(loom))]
 impl<E: Entry> Ring<E> {
-    /// Sleep while the doorbell equals `expected`, at most `timeout`. Not private: the region
-    /// may be shared between processes, and private futexes are keyed by (mm, address).
+    /// Sleep while the doorbell equals `expected`, at most `timeout`. Private futexes (keyed
+    /// by address space and address): every user of a region lives in one process, and the
+    /// kernel refuses shared futexes on a BPF map's mapping (`EFAULT` at once: it has no page
+    /// cache mapping), which made sleepers on the kernel transport's rings spin instead of
+    /// sleeping. A GPU's io_uring `FUTEX_WAKE` (run by the process's SQPOLL thread) uses the
+    /// private flag too.
     fn futex_wait(&self, expected: u32, timeout: Duration) {
         use rustix::thread::futex;
         let ts = futex::Timespec {
@@ -442,12 +446,12 @@ impl<E: Entry> Ring<E> {
             tv_nsec: i64::from(timeout.subsec_nanos()),
         };
         // EAGAIN (value already changed), EINTR and ETIMEDOUT all mean "go re-check".
-        let _ = futex::wait(self.doorbell(), futex::Flags::empty(), expected, Some(&ts));
+        let _ = futex::wait(self.doorbell(), futex::Flags::PRIVATE, expected, Some(&ts));
     }
 
     fn futex_wake_all(&self) {
         use rustix::thread::futex;
-        let _ = futex::wake(self.doorbell(), futex::Flags::empty(), i32::MAX as u32);
+        let _ = futex::wake(self.doorbell(), futex::Flags::PRIVATE, i32::MAX as u32);
     }
 }
 
