@@ -31,7 +31,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bgs_bpf::{KernelRx, KernelRxConfig};
@@ -491,45 +491,6 @@ fn collect_stats(
     }
 }
 
-/// Sleep until the executor's completion ring is probably non-empty or `timeout` passes, on
-/// a *private* futex on the ring's doorbell word: the GPU's wake (an io_uring FUTEX_WAKE that
-/// the SQPOLL thread, which shares our address space, executes) must find us there. The ring's
-/// own `wait_nonempty` uses a shared futex, and the kernel refuses shared futexes on this
-/// memory (a BPF map's mapping has no page-cache mapping: `futex(2)` fails with EFAULT at
-/// once), so it would not sleep at all. The handshake is `Ring::wait_nonempty`'s: count as a
-/// sleeper, read the doorbell, re-check, then sleep only while the doorbell is unchanged.
-fn wait_completions_private(region: &RingRegion, timeout: Duration) {
-    let ring = region.completions();
-    if !ring.is_empty() {
-        return;
-    }
-    let _guard = ring.sleep_guard();
-    let off = std::mem::offset_of!(bgs_ring::RegionHeader, completion_doorbell);
-    // SAFETY: the doorbell is an aligned u32 of the region header, inside the region mapping
-    // that `region` keeps alive; every agent accesses it atomically.
-    let bell = unsafe { AtomicU32::from_ptr(region.as_ptr().add(off).cast()) };
-    let seen = bell.load(Ordering::SeqCst);
-    if !ring.is_empty() {
-        return;
-    }
-    let ts = rustix::thread::futex::Timespec {
-        tv_sec: timeout.as_secs() as _,
-        tv_nsec: timeout.subsec_nanos() as _,
-    };
-    // EAGAIN (rung meanwhile), ETIMEDOUT and EINTR all mean: go and look.
-    let _ =
-        rustix::thread::futex::wait(bell, rustix::thread::futex::Flags::PRIVATE, seen, Some(&ts));
-}
-
-/// Wake a stage sleeping in [`wait_completions_private`] (what the GPU's FUTEX_WAKE does).
-fn wake_completions_private(region: &RingRegion) {
-    let off = std::mem::offset_of!(bgs_ring::RegionHeader, completion_doorbell);
-    // SAFETY: as in `wait_completions_private`.
-    let bell = unsafe { AtomicU32::from_ptr(region.as_ptr().add(off).cast()) };
-    bell.fetch_add(1, Ordering::SeqCst);
-    let _ = rustix::thread::futex::wake(bell, rustix::thread::futex::Flags::PRIVATE, u32::MAX);
-}
-
 /// Prints the counters every `every`, if set.
 struct StatsTimer {
     every: Option<Duration>,
@@ -882,9 +843,10 @@ impl KernelTransport {
                         );
                     }
                     if !did {
-                        // Sleep on the completion ring's futex (executors and the watchdog
-                        // wake it; a GPU queues a FUTEX_WAKE on its ring); CQEs are picked
-                        // up by the watchdog's nudge or the timeout.
+                        // Sleep on the completion ring's (private) futex: CPU executors wake
+                        // it, a GPU queues a private FUTEX_WAKE on its ring, which the
+                        // SQPOLL thread (our address space) runs. CQEs are picked up by the
+                        // watchdog's nudge or the timeout.
                         let t = match &gpu {
                             None if driver.stage.busy() => Duration::from_micros(100),
                             None => Duration::from_millis(2),
@@ -902,11 +864,7 @@ impl KernelTransport {
                                 }
                             }
                         };
-                        if gpu.is_some() {
-                            wait_completions_private(&driver.region, t);
-                        } else {
-                            driver.region.completions().wait_nonempty(t);
-                        }
+                        driver.region.completions().wait_nonempty(t);
                     }
                 }
                 driver
@@ -958,11 +916,7 @@ impl KernelTransport {
             }
         }
         stop.store(true, Ordering::Release);
-        if self.gpu.is_some() {
-            wake_completions_private(&region);
-        } else {
-            region.completions().notify();
-        }
+        region.completions().notify();
         let driver = stage_thread
             .join()
             .map_err(|_| io::Error::other("reply stage thread panicked"))?;
