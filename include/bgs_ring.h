@@ -223,7 +223,7 @@ struct bgs_tx_header {
     bgs_u64 gpu_wakes;                       /*   96: futex wakes queued for the host stage */
     bgs_u64 gpu_sq_full;                     /*  104: waits for submission queue room */
     bgs_u64 gpu_other_cqes;                  /*  112: other completions reaped */
-    bgs_u64 pad1;                            /*  120 */
+    bgs_u64 gpu_wake_errors;                 /*  120: of those, failed futex wakes */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_tx_header) == 128, "sizeof bgs_tx_header");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, capacity) == 0, "bgs_tx_header.capacity");
@@ -241,7 +241,7 @@ BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_deferred) == 88, "bgs_t
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_wakes) == 96, "bgs_tx_header.gpu_wakes");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_sq_full) == 104, "bgs_tx_header.gpu_sq_full");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_other_cqes) == 112, "bgs_tx_header.gpu_other_cqes");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, pad1) == 120, "bgs_tx_header.pad1");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_wake_errors) == 120, "bgs_tx_header.gpu_wake_errors");
 
 /* One connection of the GPU send table; next_seq is the turn (tx.rs). */
 struct bgs_tx_entry {
@@ -250,7 +250,7 @@ struct bgs_tx_entry {
     bgs_u32 next_seq;                        /*   12: conn_seq of the next reply to send; its holder writes */
     bgs_u32 gpu_sends;                       /*   16: GPU: SENDs completed */
     bgs_u32 gpu_errors;                      /*   20: GPU: SEND errors */
-    bgs_u32 reserved[10];                    /*   24 */
+    bgs_u32 reserved[10];                    /*   24: [0]: GPU: length of its SEND in flight */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_tx_entry) == 64, "sizeof bgs_tx_entry");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_entry, cookie) == 0, "bgs_tx_entry.cookie");

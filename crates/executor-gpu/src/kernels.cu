@@ -472,16 +472,29 @@ __device__ __forceinline__ struct bgs_tx_entry *tx_entry(const struct bgs_gpu_tx
     return (struct bgs_tx_entry *)(tx->table + th->entries_offset) + idx;
 }
 
-/* The entry of `cookie` (the host's insert probes the same window), or -1. */
-__device__ __forceinline__ int tx_lookup(const struct bgs_gpu_tx *tx, bgs_u64 cookie) {
+/* The entry of `cookie` (the host's insert probes the same window), or -1, with a consistent
+ * snapshot of its fd and turn. One 16-byte load reads cookie, fd and next_seq together; after a
+ * full fence the cookie is read again: the host tombstones an entry (release) before it writes
+ * anything of a new connection into it, so an unchanged cookie means fd and next_seq were this
+ * connection's (a stale next_seq is only an older turn: the reply then goes to the host). */
+__device__ __forceinline__ int tx_lookup(const struct bgs_gpu_tx *tx, bgs_u64 cookie, bgs_u32 *fd,
+                                         bgs_u32 *next_seq) {
     const struct bgs_tx_header *th = (const struct bgs_tx_header *)tx->table;
     const bgs_u32 log2 = th->capacity_log2;
     const bgs_u32 h = log2 == 0 ? 0u : (bgs_u32)((cookie * BGS_TX_HASH_MUL) >> (64 - log2));
     const bgs_u32 mask = (1u << log2) - 1u;
     for (bgs_u32 i = 0; i < BGS_TX_PROBES; i++) {
         const bgs_u32 idx = (h + i) & mask;
-        const bgs_u64 c = ld_acquire_sys(&tx_entry(tx, idx)->cookie);
-        if (c == cookie) return (int)idx;
+        struct bgs_tx_entry *e = tx_entry(tx, idx);
+        bgs_u64 c, w;
+        asm volatile("ld.relaxed.sys.v2.u64 {%0, %1}, [%2];" : "=l"(c), "=l"(w) : "l"(e) : "memory");
+        if (c == cookie) {
+            __threadfence_system();
+            if (ld_acquire_sys(&e->cookie) != cookie) return -1;
+            *fd = (bgs_u32)w;
+            *next_seq = (bgs_u32)(w >> 32);
+            return (int)idx;
+        }
         if (c == 0) return -1;
     }
     return -1;
@@ -531,6 +544,7 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
     __shared__ struct bgs_completion_slot *cs;
     __shared__ bgs_u64 cpos;
     __shared__ int tx_idx; /* >= 0: this reply goes out as a GPU-written SEND from entry tx_idx */
+    __shared__ bgs_u32 tx_fd;
     const bgs_u32 t = threadIdx.x;
     struct bgs_gpu_tx *tx = (struct bgs_gpu_tx *)s->tx;
     if (tx != 0) {
@@ -542,9 +556,12 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             const bgs_u32 host_only = BGS_ROUTE_HTTP | BGS_ROUTE_CLOSE | BGS_ROUTE_NO_FRAME |
                                       BGS_ROUTE_EOF | BGS_ROUTE_RESET;
             if ((s->route & host_only) == 0) {
-                const int idx = tx_lookup(tx, s->conn);
-                if (idx >= 0 && ld_acquire_sys32(&tx_entry(tx, (bgs_u32)idx)->next_seq) == s->conn_seq)
+                bgs_u32 fd = 0, turn = 0;
+                const int idx = tx_lookup(tx, s->conn, &fd, &turn);
+                if (idx >= 0 && turn == s->conn_seq) {
                     tx_idx = idx;
+                    tx_fd = fd;
+                }
             }
         }
         __syncthreads();
@@ -570,7 +587,7 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
                 const bgs_u32 len = 24u + 4u * n;
                 ((volatile bgs_u32 *)e->reserved)[0] = len; /* the reaper checks the CQE against it */
                 const bgs_u64 ud = (BGS_TX_UD_SEND << 56) | ((bgs_u64)(bgs_u32)tx_idx << 32) | s->conn_seq;
-                tx_submit(tx, BGS_IORING_OP_SEND, e->fd, 0, tx->table_host + buf_off, len,
+                tx_submit(tx, BGS_IORING_OP_SEND, tx_fd, 0, tx->table_host + buf_off, len,
                           BGS_MSG_WAITALL, 0, ud);
                 atomicAdd_system((unsigned long long *)&((struct bgs_tx_header *)th)->gpu_sends, 1ull);
                 st_release_sys32(&sc->busy, 0); /* the slot may take the next request */
@@ -716,6 +733,7 @@ extern "C" __global__ void bgs_tx_reaper(struct bgs_gpu_tx *tx, struct bgs_gpu_c
                 st_release_sys32(&e->next_seq, seq + 1); /* pass the turn */
             } else {
                 atomicAdd_system((unsigned long long *)&th->gpu_other_cqes, 1ull);
+                if (res < 0) atomicAdd_system((unsigned long long *)&th->gpu_wake_errors, 1ull);
             }
             head++;
         }

@@ -286,7 +286,7 @@ fn ring_structs() -> Vec<StructDesc> {
                 field!(TH, gpu_wakes, U64, "futex wakes queued for the host stage"),
                 field!(TH, gpu_sq_full, U64, "waits for submission queue room"),
                 field!(TH, gpu_other_cqes, U64, "other completions reaped"),
-                field!(TH, pad1, U64, ""),
+                field!(TH, gpu_wake_errors, U64, "of those, failed futex wakes"),
             ],
         },
         StructDesc {
@@ -309,7 +309,7 @@ fn ring_structs() -> Vec<StructDesc> {
                 ),
                 field!(TE, gpu_sends, U32, "GPU: SENDs completed"),
                 field!(TE, gpu_errors, U32, "GPU: SEND errors"),
-                field!(TE, reserved, U32; 10, ""),
+                field!(TE, reserved, U32; 10, "[0]: GPU: length of its SEND in flight"),
             ],
         },
     ]

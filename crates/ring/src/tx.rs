@@ -85,10 +85,11 @@ pub struct TxHeader {
     pub gpu_wakes: u64,
     /// GPU: times a SEND waited for room in the submission queue.
     pub gpu_sq_full: u64,
-    /// GPU: other completions reaped (wakes).
+    /// GPU: other completions reaped (futex wakes).
     pub gpu_other_cqes: u64,
-    /// Padding to the end of the counters' line.
-    pub pad1: u64,
+    /// GPU: of those, futex wakes that failed (a wake that fails leaves the host stage to its
+    /// timeout).
+    pub gpu_wake_errors: u64,
 }
 
 /// One connection's entry (one cache line).
@@ -105,14 +106,16 @@ pub struct TxEntry {
     pub gpu_sends: u32,
     /// GPU: SEND errors on this entry.
     pub gpu_errors: u32,
-    /// Unused.
+    /// `reserved[0]`: the GPU's length of its SEND in flight (the reaper checks the completion
+    /// against it); the rest unused.
     pub reserved: [u32; 10],
 }
 
 const _: () = assert!(size_of::<TxHeader>() == 128 && size_of::<TxHeader>() <= TX_HEADER_BYTES);
 const _: () = assert!(size_of::<TxEntry>() == TX_ENTRY_BYTES);
 const _: () = assert!(offset_of!(TxHeader, gpu_sends) == 64);
-const _: () = assert!(TX_BUF_BYTES >= 24 + 4 * crate::SLOT_WORDS && TX_BUF_BYTES.is_multiple_of(64));
+const _: () =
+    assert!(TX_BUF_BYTES >= 24 + 4 * crate::SLOT_WORDS && TX_BUF_BYTES.is_multiple_of(64));
 
 /// Index of the `i`-th probe for `cookie` in a table of `1 << log2` entries.
 pub fn tx_probe(cookie: u64, log2: u32, i: u32) -> u32 {
@@ -348,6 +351,8 @@ impl TxTable {
                 gpu_deferred: rd(&raw mut (*h).gpu_deferred),
                 gpu_wakes: rd(&raw mut (*h).gpu_wakes),
                 gpu_sq_full: rd(&raw mut (*h).gpu_sq_full),
+                gpu_other_cqes: rd(&raw mut (*h).gpu_other_cqes),
+                gpu_wake_errors: rd(&raw mut (*h).gpu_wake_errors),
             }
         }
     }
@@ -382,6 +387,10 @@ pub struct TxCounters {
     pub gpu_wakes: u64,
     /// Waits for SQ room.
     pub gpu_sq_full: u64,
+    /// Other completions the GPU reaped (futex wakes).
+    pub gpu_other_cqes: u64,
+    /// Failed futex wakes.
+    pub gpu_wake_errors: u64,
 }
 
 #[cfg(test)]

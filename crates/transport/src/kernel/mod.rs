@@ -126,6 +126,8 @@ pub struct GpuSendStats {
     pub wakes: u64,
     /// Times a SEND waited for room in the GPU's submission queue.
     pub sq_full: u64,
+    /// Futex wakes that failed (the stage then waits out its timeout).
+    pub wake_errors: u64,
 }
 
 impl From<TxCounters> for GpuSendStats {
@@ -137,6 +139,7 @@ impl From<TxCounters> for GpuSendStats {
             deferred: c.gpu_deferred,
             wakes: c.gpu_wakes,
             sq_full: c.gpu_sq_full,
+            wake_errors: c.gpu_wake_errors,
         }
     }
 }
@@ -164,8 +167,8 @@ impl std::fmt::Display for KernelStats {
             let r = &self.reply;
             writeln!(
                 f,
-                "gpu sends: {} sent, {} completed, {} errors, {} deferred to the stage, {} wakes, {} sq-full",
-                g.sends, g.completed, g.send_errors, g.deferred, g.wakes, g.sq_full
+                "gpu sends: {} sent, {} completed, {} errors, {} deferred to the stage, {} wakes ({} failed), {} sq-full",
+                g.sends, g.completed, g.send_errors, g.deferred, g.wakes, g.wake_errors, g.sq_full
             )?;
             writeln!(
                 f,
