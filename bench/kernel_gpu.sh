@@ -34,6 +34,7 @@ declare -A conds=(
   [ksqe-cpu]="--transport kernel --reply executor-sqe --executor cpu --slots 2 --sqpoll-cpu 3"
   [native-cpu]="--transport native --executor cpu --slots 2"
   [ksqe-gpu]="--transport kernel --reply executor-sqe --executor gpu --sqpoll-cpu 3"
+  [ksqe-gpu-idle1]="--transport kernel --reply executor-sqe --executor gpu --sqpoll-cpu 3 --sqpoll-idle-ms 1"
 )
 # (1) correctness over TCP, every op and repeat count
 for c in ${CHECK-kloop-gpu native-gpu}; do

@@ -13,7 +13,7 @@ rm -rf "$work"; mkdir -p "$out" "$work"
 timeout 200 bash bench/gpu/run-v3.sh "$bin" "$work/v3" > "$work/v3.log" 2>&1
 cp "$work/v3/results.json" "$out/v3-results.json" 2>/dev/null
 CHECK="${CHECK-ksqe-gpu}" BIG="${BIG-ksqe-gpu}" SYSCALLS="${SYSCALLS-ksqe-gpu kloop-gpu}" \
-  PERF="${PERF-native-gpu kloop-gpu ksqe-gpu}" ROUNDS="${ROUNDS-2}" \
+  PERF="${PERF-native-gpu kloop-gpu ksqe-gpu ksqe-gpu-idle1}" ROUNDS="${ROUNDS-2}" \
   timeout 420 bash bench/kernel_gpu.sh "$bin" "$work/k" > "$work/k.log" 2>&1
 cp "$work/k/summary.json" "$out/tcp-summary.json" 2>/dev/null
 cp "$work/k/steps.log" "$out/tcp-steps.log" 2>/dev/null

@@ -78,6 +78,10 @@ pub struct ServeArgs {
     /// Directory holding the CUDA libraries (else CUDA_HOME, /usr/local/cuda, the loader's path).
     #[arg(long)]
     pub cuda_home: Option<std::path::PathBuf>,
+    /// GPU executor, device dispatcher: resident scheduler warps, each owning a share of the
+    /// slots (0: one per 8 slots, at most 2).
+    #[arg(long, default_value_t = 0)]
+    pub gpu_schedulers: usize,
     /// Floor mode: the transport answers echo itself, without ring or executor.
     #[arg(long)]
     pub floor: bool,
@@ -166,6 +170,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             DispatcherKind::Host => bgs_executor_gpu::Dispatcher::HostLaunch,
         },
         cuda_home: args.cuda_home.clone(),
+        schedulers: args.gpu_schedulers,
         ..Default::default()
     };
     let executor_kind = match args.executor {

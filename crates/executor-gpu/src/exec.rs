@@ -1263,13 +1263,14 @@ fn setup_tx(
     Ok(dev)
 }
 
-/// Device schedulers: `cfg.schedulers`, or `BGS_GPU_SCHEDULERS` when set, at most one per slot.
+/// Device schedulers: `BGS_GPU_SCHEDULERS` when set, else `cfg.schedulers`; 0 picks
+/// [`plan::auto_schedulers`]; at most one per slot.
 fn schedulers(cfg: &GpuExecutorConfig) -> usize {
     let k = std::env::var("BGS_GPU_SCHEDULERS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(cfg.schedulers);
-    k.clamp(1, cfg.slots.max(1))
+    plan::scheduler_count(k, cfg.slots)
 }
 
 /// `BGS_GPU_LAUNCH_LANES=1`: every scheduler lane launches its own request's graph (parallel

@@ -56,8 +56,9 @@ pub struct GpuExecutorConfig {
     /// Dispatcher kind.
     pub dispatcher: Dispatcher,
     /// Device launch: resident schedulers, each owning a contiguous share of the slots and
-    /// claiming from the same request ring (`BGS_GPU_SCHEDULERS` overrides). One scheduler
-    /// launches about 150k graphs/s; more launch in parallel.
+    /// claiming from the same request ring (`BGS_GPU_SCHEDULERS` overrides). 0 (the default):
+    /// one per 8 slots, at most 2 — on the H200 two were faster than one at 16 and 32 slots
+    /// and four contended on the head CAS (docs/gpu.md).
     pub schedulers: usize,
     /// CUDA device ordinal.
     pub device: usize,
@@ -84,7 +85,7 @@ impl Default for GpuExecutorConfig {
         GpuExecutorConfig {
             slots: 16,
             dispatcher: Dispatcher::DeviceLaunch,
-            schedulers: 1,
+            schedulers: 0,
             device: 0,
             cuda_home: None,
             cache_dir: None,

@@ -183,6 +183,23 @@ impl LaunchCounter {
     }
 }
 
+/// Device schedulers for `slots` slots when the configuration says 0: one per 8 slots, at
+/// most 2 (measured on the H200: 2 beat 1 at 16 and 32 slots; 4 lost to head-CAS contention).
+pub fn auto_schedulers(slots: usize) -> usize {
+    (slots / 8).clamp(1, 2)
+}
+
+/// The scheduler count actually used: `requested` (0: [`auto_schedulers`]), at least 1 and
+/// at most one per slot (a scheduler owns a contiguous, non-empty share of the slots).
+pub fn scheduler_count(requested: usize, slots: usize) -> usize {
+    let k = if requested == 0 {
+        auto_schedulers(slots)
+    } else {
+        requested
+    };
+    k.clamp(1, slots.max(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,5 +316,29 @@ mod tests {
         assert!(max_in_exec <= DEVICE_LAUNCH_LIMIT);
         assert_eq!(max_in_exec, LAUNCH_BUDGET);
         assert_eq!(c.executions, 1 + 10_000 / u64::from(LAUNCH_BUDGET));
+    }
+
+    #[test]
+    fn scheduler_counts() {
+        assert_eq!(scheduler_count(0, 1), 1);
+        assert_eq!(scheduler_count(0, 8), 1);
+        assert_eq!(scheduler_count(0, 16), 2);
+        assert_eq!(scheduler_count(0, 64), 2);
+        assert_eq!(scheduler_count(4, 16), 4);
+        assert_eq!(scheduler_count(8, 3), 3, "never more schedulers than slots");
+        // Every scheduler's share [k*n/K, (k+1)*n/K) is non-empty and they tile the slots.
+        for n in 1..=64 {
+            for req in 0..=70 {
+                let k = scheduler_count(req, n);
+                let mut covered = 0;
+                for i in 0..k {
+                    let (a, b) = (i * n / k, (i + 1) * n / k);
+                    assert!(b > a, "empty share: n={n} k={k}");
+                    assert_eq!(a, covered);
+                    covered = b;
+                }
+                assert_eq!(covered, n);
+            }
+        }
     }
 }

@@ -38,7 +38,7 @@ fn parse() -> Result<Args, String> {
         mode,
         dispatcher: Dispatcher::DeviceLaunch,
         slots: 16,
-        schedulers: 1,
+        schedulers: 0,
         op: Op::Gemm8,
         repeat: 1,
         n: 20_000,
