@@ -1273,10 +1273,13 @@ fn schedulers(cfg: &GpuExecutorConfig) -> usize {
     plan::scheduler_count(k, cfg.slots)
 }
 
-/// `BGS_GPU_LAUNCH_LANES=1`: every scheduler lane launches its own request's graph (parallel
-/// device launches) instead of lane 0 launching the whole claimed batch in order.
+/// Whether every scheduler lane launches its own request's graph (parallel device launches,
+/// the default) or lane 0 launches the whole claimed batch in order (`BGS_GPU_LAUNCH_LANES=0`).
+/// Measured on the H200 (bench/results/20261130-gpu-lanes): parallel launches reach 339–356k
+/// requests/s at 16 slots against 314–318k in order; in v2, while the publish kernels still
+/// contended on a host CAS, they had been slower.
 fn launch_lanes() -> bool {
-    std::env::var("BGS_GPU_LAUNCH_LANES").is_ok_and(|v| v == "1")
+    !std::env::var("BGS_GPU_LAUNCH_LANES").is_ok_and(|v| v == "0")
 }
 
 /// What the captured library calls need (plain handles, copied out of `Device` so captures
