@@ -5,7 +5,7 @@
 #   CHECK="kloop-gpu native-gpu" PERF="native-gpu kloop-gpu ..." ROUNDS=2 select conditions;
 #   BIG="ksqe-gpu" also sends 1,000,000 requests (50k req/s, 128 connections) through those;
 #   SYSCALLS="ksqe-gpu kloop-gpu" counts the server's system calls per request at 1k req/s
-#   (perf, when installed).
+#   (perf, when installed); SAT="native-gpu ..." offers 400,000 req/s pipelined (saturation).
 # Correctness first (bgs load --strict over every op and repeat count, each condition), then
 # CPU per request and latency at 1,000 req/s and near saturation. Server on CPUs 0-3, client
 # on 4-15 (SQPOLL, where used, on CPU 3).
@@ -92,6 +92,16 @@ for round in $(seq "${ROUNDS:-2}"); do
       stop
     done
   done
+done
+# (3) saturation: offered far above capacity, pipelined (SAT="native-gpu kloop-gpu ksqe-gpu")
+for c in ${SAT-}; do
+  # shellcheck disable=SC2086
+  start "sat-$c" ${conds[$c]} || continue
+  timeout 60 "$bgs" load --target 127.0.0.1:$port --op gemm8 --repeat 1 --rate 400000 \
+    --pipeline 64 --threads 4 --duration 5 --warmup 1 --connections 128 --cpus "$client_cpus" \
+    --server-pid "$spid" --json "$out/perf-$c-400000-r1.json" >"$out/perf-$c-400000-r1.txt" 2>&1
+  echo "sat $c rc=$?" | tee -a "$out/steps.log"
+  stop; tail -12 "$out/sat-$c.server.log" >> "$out/steps.log"
 done
 tar czf "$out/logs.tgz" -C "$out" --exclude logs.tgz . 2>/dev/null
 python3 - "$out" <<'PY' > "$out/summary.json"
