@@ -3,7 +3,7 @@
 # at 1,000 req/s and near saturation (issue 3). Conditions alternate within each round and the
 # order rotates between rounds (counterbalanced). Server pinned to CPU 0, load generator to the
 # other CPUs. Needs root (kernel transport). Writes JSON per run and a summary under
-# bench/results/<date>-transport-compare/.
+# bench/results/<date>-transport-compare/ (or $OUT).
 # Usage: sudo bash bench/transport_compare.sh [seconds_per_run] [rounds] [high_rate]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ cargo build --release --locked -p bgs >/dev/null
 bgs=./target/release/bgs
 ncpu=$(nproc)
 client_cpus="1-$((ncpu - 1))"
-out=bench/results/$(date -u +%Y%m%d)-transport-compare
+out=${OUT:-bench/results/$(date -u +%Y%m%d)-transport-compare}
 mkdir -p "$out"
 rev=$(git rev-parse --short=12 HEAD)
 conds=(native kernel-loop kernel-sqe)
