@@ -215,9 +215,7 @@ struct bgs_tx_header {
     bgs_u64 entries_offset;                  /*   16: entry array offset */
     bgs_u64 bufs_offset;                     /*   24: send buffers offset */
     bgs_u64 total_size;                      /*   32: bytes of the block */
-    bgs_u64 gpu_turn_waits;                  /*   40: replies that waited one turn on the GPU */
-    bgs_u64 gpu_turn_wait_timeouts;          /*   48: of those, waits that ran out */
-    bgs_u8 pad0[8];                          /*   56 */
+    bgs_u8 pad0[24];                         /*   40 */
     bgs_u64 gpu_sends;                       /*   64: replies the GPU queued a SEND for */
     bgs_u64 gpu_completed;                   /*   72: SEND completions the GPU reaped */
     bgs_u64 gpu_send_errors;                 /*   80: of those, errors or short sends */
@@ -235,9 +233,7 @@ BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, capacity_log2) == 12, "bgs_
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, entries_offset) == 16, "bgs_tx_header.entries_offset");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, bufs_offset) == 24, "bgs_tx_header.bufs_offset");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, total_size) == 32, "bgs_tx_header.total_size");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_turn_waits) == 40, "bgs_tx_header.gpu_turn_waits");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_turn_wait_timeouts) == 48, "bgs_tx_header.gpu_turn_wait_timeouts");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, pad0) == 56, "bgs_tx_header.pad0");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, pad0) == 40, "bgs_tx_header.pad0");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_sends) == 64, "bgs_tx_header.gpu_sends");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_completed) == 72, "bgs_tx_header.gpu_completed");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_send_errors) == 80, "bgs_tx_header.gpu_send_errors");

@@ -129,7 +129,6 @@ struct bgs_gpu_tx {
 #define BGS_FUTEX2_FLAGS 0x82 /* FUTEX2_SIZE_U32 | FUTEX2_PRIVATE: the host stage sleeps on a private futex */
 #define BGS_FUTEX_BITSET_MATCH_ANY 0xffffffffull
 #define BGS_SQE_BYTES 64
-#define BGS_TX_TURN_WAIT_NS 30000ull /* longest wait of a reply for its predecessor's turn */
 #define BGS_CQE_BYTES 16
 
 /* ---- system-scope accessors for host-shared words ---- */
@@ -559,30 +558,6 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             if ((s->route & host_only) == 0) {
                 bgs_u32 fd = 0, turn = 0;
                 const int idx = tx_lookup(tx, s->conn, &fd, &turn);
-                if (idx >= 0 && turn + 1 == s->conn_seq) {
-                    /* The reply just before this one holds the turn: with pipelining clients it
-                     * is usually a SEND in flight that the reaper will pass on within a few
-                     * microseconds. Wait for it (bounded) rather than hand this reply to the
-                     * host. The predecessor was claimed from the ring before this request, so
-                     * it is in a slot, in flight or with the host: waiting cannot deadlock. */
-                    struct bgs_tx_header *th = (struct bgs_tx_header *)tx->table;
-                    struct bgs_tx_entry *e = tx_entry(tx, (bgs_u32)idx);
-                    atomicAdd_system((unsigned long long *)&th->gpu_turn_waits, 1ull);
-                    const bgs_u64 t0 = globaltimer_ns();
-                    while (turn + 1 == s->conn_seq && globaltimer_ns() - t0 < BGS_TX_TURN_WAIT_NS) {
-                        __nanosleep(500);
-                        turn = ld_acquire_sys32(&e->next_seq);
-                    }
-                    if (turn != s->conn_seq) {
-                        atomicAdd_system((unsigned long long *)&th->gpu_turn_wait_timeouts, 1ull);
-                    } else {
-                        /* Meanwhile the host may have ended this connection and given the entry
-                         * to another one: the turn read above is this connection's only if the
-                         * cookie is still there after it (as in tx_lookup). */
-                        __threadfence_system();
-                        if (ld_acquire_sys(&e->cookie) != s->conn) turn = s->conn_seq + 1;
-                    }
-                }
                 if (idx >= 0 && turn == s->conn_seq) {
                     tx_idx = idx;
                     tx_fd = fd;

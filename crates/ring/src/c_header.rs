@@ -278,19 +278,7 @@ fn ring_structs() -> Vec<StructDesc> {
                 field!(TH, entries_offset, U64, "entry array offset"),
                 field!(TH, bufs_offset, U64, "send buffers offset"),
                 field!(TH, total_size, U64, "bytes of the block"),
-                field!(
-                    TH,
-                    gpu_turn_waits,
-                    U64,
-                    "replies that waited one turn on the GPU"
-                ),
-                field!(
-                    TH,
-                    gpu_turn_wait_timeouts,
-                    U64,
-                    "of those, waits that ran out"
-                ),
-                field!(TH, pad0, U8; 8, ""),
+                field!(TH, pad0, U8; 24, ""),
                 field!(TH, gpu_sends, U64, "replies the GPU queued a SEND for"),
                 field!(TH, gpu_completed, U64, "SEND completions the GPU reaped"),
                 field!(TH, gpu_send_errors, U64, "of those, errors or short sends"),

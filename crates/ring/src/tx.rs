@@ -70,12 +70,8 @@ pub struct TxHeader {
     pub bufs_offset: u64,
     /// Bytes of the whole block.
     pub total_size: u64,
-    /// GPU: replies that found their connection's turn one behind and waited for it.
-    pub gpu_turn_waits: u64,
-    /// GPU: of those, waits that ran out (the reply then went to the host).
-    pub gpu_turn_wait_timeouts: u64,
     /// Padding to the counters' line.
-    pub pad0: [u8; 8],
+    pub pad0: [u8; 24],
     /// GPU: replies the GPU queued a SEND for (each answers one request).
     pub gpu_sends: u64,
     /// GPU: SEND completions the GPU reaped.
@@ -357,8 +353,6 @@ impl TxTable {
                 gpu_sq_full: rd(&raw mut (*h).gpu_sq_full),
                 gpu_other_cqes: rd(&raw mut (*h).gpu_other_cqes),
                 gpu_wake_errors: rd(&raw mut (*h).gpu_wake_errors),
-                gpu_turn_waits: rd(&raw mut (*h).gpu_turn_waits),
-                gpu_turn_wait_timeouts: rd(&raw mut (*h).gpu_turn_wait_timeouts),
             }
         }
     }
@@ -397,10 +391,6 @@ pub struct TxCounters {
     pub gpu_other_cqes: u64,
     /// Failed futex wakes.
     pub gpu_wake_errors: u64,
-    /// Replies that waited for their turn on the GPU.
-    pub gpu_turn_waits: u64,
-    /// Of those, waits that ran out.
-    pub gpu_turn_wait_timeouts: u64,
 }
 
 #[cfg(test)]

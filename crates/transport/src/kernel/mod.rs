@@ -128,10 +128,6 @@ pub struct GpuSendStats {
     pub sq_full: u64,
     /// Futex wakes that failed (the stage then waits out its timeout).
     pub wake_errors: u64,
-    /// Replies that waited on the GPU for their predecessor's turn.
-    pub turn_waits: u64,
-    /// Of those, waits that ran out (the reply went to the stage).
-    pub turn_wait_timeouts: u64,
 }
 
 impl From<TxCounters> for GpuSendStats {
@@ -144,8 +140,6 @@ impl From<TxCounters> for GpuSendStats {
             wakes: c.gpu_wakes,
             sq_full: c.gpu_sq_full,
             wake_errors: c.gpu_wake_errors,
-            turn_waits: c.gpu_turn_waits,
-            turn_wait_timeouts: c.gpu_turn_wait_timeouts,
         }
     }
 }
@@ -173,16 +167,8 @@ impl std::fmt::Display for KernelStats {
             let r = &self.reply;
             writeln!(
                 f,
-                "gpu sends: {} sent, {} completed, {} errors, {} deferred to the stage, {} wakes ({} failed), {} sq-full, {} turn waits ({} ran out)",
-                g.sends,
-                g.completed,
-                g.send_errors,
-                g.deferred,
-                g.wakes,
-                g.wake_errors,
-                g.sq_full,
-                g.turn_waits,
-                g.turn_wait_timeouts
+                "gpu sends: {} sent, {} completed, {} errors, {} deferred to the stage, {} wakes ({} failed), {} sq-full",
+                g.sends, g.completed, g.send_errors, g.deferred, g.wakes, g.wake_errors, g.sq_full
             )?;
             writeln!(
                 f,
