@@ -250,7 +250,7 @@ struct bgs_tx_entry {
     bgs_u32 next_seq;                        /*   12: conn_seq of the next reply to send; its holder writes */
     bgs_u32 gpu_sends;                       /*   16: GPU: SENDs completed */
     bgs_u32 gpu_errors;                      /*   20: GPU: SEND errors */
-    bgs_u32 reserved[10];                    /*   24: [0]: GPU: length of its SEND in flight; [1]: host: replies wait for the turn */
+    bgs_u32 reserved[10];                    /*   24: [0]: GPU: length of its SEND in flight */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_tx_entry) == 64, "sizeof bgs_tx_entry");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_entry, cookie) == 0, "bgs_tx_entry.cookie");

@@ -1237,7 +1237,6 @@ fn setup_tx(
         rings,
         sqes,
         futex_host: region.as_ptr() as u64 + futex_off as u64,
-        ring: d.region_dev,
         sq_mask: desc.sq_entries - 1,
         sq_entries: desc.sq_entries,
         cq_mask: desc.cq_entries - 1,

@@ -116,7 +116,8 @@ struct bgs_gpu_tx {
     bgs_u32 off_cqes;     /*  68 */
     bgs_u32 reserve;      /*  72: next SQ index to claim (device atomics among publish kernels) */
     bgs_u32 committed;    /*  76: SQ tail as last published, in order */
-    bgs_u64 ring;         /*  80: the rings' region, device address (the reaper's stage wakes) */
+    bgs_u32 reaper_stop;  /*  80: unused by the device; the reaper watches ctl->stop */
+    bgs_u32 pad0;         /*  84 */
     bgs_u8 pad[40];       /*  88 */
 };
 
@@ -730,19 +731,6 @@ extern "C" __global__ void bgs_tx_reaper(struct bgs_gpu_tx *tx, struct bgs_gpu_c
                 atomicAdd_system((unsigned long long *)&th->gpu_completed, 1ull);
                 __threadfence_system();
                 st_release_sys32(&e->next_seq, seq + 1); /* pass the turn */
-                /* The host stage holds replies waiting for this turn: if it sleeps, wake it now
-                 * rather than leaving the handoff to its polling. */
-                if (ld_acquire_sys32(&e->reserved[1]) != 0) {
-                    struct bgs_ring_header *rh = ring_header((bgs_u8 *)tx->ring);
-                    __threadfence_system();
-                    if (ld_acquire_sys32(&rh->completion_waiters) != 0) {
-                        atomicAdd_system(&rh->completion_doorbell, 1u);
-                        __threadfence_system();
-                        tx_submit(tx, BGS_IORING_OP_FUTEX_WAKE, BGS_FUTEX2_FLAGS, 0x7fffffffull,
-                                  tx->futex_host, 0, 0, BGS_FUTEX_BITSET_MATCH_ANY, BGS_TX_UD_WAKE << 56);
-                        atomicAdd_system((unsigned long long *)&th->gpu_wakes, 1ull);
-                    }
-                }
             } else {
                 atomicAdd_system((unsigned long long *)&th->gpu_other_cqes, 1ull);
                 if (res < 0) atomicAdd_system((unsigned long long *)&th->gpu_wake_errors, 1ull);

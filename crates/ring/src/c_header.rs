@@ -309,7 +309,7 @@ fn ring_structs() -> Vec<StructDesc> {
                 ),
                 field!(TE, gpu_sends, U32, "GPU: SENDs completed"),
                 field!(TE, gpu_errors, U32, "GPU: SEND errors"),
-                field!(TE, reserved, U32; 10, "[0]: GPU: length of its SEND in flight; [1]: host: replies wait for the turn"),
+                field!(TE, reserved, U32; 10, "[0]: GPU: length of its SEND in flight"),
             ],
         },
     ]

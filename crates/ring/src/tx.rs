@@ -48,8 +48,6 @@ pub const TX_TOMBSTONE: u64 = u64::MAX;
 pub const TX_UD_SEND: u64 = 0xa0;
 /// Top byte of the `user_data` of a futex wake the GPU queued for the host's reply stage.
 pub const TX_UD_WAKE: u64 = 0xa1;
-/// Offset in a [`TxEntry`] of the host's "replies wait for the turn" word (`reserved[1]`).
-pub const TX_HOST_WAITING_OFFSET: usize = offset_of!(TxEntry, reserved) + 4;
 /// Multiplier of the cookie hash (Fibonacci hashing): `index = (cookie * M) >> (64 - log2 cap)`.
 pub const TX_HASH_MUL: u64 = 0x9e37_79b9_7f4a_7c15;
 
@@ -109,9 +107,7 @@ pub struct TxEntry {
     /// GPU: SEND errors on this entry.
     pub gpu_errors: u32,
     /// `reserved[0]`: the GPU's length of its SEND in flight (the reaper checks the completion
-    /// against it); `reserved[1]`: host, nonzero while the reply stage holds replies waiting
-    /// for this connection's turn (the GPU's reaper then wakes the stage when it passes the
-    /// turn, instead of leaving it to the stage's polling); the rest unused.
+    /// against it); the rest unused.
     pub reserved: [u32; 10],
 }
 
@@ -296,8 +292,6 @@ impl TxTable {
                     .store(0, Ordering::Relaxed);
                 self.u32_word(idx, offset_of!(TxEntry, gpu_errors))
                     .store(0, Ordering::Relaxed);
-                self.u32_word(idx, TX_HOST_WAITING_OFFSET)
-                    .store(0, Ordering::Relaxed);
                 self.cookie_word(idx).store(cookie, Ordering::Release);
                 return Some(idx);
             }
@@ -334,19 +328,6 @@ impl TxTable {
     pub fn pass_turn(&self, idx: u32, seq: u32) {
         self.u32_word(idx, offset_of!(TxEntry, next_seq))
             .store(seq, Ordering::Release);
-    }
-
-    /// Tell the GPU whether the host holds replies of entry `idx` that wait for the turn.
-    pub fn set_host_waiting(&self, idx: u32, waiting: bool) {
-        self.u32_word(idx, TX_HOST_WAITING_OFFSET)
-            .store(u32::from(waiting), Ordering::Release);
-    }
-
-    /// Whether entry `idx` is marked as having host replies waiting for the turn.
-    pub fn host_waiting(&self, idx: u32) -> bool {
-        self.u32_word(idx, TX_HOST_WAITING_OFFSET)
-            .load(Ordering::Acquire)
-            != 0
     }
 
     /// Completed GPU SENDs on entry `idx`.

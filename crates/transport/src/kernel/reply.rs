@@ -205,8 +205,6 @@ struct ConnOut {
     inflight_end: u32,
     /// Registered and took the turn with a SEND that has not passed it on.
     holds_turn: bool,
-    /// Mirrors the table entry's "host replies wait for the turn" word.
-    host_waiting: bool,
     /// Registered: a RESET marker is parked waiting for its turn; the turn last seen and
     /// since when it has not moved.
     reset_wait: Option<(u32, Instant)>,
@@ -361,7 +359,6 @@ impl ReplyStage {
             out_first: 0,
             inflight_end: 0,
             holds_turn: false,
-            host_waiting: false,
             reset_wait: None,
         });
         self.by_cookie.insert(cookie, idx);
@@ -653,17 +650,8 @@ impl ReplyStage {
         self.flushing.dedup();
         for i in 0..self.flushing.len() {
             let idx = self.flushing[i];
-            let flushed = self.flush_one(idx, io);
-            let waits = self.conns.get(idx).is_some_and(ConnOut::waits_for_turn);
-            if let (Some(t), Some(c)) = (&self.turns, self.conns.get_mut(idx))
-                && let Some(ti) = c.tx
-                && c.host_waiting != waits
+            if !self.flush_one(idx, io) || self.conns.get(idx).is_some_and(ConnOut::waits_for_turn)
             {
-                // Ask the GPU's reaper to wake us when it passes this connection's turn.
-                t.set_host_waiting(ti, waits);
-                c.host_waiting = waits;
-            }
-            if !flushed || waits {
                 // No room in the queue, or replies wait for the GPU to pass the turn: look
                 // again at the next flush.
                 self.dirty.push(idx);
@@ -1185,31 +1173,6 @@ mod tests {
             let mut e = completion(cookie, seq, 0, bits, Status::Ok);
             e.words = 0;
             e
-        }
-
-        #[test]
-        fn host_waiting_word_follows_replies_held_for_the_turn() {
-            let (t, mut st, mut io, mut gpu) = setup();
-            st.on_accept(5, 1);
-            flush(&mut st, &mut io);
-            let i = t.lookup(1).unwrap();
-            assert!(!t.host_waiting(i));
-            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
-            // 1 is not the turn while the GPU's SEND of 0 is in flight: the host holds it and
-            // says so, so the GPU's reaper wakes the stage when it passes the turn.
-            gpu.finish(&mut st, &mut io, 1, 1, 101, 0);
-            flush(&mut st, &mut io);
-            assert!(io.sends.is_empty());
-            assert!(t.host_waiting(i), "the stage waits for the turn");
-            gpu.reap();
-            flush(&mut st, &mut io);
-            assert_eq!(io.sends.len(), 1, "the stage sends once the turn is its");
-            assert!(!t.host_waiting(i), "nothing waits any more");
-            ack(&mut st, &mut io);
-            assert_eq!(t.next_seq(i), 2);
-            // A new connection reusing an entry starts with the word clear.
-            let j = t.insert(77, 9, 0).unwrap();
-            assert!(!t.host_waiting(j));
         }
 
         #[test]
