@@ -116,8 +116,7 @@ struct bgs_gpu_tx {
     bgs_u32 off_cqes;     /*  68 */
     bgs_u32 reserve;      /*  72: next SQ index to claim (device atomics among publish kernels) */
     bgs_u32 committed;    /*  76: SQ tail as last published, in order */
-    bgs_u32 reaper_stop;  /*  80: unused by the device; the reaper watches ctl->stop */
-    bgs_u32 pad0;         /*  84 */
+    bgs_u32 pad0[2];      /*  80 */
     bgs_u8 pad[40];       /*  88 */
 };
 

@@ -106,8 +106,7 @@ pub struct Tx {
     pub off_cqes: u32,
     pub reserve: u32,
     pub committed: u32,
-    pub reaper_stop: u32,
-    pub pad0: u32,
+    pub pad0: [u32; 2],
     pub pad: [u64; 5],
 }
 

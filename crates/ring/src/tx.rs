@@ -330,10 +330,9 @@ impl TxTable {
             .store(seq, Ordering::Release);
     }
 
-    /// Completed GPU SENDs on entry `idx`.
-    pub fn entry_gpu_sends(&self, idx: u32) -> u32 {
-        self.u32_word(idx, offset_of!(TxEntry, gpu_sends))
-            .load(Ordering::Acquire)
+    /// Replies the GPU put on the wire so far (one load; the reply stage polls it).
+    pub fn gpu_sends(&self) -> u64 {
+        self.gpu_sends_word().load(Ordering::Acquire)
     }
 
     /// The GPU's counters.

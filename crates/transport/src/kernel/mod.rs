@@ -857,7 +857,7 @@ impl KernelTransport {
                                 // The GPU cannot wake us when it passes a turn, and its own
                                 // SENDs are finals we never see: poll soon while replies wait
                                 // for a turn or requests are still on the GPU.
-                                let answered = driver.finals + g.table.counters().gpu_sends;
+                                let answered = driver.finals + g.table.gpu_sends();
                                 if driver.stage.busy()
                                     || driver.region.requests().produced() > answered
                                 {
