@@ -74,6 +74,7 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 #define BGS_STATUS_BUSY 21u
 #define BGS_STATUS_INTERNAL 22u
 #define BGS_STATUS_BAD_FLAGS 23u                         /* closes the connection */
+#define BGS_STATUS_CANCELLED 24u
 
 /* Request frame header on the wire (all fields little-endian). */
 struct bgs_wire_request_header {

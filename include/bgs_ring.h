@@ -49,7 +49,7 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 
 /* Constants. */
 #define BGS_RING_MAGIC 0x31474e4952534742ULL             /* "BGSRING1" as a little-endian u64 */
-#define BGS_RING_LAYOUT_VERSION 1u
+#define BGS_RING_LAYOUT_VERSION 2u
 #define BGS_RING_SLOT_WORDS 256u                         /* payload u32 words per slot */
 #define BGS_RING_HEADER_SIZE 4096u                       /* request slots start here */
 #define BGS_RING_PAGE_SIZE 4096u                         /* slot arrays are page aligned */
@@ -60,6 +60,8 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 #define BGS_RING_COMPLETION_SLOT_SIZE 1088u
 #define BGS_RING_DEFAULT_REQUEST_SLOTS 4096u
 #define BGS_RING_DEFAULT_COMPLETION_SLOTS 8192u
+#define BGS_RING_MAX_STREAMS 512u                        /* stream credit counters in the header */
+#define BGS_RING_OP_CANCEL 0xfffeu                       /* request entry saying a connection ended (no reply) */
 #define BGS_RING_OP_REJECT 0xffffu                       /* request entry carrying a framer rejection; status in param */
 #define BGS_ROUTE_HTTP 0x1u                              /* reply as an HTTP response */
 #define BGS_ROUTE_CLOSE 0x2u                             /* close after this reply */
@@ -104,7 +106,9 @@ struct bgs_ring_header {
     bgs_u32 completion_waiters;              /*  384: sleeping completion consumers */
     bgs_u32 completion_doorbell;             /*  388: completion futex word */
     bgs_u8 pad_completion_sleep[56];         /*  392 */
-    bgs_u8 reserved1[3648];                  /*  448 */
+    bgs_u8 reserved1[64];                    /*  448 */
+    bgs_u32 stream_acks[512];                /*  512: per-stream credit returns (consumer adds 1 per acked completion) */
+    bgs_u8 reserved2[1536];                  /* 2560 */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_ring_header) == 4096, "sizeof bgs_ring_header");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_ring_header, magic) == 0, "bgs_ring_header.magic");
@@ -133,6 +137,8 @@ BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_ring_header, completion_waiters) == 38
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_ring_header, completion_doorbell) == 388, "bgs_ring_header.completion_doorbell");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_ring_header, pad_completion_sleep) == 392, "bgs_ring_header.pad_completion_sleep");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_ring_header, reserved1) == 448, "bgs_ring_header.reserved1");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_ring_header, stream_acks) == 512, "bgs_ring_header.stream_acks");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_ring_header, reserved2) == 2560, "bgs_ring_header.reserved2");
 
 /* A request: a request slot minus its leading seq (slot offset 8). */
 struct bgs_request_entry {
@@ -173,7 +179,8 @@ struct bgs_completion_entry {
     bgs_u32 words;                           /*   20: valid payload words */
     bgs_u32 stream_seq;                      /*   24: token index of a streamed completion */
     bgs_u32 route;                           /*   28: BGS_ROUTE_* bits */
-    bgs_u32 reserved[6];                     /*   32: zero */
+    bgs_u32 stream;                          /*   32: credit stream index + 1 (0: no credit taken) */
+    bgs_u32 reserved[5];                     /*   36: zero */
     bgs_u32 payload[256];                    /*   56: payload words */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_completion_entry) == 1080, "sizeof bgs_completion_entry");
@@ -185,7 +192,8 @@ BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, request_id) == 16, "
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, words) == 20, "bgs_completion_entry.words");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, stream_seq) == 24, "bgs_completion_entry.stream_seq");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, route) == 28, "bgs_completion_entry.route");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, reserved) == 32, "bgs_completion_entry.reserved");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, stream) == 32, "bgs_completion_entry.stream");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, reserved) == 36, "bgs_completion_entry.reserved");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, payload) == 56, "bgs_completion_entry.payload");
 
 /* A request slot. seq: pos = free for position pos; pos + 1 = published; the consumer frees it with pos + capacity. */

@@ -50,6 +50,7 @@ pub fn http_reason(code: u16) -> &'static str {
         411 => "Length Required",
         413 => "Content Too Large",
         431 => "Request Header Fields Too Large",
+        499 => "Client Closed Request",
         500 => "Internal Server Error",
         503 => "Service Unavailable",
         _ => "Unknown",

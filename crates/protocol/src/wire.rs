@@ -78,6 +78,9 @@ pub enum Status {
     Internal = 22,
     /// Flags were not 0 (connection closed).
     BadFlags = 23,
+    /// The request was cancelled because its connection ended (EOF, reset or close) while
+    /// it was queued or streaming; the final frame of such a request.
+    Cancelled = 24,
 }
 
 impl Status {
@@ -95,6 +98,7 @@ impl Status {
             21 => Status::Busy,
             22 => Status::Internal,
             23 => Status::BadFlags,
+            24 => Status::Cancelled,
             _ => return None,
         })
     }
@@ -124,6 +128,8 @@ impl Status {
             Status::PayloadTooLarge => 413,
             Status::Busy => 503,
             Status::Internal => 500,
+            // nginx's "client closed request": only a half-closed client can still read it.
+            Status::Cancelled => 499,
         }
     }
 }

@@ -17,8 +17,8 @@ use bgs_protocol::wire::{self, Op, ReplyHeader, RequestHeader, Status};
 
 use crate::layout::{
     CACHE_LINE, COMPLETION_SLOT_SIZE, CompletionEntry, DEFAULT_COMPLETION_SLOTS,
-    DEFAULT_REQUEST_SLOTS, HEADER_SIZE, LAYOUT_VERSION, PAGE_SIZE, REGION_MAGIC, REQUEST_SLOT_SIZE,
-    RegionHeader, RequestEntry, SLOT_HEADER_SIZE, SLOT_WORDS, Slot,
+    DEFAULT_REQUEST_SLOTS, HEADER_SIZE, LAYOUT_VERSION, MAX_STREAMS, PAGE_SIZE, REGION_MAGIC,
+    REQUEST_SLOT_SIZE, RegionHeader, RequestEntry, SLOT_HEADER_SIZE, SLOT_WORDS, Slot,
 };
 
 /// File name of the ring header inside `include/`.
@@ -192,7 +192,14 @@ fn ring_structs() -> Vec<StructDesc> {
                 field!(H, completion_waiters, U32, "sleeping completion consumers"),
                 field!(H, completion_doorbell, U32, "completion futex word"),
                 field!(H, pad_completion_sleep, U8; sleep_pad, ""),
-                field!(H, reserved1, U8; HEADER_SIZE - 7 * CACHE_LINE, ""),
+                field!(H, reserved1, U8; CACHE_LINE, ""),
+                field!(
+                    H,
+                    stream_acks,
+                    U32; MAX_STREAMS,
+                    "per-stream credit returns (consumer adds 1 per acked completion)"
+                ),
+                field!(H, reserved2, U8; HEADER_SIZE - 8 * CACHE_LINE - 4 * MAX_STREAMS, ""),
             ],
         },
         StructDesc {
@@ -232,7 +239,13 @@ fn ring_structs() -> Vec<StructDesc> {
                 field!(C, words, U32, "valid payload words"),
                 field!(C, stream_seq, U32, "token index of a streamed completion"),
                 field!(C, route, U32, "BGS_ROUTE_* bits"),
-                field!(C, reserved, U32; 6, "zero"),
+                field!(
+                    C,
+                    stream,
+                    U32,
+                    "credit stream index + 1 (0: no credit taken)"
+                ),
+                field!(C, reserved, U32; 5, "zero"),
                 field!(C, payload, U32; SLOT_WORDS, "payload words"),
             ],
         },
@@ -520,6 +533,18 @@ pub fn render_ring() -> String {
         "BGS_RING_DEFAULT_COMPLETION_SLOTS",
         format!("{DEFAULT_COMPLETION_SLOTS}u"),
         "",
+    );
+    define(
+        &mut out,
+        "BGS_RING_MAX_STREAMS",
+        format!("{MAX_STREAMS}u"),
+        "stream credit counters in the header",
+    );
+    define(
+        &mut out,
+        "BGS_RING_OP_CANCEL",
+        format!("{:#x}u", crate::layout::OP_CANCEL),
+        "request entry saying a connection ended (no reply)",
     );
     define(
         &mut out,

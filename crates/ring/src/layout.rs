@@ -13,7 +13,7 @@ pub const SLOT_WORDS: usize = 256;
 pub const REGION_MAGIC: u64 = u64::from_le_bytes(*b"BGSRING1");
 
 /// Bumped whenever the layout changes incompatibly.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Size of the region header; the request slots start right after it.
 pub const HEADER_SIZE: usize = 4096;
@@ -27,6 +27,10 @@ pub const CACHE_LINE: usize = 64;
 
 /// Bytes of the per-slot header in front of the payload (the seq word plus entry metadata).
 pub const SLOT_HEADER_SIZE: usize = 64;
+
+/// Number of stream credit counters in the region header ([`RegionHeader::stream_acks`]): the
+/// most streams (live generation sequences) one executor may have at once.
+pub const MAX_STREAMS: usize = 512;
 
 /// Default request ring capacity.
 pub const DEFAULT_REQUEST_SLOTS: u32 = 4096;
@@ -92,7 +96,15 @@ pub struct RegionHeader {
     /// Futex word bumped by completion producers that see sleepers.
     pub completion_doorbell: u32,
     pub(crate) pad_completion_sleep: [u8; 56],
-    pub(crate) reserved1: [u8; HEADER_SIZE - 7 * CACHE_LINE],
+    pub(crate) reserved1: [u8; CACHE_LINE],
+    /// Per-stream credit returns: the completion consumer (transport) adds 1 to
+    /// `stream_acks[s]` for every completion with `stream == s + 1` that it has disposed of
+    /// (handed to the socket's buffer within the connection's limits, or dropped). The
+    /// executor counts what it published per stream; the difference is the stream's frames in
+    /// flight, which it keeps under a window. Counters only grow (wrapping), so a stream
+    /// index can be reused without resetting them.
+    pub stream_acks: [u32; MAX_STREAMS],
+    pub(crate) reserved2: [u8; HEADER_SIZE - 8 * CACHE_LINE - 4 * MAX_STREAMS],
 }
 
 /// A request as it sits in a request slot (slot offset 8, right after the slot's `seq`).
@@ -145,7 +157,11 @@ pub struct CompletionEntry {
     pub stream_seq: u32,
     /// The request's `route` bits (`route::*`), plus the completion-only markers.
     pub route: u32,
-    pub(crate) reserved: [u32; 6],
+    /// Credit stream of a streamed completion: index + 1 into
+    /// [`RegionHeader::stream_acks`]; 0 when the completion takes no credit (one-shot replies,
+    /// markers). The consumer acknowledges every completion whose `stream` is not 0.
+    pub stream: u32,
+    pub(crate) reserved: [u32; 5],
     /// Payload words (the first `words` are valid).
     pub payload: [u32; SLOT_WORDS],
 }
@@ -218,7 +234,8 @@ impl Default for CompletionEntry {
             words: 0,
             stream_seq: 0,
             route: 0,
-            reserved: [0; 6],
+            stream: 0,
+            reserved: [0; 5],
             payload: [0; SLOT_WORDS],
         }
     }
@@ -248,6 +265,7 @@ const _: () = {
     assert!(offset_of!(RegionHeader, completion_head) == 4 * CACHE_LINE);
     assert!(offset_of!(RegionHeader, request_waiters) == 5 * CACHE_LINE);
     assert!(offset_of!(RegionHeader, completion_waiters) == 6 * CACHE_LINE);
+    assert!(offset_of!(RegionHeader, stream_acks) == 8 * CACHE_LINE);
     assert!(offset_of!(Slot<RequestEntry>, entry) == 8);
     assert!(offset_of!(Slot<CompletionEntry>, entry) == 8);
     assert!(
@@ -296,6 +314,12 @@ impl Geometry {
 /// its place in the connection's order: the executor answers it with a completion whose status
 /// is the entry's `param`, without running an adapter.
 pub const OP_REJECT: u16 = 0xffff;
+
+/// Internal op of a request-ring entry that says connection `conn` has ended (EOF, reset, or
+/// closed by the server): the executor cancels every request of that connection it still
+/// holds, ends each running stream with a final `cancelled` frame and frees its resources.
+/// The entry has no `conn_seq` of its own and is never answered.
+pub const OP_CANCEL: u16 = 0xfffe;
 
 /// Bits of `RequestEntry::route` / `CompletionEntry::route`: how a reply travels back. Set by
 /// the transport (or BPF framer) that framed the request; executors copy them unchanged.

@@ -24,8 +24,8 @@ pub mod tx;
 
 pub use layout::{
     COMPLETION_SLOT_SIZE, CompletionEntry, DEFAULT_COMPLETION_SLOTS, DEFAULT_REQUEST_SLOTS,
-    HEADER_SIZE, LAYOUT_VERSION, OP_REJECT, REGION_MAGIC, REQUEST_SLOT_SIZE, RegionHeader,
-    RequestEntry, SLOT_WORDS, Slot, route,
+    HEADER_SIZE, LAYOUT_VERSION, MAX_STREAMS, OP_CANCEL, OP_REJECT, REGION_MAGIC,
+    REQUEST_SLOT_SIZE, RegionHeader, RequestEntry, SLOT_WORDS, Slot, route,
 };
 pub use region::{RingConfig, RingError, RingRegion};
 pub use ring::{CompletionRing, Full, RequestRing, Ring, SleepGuard};

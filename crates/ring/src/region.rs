@@ -5,8 +5,8 @@ use core::ptr::NonNull;
 
 use crate::layout::{
     COMPLETION_SLOT_SIZE, CompletionEntry, DEFAULT_COMPLETION_SLOTS, DEFAULT_REQUEST_SLOTS, Entry,
-    Geometry, HEADER_SIZE, LAYOUT_VERSION, REGION_MAGIC, REQUEST_SLOT_SIZE, RegionHeader,
-    RequestEntry, SLOT_WORDS,
+    Geometry, HEADER_SIZE, LAYOUT_VERSION, MAX_STREAMS, REGION_MAGIC, REQUEST_SLOT_SIZE,
+    RegionHeader, RequestEntry, SLOT_WORDS,
 };
 use crate::ring::{CompletionRing, RequestRing, Ring};
 
@@ -401,6 +401,32 @@ impl RingRegion {
     pub fn completions(&self) -> &CompletionRing {
         &self.completions
     }
+
+    /// The per-stream credit counters of the header ([`RegionHeader::stream_acks`]).
+    pub fn stream_acks(&self) -> &[core::sync::atomic::AtomicU32; MAX_STREAMS] {
+        // SAFETY: the header is inside the region (at least HEADER_SIZE bytes, checked when
+        // the region was made or attached), `stream_acks` is 4-aligned inside it, and every
+        // agent accesses these words only atomically; AtomicU32 has u32's layout. The
+        // reference lives no longer than `self`, which keeps the memory mapped.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .add(offset_of!(RegionHeader, stream_acks))
+                .cast::<[core::sync::atomic::AtomicU32; MAX_STREAMS]>()
+        }
+    }
+
+    /// Acknowledge one disposed-of completion of credit stream `stream` (the completion's
+    /// `stream` field, index + 1; 0 is ignored). Called by completion consumers.
+    pub fn ack_stream(&self, stream: u32) {
+        if let Some(c) = (stream as usize)
+            .checked_sub(1)
+            .and_then(|i| self.stream_acks().get(i))
+        {
+            c.fetch_add(1, core::sync::atomic::Ordering::Release);
+        }
+    }
 }
 
 impl Drop for RingRegion {
@@ -515,10 +541,10 @@ mod tests {
         let err = attach(&mut buf, 100).unwrap_err();
         assert!(matches!(err, RingError::TooSmall { len: 100, .. }), "{err}");
 
-        buf[1] = 2; // layout version (offset 8) = 2, request capacity (offset 12) = 0
+        buf[1] = 7; // layout version (offset 8) = 7, request capacity (offset 12) = 0
         let err = attach(&mut buf, len).unwrap_err();
         assert!(
-            matches!(err, RingError::BadVersion { found: 2, .. }),
+            matches!(err, RingError::BadVersion { found: 7, .. }),
             "{err}"
         );
 
