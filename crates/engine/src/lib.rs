@@ -33,6 +33,8 @@ pub struct Request<'a> {
     pub op: Op,
     /// The request's param (repeat count, max new tokens).
     pub param: u32,
+    /// The request's flags (bit 0 = ignore EOS, generate only; the framer rejects others).
+    pub flags: u32,
     /// Payload words (prompt token ids for generate).
     pub payload: &'a [u32],
 }
