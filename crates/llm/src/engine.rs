@@ -190,8 +190,7 @@ impl<M: StepModel> GenerationEngine<M> {
         if config.slots == 0 {
             return Err("generation engine: slots is 0".into());
         }
-        if config.max_batched_tokens < config.slots
-            || config.max_batched_tokens > i32::MAX as usize
+        if config.max_batched_tokens < config.slots || config.max_batched_tokens > i32::MAX as usize
         {
             return Err(format!(
                 "generation engine: max_batched_tokens {} must be between slots ({}) and {}",
@@ -273,7 +272,10 @@ impl<M: StepModel> GenerationEngine<M> {
         let mut owed = 0usize;
         for s in &self.seqs {
             if (!s.running || s.end.is_some()) && !s.blocks.is_empty() {
-                return Err(format!("stream {:?} holds blocks but is not running", s.stream));
+                return Err(format!(
+                    "stream {:?} holds blocks but is not running",
+                    s.stream
+                ));
             }
             for &b in &s.blocks {
                 let slot = seen
@@ -306,7 +308,11 @@ impl<M: StepModel> GenerationEngine<M> {
             ));
         }
         if self.running() > self.config.slots {
-            return Err(format!("{} running > {} slots", self.running(), self.config.slots));
+            return Err(format!(
+                "{} running > {} slots",
+                self.running(),
+                self.config.slots
+            ));
         }
         Ok(())
     }
@@ -318,7 +324,11 @@ impl<M: StepModel> GenerationEngine<M> {
             return Err(Status::BadParam);
         }
         if r.param == 0 || r.param > MAX_NEW_TOKENS {
-            tracing::debug!(stream = r.stream.0, param = r.param, "generate: bad max tokens");
+            tracing::debug!(
+                stream = r.stream.0,
+                param = r.param,
+                "generate: bad max tokens"
+            );
             return Err(Status::BadParam);
         }
         if r.flags & !FLAG_IGNORE_EOS != 0 {
@@ -538,7 +548,11 @@ impl<M: StepModel> GenerationEngine<M> {
                 continue; // a prefill chunk that did not reach the prompt's end
             }
             if next as usize >= self.vocab {
-                tracing::error!(stream = s.stream.0, token = next, "model sampled outside vocab");
+                tracing::error!(
+                    stream = s.stream.0,
+                    token = next,
+                    "model sampled outside vocab"
+                );
                 self.finish(i, End::bare(Status::Internal), false);
                 continue;
             }

@@ -124,7 +124,9 @@ pub enum PolicyError {
 impl fmt::Display for PolicyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            PolicyError::Limits => "step policy: block_size, max_batched_tokens or max_running is 0",
+            PolicyError::Limits => {
+                "step policy: block_size, max_batched_tokens or max_running is 0"
+            }
             PolicyError::State => "step policy: a sequence has an unknown state",
             PolicyError::Reserve => {
                 "step policy: a sequence holds or needs more than its KV reservation"
