@@ -235,11 +235,21 @@ struct Pending {
 enum Fault {
     None,
     /// A token frame with other than one word.
-    TokenWords { seq: u32, words: u32 },
+    TokenWords {
+        seq: u32,
+        words: u32,
+    },
     /// A token frame out of sequence.
-    Seq { got: u32, want: u32 },
+    Seq {
+        got: u32,
+        want: u32,
+    },
     /// A token that differs from the golden one (`want` None: past the golden stream's end).
-    Token { seq: u32, got: u32, want: Option<u32> },
+    Token {
+        seq: u32,
+        got: u32,
+        want: Option<u32>,
+    },
 }
 
 impl Fault {
@@ -886,7 +896,13 @@ impl Conn {
                                     break;
                                 }
                                 let mut fin = false;
-                                q.http_frames(stats, &avail[head.head_len..end], &mut fin, now, conn)?;
+                                q.http_frames(
+                                    stats,
+                                    &avail[head.head_len..end],
+                                    &mut fin,
+                                    now,
+                                    conn,
+                                )?;
                                 io.in_start += end;
                                 q.end_http(stats, head.status, fin, now, conn)?;
                             }

@@ -162,6 +162,10 @@ impl Collect {
                 Ok(Some(Ended::Done([r.words[0], r.words[1]])))
             }
             Some(Status::Busy) if self.tokens.is_empty() => Ok(Some(Ended::Busy)),
+            Some(Status::UnknownOp) if self.tokens.is_empty() => bail!(
+                "the server does not serve generate (status {})",
+                status_name(h.status)
+            ),
             _ => bail!(
                 "status {} after {} token(s)",
                 status_name(h.status),
@@ -304,7 +308,10 @@ mod tests {
             ..g
         }
         .header(7, 3);
-        assert_eq!((h.op, h.request_id, h.words, h.param, h.flags), (3, 7, 3, 64, 1));
+        assert_eq!(
+            (h.op, h.request_id, h.words, h.param, h.flags),
+            (3, 7, 3, 64, 1)
+        );
         for bad in [
             GenerateConfig {
                 prompt_tokens: 0,
@@ -314,10 +321,7 @@ mod tests {
                 prompt_tokens: 257,
                 ..g
             },
-            GenerateConfig {
-                max_tokens: 0,
-                ..g
-            },
+            GenerateConfig { max_tokens: 0, ..g },
             GenerateConfig {
                 max_tokens: 4097,
                 ..g

@@ -202,9 +202,9 @@ pub(crate) fn parse_chunk(b: &[u8]) -> Result<Option<Chunk>, String> {
     if size_hex.is_empty() || size_hex.len() > 8 || !size_hex.iter().all(u8::is_ascii_hexdigit) {
         return Err("bad chunk size".into());
     }
-    let size = size_hex
-        .iter()
-        .fold(0usize, |a, &d| a * 16 + (d as char).to_digit(16).unwrap_or(0) as usize);
+    let size = size_hex.iter().fold(0usize, |a, &d| {
+        a * 16 + (d as char).to_digit(16).unwrap_or(0) as usize
+    });
     let mut pos = eol + 2;
     if size == 0 {
         // Trailer fields, then an empty line.
@@ -325,6 +325,59 @@ mod tests {
         }
         let all: Vec<usize> = (1..data.len()).collect();
         assert_eq!(feed(&data, &all), expect);
+    }
+
+    /// A chunked stream parsed chunk by chunk as bytes trickle in: every split gives the same
+    /// chunks, each reported as soon as it is complete.
+    #[test]
+    fn chunks_parse_incrementally() {
+        let mut body = Vec::new();
+        let frames: Vec<Vec<u8>> = (0..3u32)
+            .map(|i| {
+                let mut f = Vec::new();
+                encode_reply(&mut f, Status::Token, 9, i, &[100 + i]);
+                f
+            })
+            .collect();
+        for f in &frames {
+            http_chunk(&mut body, f);
+        }
+        body.extend_from_slice(b"0\r\nX-Trailer: 1\r\n\r\n");
+        for cut in 0..=body.len() {
+            let mut got = Vec::new();
+            let mut pos = 0;
+            let mut last = false;
+            for avail in [cut, body.len()] {
+                while !last {
+                    let Some(c) = parse_chunk(&body[pos..avail]).unwrap() else {
+                        break;
+                    };
+                    assert!(pos + c.consumed <= avail);
+                    if c.last {
+                        last = true;
+                    } else {
+                        got.push(body[pos + c.data.start..pos + c.data.end].to_vec());
+                    }
+                    pos += c.consumed;
+                }
+            }
+            assert!(last && pos == body.len(), "cut {cut}");
+            assert_eq!(got, frames, "cut {cut}");
+        }
+        assert!(parse_chunk(b"g\r\n").is_err());
+        assert!(parse_chunk(b"2\r\nabcd").is_err());
+        assert_eq!(parse_chunk(b"2\r\nab"), Ok(None));
+        let h = parse_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!((h.status, h.close, h.body), (200, false, BodyKind::Chunked));
+        let h = parse_head(b"HTTP/1.1 503 X\r\nContent-Length: 24\r\nConnection: close\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (h.status, h.close, h.body),
+            (503, true, BodyKind::Length(24))
+        );
     }
 
     #[test]

@@ -64,7 +64,9 @@ pub fn make_prompt(seed: u64, index: usize, tokens: u32, range: u32) -> Vec<u32>
             .wrapping_mul(0xD1B5_4A32_D192_ED03),
     );
     let range = u64::from(range.max(1));
-    (0..tokens).map(|_| (rng.next_u64() % range) as u32).collect()
+    (0..tokens)
+        .map(|_| (rng.next_u64() % range) as u32)
+        .collect()
 }
 
 /// The f64 reference result of `op` on `payload`, or an empty vector for ops without a

@@ -265,11 +265,7 @@ impl fmt::Display for LoadReport {
             writeln!(
                 out,
                 "  tokens    {} received, {:.1}/s  (golden streams: {} tokens, {}..{} per prompt)",
-                g.tokens,
-                g.tokens_per_s,
-                g.golden_tokens,
-                g.golden_min_tokens,
-                g.golden_max_tokens
+                g.tokens, g.tokens_per_s, g.golden_tokens, g.golden_min_tokens, g.golden_max_tokens
             )?;
             let line = |name: &str, l: &Option<Latency>| match l {
                 Some(l) => format!(

@@ -52,9 +52,15 @@ struct Behaviour {
 
 /// What a stream will send.
 enum Plan {
-    Tokens { tokens: Vec<u32>, fin: [u32; 2] },
+    Tokens {
+        tokens: Vec<u32>,
+        fin: [u32; 2],
+    },
     /// The final status after `after` tokens.
-    Fail { status: Status, after: u32 },
+    Fail {
+        status: Status,
+        after: u32,
+    },
 }
 
 struct Stream {
@@ -432,7 +438,10 @@ fn server_without_generate_fails_the_golden_pass() {
     });
     let e = run(&cfg(addr, false, GenerateConfig::default())).unwrap_err();
     let msg = format!("{e:#}");
-    assert!(msg.contains("prompt 0") && msg.contains("UnknownOp"), "{msg}");
+    assert!(
+        msg.contains("prompt 0") && msg.contains("UnknownOp"),
+        "{msg}"
+    );
 }
 
 #[test]
