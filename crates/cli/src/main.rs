@@ -155,7 +155,10 @@ impl LoadArgs {
         };
         if self.op == LoadOp::Generate {
             if !(1..=bgs_load::MAX_PROMPT_TOKENS).contains(&self.prompt_tokens) {
-                bail!("--prompt-tokens must be 1..={}", bgs_load::MAX_PROMPT_TOKENS);
+                bail!(
+                    "--prompt-tokens must be 1..={}",
+                    bgs_load::MAX_PROMPT_TOKENS
+                );
             }
             if !(1..=bgs_load::MAX_NEW_TOKENS).contains(&self.max_tokens) {
                 bail!("--max-tokens must be 1..={}", bgs_load::MAX_NEW_TOKENS);
