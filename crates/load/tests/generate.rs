@@ -304,9 +304,16 @@ fn clean_run(http: bool, ignore_eos: bool) {
         token_range: 256,
     };
     let addr = server(Behaviour::default());
-    let r = run(&cfg(addr, http, g)).unwrap();
+    // Two I/O threads once, to cover merging the per-thread generation statistics.
+    let threads = if ignore_eos && !http { 2 } else { 1 };
+    let r = run(&LoadConfig {
+        threads,
+        ..cfg(addr, http, g)
+    })
+    .unwrap();
     assert_adds_up(&r);
     assert!(r.is_clean(), "{r}");
+    assert_eq!(r.config.threads, threads);
     assert_eq!((r.scheduled, r.warmup_scheduled), (300, 100));
     assert_eq!(r.counts.ok, 300, "{r}");
     let gr = r.generate.as_ref().unwrap();
