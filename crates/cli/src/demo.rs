@@ -188,6 +188,7 @@ fn run_one(args: &DemoArgs, addr: SocketAddr, pid: u32, op: Op, repeat: u32) -> 
         server_pid: Some(pid),
         progress: false,
         threads: 1,
+        generate: Default::default(),
     };
     bgs_load::run(&cfg).with_context(|| format!("{} r={repeat} run", op.name()))
 }

@@ -42,6 +42,9 @@ pub enum LoadOp {
     Gemm8,
     /// 32-point complex FFT.
     Fft32,
+    /// LLM generation: streamed tokens, replayed token by token (`--prompt-tokens`,
+    /// `--max-tokens`, `--ignore-eos`, `--token-range`, `--prompts`).
+    Generate,
 }
 
 impl LoadOp {
@@ -50,6 +53,7 @@ impl LoadOp {
             LoadOp::Echo => bgs_protocol::Op::Echo,
             LoadOp::Gemm8 => bgs_protocol::Op::Gemm8,
             LoadOp::Fft32 => bgs_protocol::Op::Fft32,
+            LoadOp::Generate => bgs_protocol::Op::Generate,
         }
     }
 }
@@ -92,9 +96,21 @@ pub struct LoadArgs {
     /// Seconds after which an unanswered request counts as timed out.
     #[arg(long, default_value_t = 10.0)]
     timeout: f64,
-    /// Distinct payloads (each checked against its golden reply).
-    #[arg(long, default_value_t = 64)]
+    /// Distinct payloads, or prompts for generate (each checked against its golden reply).
+    #[arg(long, visible_alias = "prompts", default_value_t = 64)]
     distinct: usize,
+    /// Generate: prompt tokens per request (1..=256).
+    #[arg(long, default_value_t = 16)]
+    prompt_tokens: u32,
+    /// Generate: max new tokens per request (1..=4096).
+    #[arg(long, default_value_t = 64)]
+    max_tokens: u32,
+    /// Generate: set flag bit 0, so generation runs to --max-tokens past EOS tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Generate: prompt token ids are drawn from 0..R (every served model has at least 256).
+    #[arg(long, default_value_t = 256)]
+    token_range: u32,
     /// Seed for payload generation.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -123,11 +139,33 @@ impl LoadArgs {
         if !(self.rate.is_finite() && self.rate > 0.0) {
             bail!("--rate must be a positive number of requests per second");
         }
-        if self.op != LoadOp::Echo && !(1..=bgs_protocol::MAX_REPEAT).contains(&self.repeat) {
+        if matches!(self.op, LoadOp::Gemm8 | LoadOp::Fft32)
+            && !(1..=bgs_protocol::MAX_REPEAT).contains(&self.repeat)
+        {
             bail!("--repeat must be 1..=256");
         }
         if self.connections == 0 || self.pipeline == 0 || self.threads == 0 {
             bail!("--connections, --pipeline and --threads must be at least 1");
+        }
+        let generate = bgs_load::GenerateConfig {
+            prompt_tokens: self.prompt_tokens,
+            max_tokens: self.max_tokens,
+            ignore_eos: self.ignore_eos,
+            token_range: self.token_range,
+        };
+        if self.op == LoadOp::Generate {
+            if !(1..=bgs_load::MAX_PROMPT_TOKENS).contains(&self.prompt_tokens) {
+                bail!(
+                    "--prompt-tokens must be 1..={}",
+                    bgs_load::MAX_PROMPT_TOKENS
+                );
+            }
+            if !(1..=bgs_load::MAX_NEW_TOKENS).contains(&self.max_tokens) {
+                bail!("--max-tokens must be 1..={}", bgs_load::MAX_NEW_TOKENS);
+            }
+            if self.token_range == 0 {
+                bail!("--token-range must be at least 1");
+            }
         }
         Ok(bgs_load::LoadConfig {
             target: self.target,
@@ -147,6 +185,7 @@ impl LoadArgs {
             server_pid: self.server_pid,
             progress,
             threads: self.threads,
+            generate,
         })
     }
 }

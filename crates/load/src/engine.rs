@@ -21,7 +21,8 @@ use rustix::time::{
 use serde::Serialize;
 
 use crate::client::MAX_REPLY_WORDS;
-use crate::http::parse_response;
+use crate::generate::{GoldenStream, status_name};
+use crate::http::{BodyKind, parse_chunk, parse_head, parse_response};
 
 /// How long before a send is due the thread stops sleeping and polls instead, at first. The
 /// margin then adapts to the measured timer wake-up lateness (deep idle states in a VM can add
@@ -55,8 +56,66 @@ pub(crate) struct Plan {
     pub requests: Vec<Vec<u8>>,
     /// Offset of the request id inside each encoded request.
     pub id_offset: usize,
-    /// Golden reply payload bytes per payload.
+    /// Golden reply payload bytes per payload (one-shot ops).
     pub golden: Vec<Vec<u8>>,
+    /// Generation streams (op generate): replies are streams checked token by token.
+    pub streams: Option<GenPlan>,
+}
+
+/// What the threads need for generation streams.
+#[derive(Debug)]
+pub(crate) struct GenPlan {
+    /// The golden stream per prompt.
+    pub golden: Vec<GoldenStream>,
+    /// Measured requests scheduled before this time make up the first window.
+    pub first_window_end_ns: u64,
+    /// Measured requests scheduled at or after this time make up the last window.
+    pub last_window_start_ns: u64,
+}
+
+/// Final statuses are counted per wire value below this; the last slot takes the rest.
+pub(crate) const STATUS_SLOTS: usize = 32;
+
+/// Generation measurements of one thread (measured requests only).
+#[derive(Debug)]
+pub(crate) struct GenStats {
+    /// Time to first token, ns from the scheduled send time.
+    pub ttft: Histogram<u64>,
+    /// Gaps between consecutive token frames of a stream, ns.
+    pub gap: Histogram<u64>,
+    /// Time to first token of requests in the first window.
+    pub ttft_first: Histogram<u64>,
+    /// Time to first token of requests in the last window.
+    pub ttft_last: Histogram<u64>,
+    /// Token frames received.
+    pub tokens: u64,
+    /// Final frames by status (index = wire status, the last slot: any larger value).
+    pub final_status: [u64; STATUS_SLOTS],
+}
+
+impl GenStats {
+    pub(crate) fn new() -> io::Result<GenStats> {
+        Ok(GenStats {
+            ttft: new_histogram()?,
+            gap: new_histogram()?,
+            ttft_first: new_histogram()?,
+            ttft_last: new_histogram()?,
+            tokens: 0,
+            final_status: [0; STATUS_SLOTS],
+        })
+    }
+
+    pub(crate) fn add(&mut self, o: &GenStats) -> Result<(), hdrhistogram::AdditionError> {
+        self.ttft.add(&o.ttft)?;
+        self.gap.add(&o.gap)?;
+        self.ttft_first.add(&o.ttft_first)?;
+        self.ttft_last.add(&o.ttft_last)?;
+        self.tokens += o.tokens;
+        for (a, b) in self.final_status.iter_mut().zip(o.final_status) {
+            *a += b;
+        }
+        Ok(())
+    }
 }
 
 impl Plan {
@@ -74,6 +133,7 @@ enum Class {
     Error,
     TimedOut,
     ConnFailed,
+    Cancelled,
 }
 
 /// Requests by outcome.
@@ -91,12 +151,14 @@ pub struct Counts {
     pub timed_out: u64,
     /// The connection broke before the reply.
     pub conn_failed: u64,
+    /// A generation stream ended with status 24 (cancelled) although its connection was open.
+    pub cancelled: u64,
 }
 
 impl Counts {
-    /// wrong + error + timed_out + conn_failed.
+    /// wrong + error + timed_out + conn_failed + cancelled.
     pub fn failures(&self) -> u64 {
-        self.wrong + self.error + self.timed_out + self.conn_failed
+        self.wrong + self.error + self.timed_out + self.conn_failed + self.cancelled
     }
 
     /// Every classified request.
@@ -112,6 +174,7 @@ impl Counts {
             Class::Error => self.error += 1,
             Class::TimedOut => self.timed_out += 1,
             Class::ConnFailed => self.conn_failed += 1,
+            Class::Cancelled => self.cancelled += 1,
         }
     }
 
@@ -122,6 +185,7 @@ impl Counts {
         self.error += o.error;
         self.timed_out += o.timed_out;
         self.conn_failed += o.conn_failed;
+        self.cancelled += o.cancelled;
     }
 }
 
@@ -145,6 +209,8 @@ pub(crate) struct ThreadResult {
     pub late_replies: u64,
     /// Descriptions of the first failures.
     pub samples: Vec<String>,
+    /// Generation measurements (op generate).
+    pub streams: Option<GenStats>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -155,6 +221,57 @@ struct Pending {
     payload: u32,
     /// Already classified as timed out; the reply may still come and is then skipped.
     timed_out: bool,
+    /// Generation: token frames received so far.
+    tokens: u32,
+    /// Generation: arrival time of the last token frame.
+    last_ns: u64,
+    /// Generation: the first way the stream departed from its golden stream.
+    fault: Fault,
+}
+
+/// The first departure of a stream from its golden stream; the stream is judged wrong at its
+/// end-of-stream frame (kept small and `Copy` so the token path never allocates).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    None,
+    /// A token frame with other than one word.
+    TokenWords {
+        seq: u32,
+        words: u32,
+    },
+    /// A token frame out of sequence.
+    Seq {
+        got: u32,
+        want: u32,
+    },
+    /// A token that differs from the golden one (`want` None: past the golden stream's end).
+    Token {
+        seq: u32,
+        got: u32,
+        want: Option<u32>,
+    },
+}
+
+impl Fault {
+    fn describe(self, prompt: u32) -> String {
+        match self {
+            Fault::None => "no fault".into(),
+            Fault::TokenWords { seq, words } => format!("token frame {seq} carries {words} words"),
+            Fault::Seq { got, want } => format!("token frame seq {got} where {want} was due"),
+            Fault::Token {
+                seq,
+                got,
+                want: Some(w),
+            } => format!("token {seq} is {got}, the golden stream of prompt {prompt} has {w}"),
+            Fault::Token {
+                seq,
+                got,
+                want: None,
+            } => format!(
+                "token {seq} ({got}) is past the end of the golden stream of prompt {prompt}"
+            ),
+        }
+    }
 }
 
 /// Counters and histogram of a thread (kept apart from the connections for borrowing).
@@ -239,8 +356,25 @@ struct Io {
     in_end: usize,
     /// HTTP body scratch, reused.
     body: Vec<u8>,
+    /// Where an HTTP generation stream's parser stands.
+    rx: HttpRx,
     writable: bool,
     dirty: bool,
+}
+
+/// Incremental HTTP parsing of streamed responses: each chunk is handled as it arrives, so
+/// token frames are timed on arrival rather than at the end of the response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HttpRx {
+    /// Waiting for a response head.
+    Head,
+    /// Inside a chunked body.
+    Chunks {
+        status: u16,
+        close: bool,
+        /// The final frame of the response's request has been handled.
+        final_seen: bool,
+    },
 }
 
 /// Request queues of a connection, all ordered by scheduled time.
@@ -354,6 +488,220 @@ impl Queues {
             s => (Class::Error, Some(format!("HTTP status {s}"))),
         };
         stats.classify(&p, class, now, conn, || why.unwrap_or_default());
+        Ok(())
+    }
+
+    /// A frame of the generation stream `inflight[j]`; true when it was the stream's final frame
+    /// (the stream is then classified and removed). Allocation-free for token frames.
+    fn on_stream_frame(
+        &mut self,
+        stats: &mut Stats<'_>,
+        j: usize,
+        h: &ReplyHeader,
+        payload: &[u8],
+        now: u64,
+        conn: usize,
+    ) -> bool {
+        let plan = stats.plan;
+        let gp = plan.streams.as_ref().expect("generation plan");
+        if h.status == Status::Token as u16 {
+            let p = &mut self.inflight[j];
+            if p.timed_out {
+                return false;
+            }
+            if p.fault == Fault::None {
+                p.fault = if h.words != 1 {
+                    Fault::TokenWords {
+                        seq: h.seq,
+                        words: h.words,
+                    }
+                } else if h.seq != p.tokens {
+                    Fault::Seq {
+                        got: h.seq,
+                        want: p.tokens,
+                    }
+                } else {
+                    let got = u32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    match gp.golden[p.payload as usize].tokens.get(p.tokens as usize) {
+                        Some(&w) if w == got => Fault::None,
+                        want => Fault::Token {
+                            seq: p.tokens,
+                            got,
+                            want: want.copied(),
+                        },
+                    }
+                };
+            }
+            if p.k >= plan.warmup_end {
+                let gs = stats.r.streams.as_mut().expect("generation stats");
+                gs.tokens += 1;
+                // Timing of streams that stay on their golden path only.
+                if p.fault == Fault::None {
+                    if p.tokens == 0 {
+                        let ttft = now.saturating_sub(p.sched_ns).max(1);
+                        gs.ttft.saturating_record(ttft);
+                        if p.sched_ns < gp.first_window_end_ns {
+                            gs.ttft_first.saturating_record(ttft);
+                        }
+                        if p.sched_ns >= gp.last_window_start_ns {
+                            gs.ttft_last.saturating_record(ttft);
+                        }
+                    } else {
+                        gs.gap
+                            .saturating_record(now.saturating_sub(p.last_ns).max(1));
+                    }
+                }
+            }
+            p.tokens += 1;
+            p.last_ns = now;
+            return false;
+        }
+        let p = self.inflight.remove(j).expect("index in range");
+        if p.timed_out {
+            stats.r.late_replies += 1;
+            return true;
+        }
+        if p.k >= plan.warmup_end {
+            let gs = stats.r.streams.as_mut().expect("generation stats");
+            gs.final_status[(h.status as usize).min(STATUS_SLOTS - 1)] += 1;
+        }
+        let g = &gp.golden[p.payload as usize];
+        let (class, why) = match Status::from_u16(h.status) {
+            Some(Status::EndOfStream) => {
+                if p.fault != Fault::None {
+                    (Class::Wrong, Some(p.fault.describe(p.payload)))
+                } else if h.words != 2 || h.seq != p.tokens {
+                    (
+                        Class::Wrong,
+                        Some(format!(
+                            "end-of-stream frame with {} words and seq {} after {} tokens",
+                            h.words, h.seq, p.tokens
+                        )),
+                    )
+                } else if p.tokens as usize != g.tokens.len() || payload != g.final_bytes {
+                    let got = [
+                        u32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]),
+                        u32::from_le_bytes([payload[4], payload[5], payload[6], payload[7]]),
+                    ];
+                    (
+                        Class::Wrong,
+                        Some(format!(
+                            "stream ended after {} tokens with [finish_reason, generated] = \
+                             {got:?}; the golden stream of prompt {} has {} tokens and {:?}",
+                            p.tokens,
+                            p.payload,
+                            g.tokens.len(),
+                            g.final_words()
+                        )),
+                    )
+                } else {
+                    (Class::Ok, None)
+                }
+            }
+            Some(Status::Busy) if p.tokens == 0 => (Class::Busy, None),
+            Some(Status::Cancelled) => (
+                Class::Cancelled,
+                Some(format!("cancelled after {} tokens", p.tokens)),
+            ),
+            Some(Status::Ok) => (
+                Class::Wrong,
+                Some("status ok (0) is not a generation stream frame".into()),
+            ),
+            _ => (
+                Class::Error,
+                Some(format!(
+                    "status {} after {} tokens",
+                    status_name(h.status),
+                    p.tokens
+                )),
+            ),
+        };
+        stats.classify(&p, class, now, conn, || why.unwrap_or_default());
+        true
+    }
+
+    /// The frames of an HTTP chunk (or Content-Length body) of a generation stream: whole
+    /// frames of the oldest request in flight. `Err` means the stream can no longer be trusted.
+    fn http_frames(
+        &mut self,
+        stats: &mut Stats<'_>,
+        mut rest: &[u8],
+        final_seen: &mut bool,
+        now: u64,
+        conn: usize,
+    ) -> Result<(), String> {
+        while !rest.is_empty() {
+            if rest.len() < HEADER_LEN {
+                return Err("HTTP chunk or body holds a partial frame".into());
+            }
+            let h = ReplyHeader::decode(rest);
+            if h.magic != REPLY_MAGIC || h.version != VERSION {
+                return Err("HTTP chunk or body is not a reply frame".into());
+            }
+            if h.words > MAX_REPLY_WORDS {
+                return Err(format!("reply header claims {} words", h.words));
+            }
+            let len = HEADER_LEN + h.words as usize * 4;
+            if rest.len() < len {
+                return Err("HTTP chunk or body holds a partial frame".into());
+            }
+            if *final_seen {
+                return Err("frame after the final frame of an HTTP response".into());
+            }
+            let Some(front) = self.inflight.front() else {
+                return Err("HTTP response frames with no request outstanding".into());
+            };
+            if front.id != h.request_id {
+                return Err(format!(
+                    "frame for request id {} in the response to request id {}",
+                    h.request_id, front.id
+                ));
+            }
+            if self.on_stream_frame(stats, 0, &h, &rest[HEADER_LEN..len], now, conn) {
+                *final_seen = true;
+            }
+            rest = &rest[len..];
+        }
+        Ok(())
+    }
+
+    /// An HTTP response of a generation stream is complete. If no final frame came, its
+    /// request is judged by the HTTP status alone.
+    fn end_http(
+        &mut self,
+        stats: &mut Stats<'_>,
+        status: u16,
+        final_seen: bool,
+        now: u64,
+        conn: usize,
+    ) -> Result<(), String> {
+        if final_seen {
+            return Ok(());
+        }
+        let Some(p) = self.inflight.pop_front() else {
+            return Err(format!(
+                "HTTP {status} response with no request outstanding"
+            ));
+        };
+        if p.timed_out {
+            stats.r.late_replies += 1;
+            return Ok(());
+        }
+        let (class, why) = match status {
+            503 if p.tokens == 0 => (Class::Busy, String::new()),
+            200 => (
+                Class::Wrong,
+                format!(
+                    "HTTP 200 response ended without a final frame after {} tokens",
+                    p.tokens
+                ),
+            ),
+            s => (
+                Class::Error,
+                format!("HTTP status {s} without a final frame"),
+            ),
+        };
+        stats.classify(&p, class, now, conn, || why);
         Ok(())
     }
 
@@ -535,7 +883,78 @@ impl Conn {
         let conn = *index;
         loop {
             let avail = &io.inb[io.in_start..io.in_end];
-            if stats.plan.http {
+            if stats.plan.http && stats.plan.streams.is_some() {
+                match io.rx {
+                    HttpRx::Head => {
+                        let Some(head) = parse_head(avail)? else {
+                            break;
+                        };
+                        match head.body {
+                            BodyKind::Length(n) => {
+                                let end = head.head_len + n;
+                                if avail.len() < end {
+                                    break;
+                                }
+                                let mut fin = false;
+                                q.http_frames(
+                                    stats,
+                                    &avail[head.head_len..end],
+                                    &mut fin,
+                                    now,
+                                    conn,
+                                )?;
+                                io.in_start += end;
+                                q.end_http(stats, head.status, fin, now, conn)?;
+                            }
+                            BodyKind::Chunked => {
+                                io.in_start += head.head_len;
+                                io.rx = HttpRx::Chunks {
+                                    status: head.status,
+                                    close: head.close,
+                                    final_seen: false,
+                                };
+                                continue;
+                            }
+                        }
+                        if head.close {
+                            io.in_start = io.in_end;
+                            io.stream = None;
+                            let why = "server closed the connection (Connection: close)";
+                            q.fail_all(stats, now, conn, None, why);
+                            break;
+                        }
+                    }
+                    HttpRx::Chunks {
+                        status,
+                        close,
+                        mut final_seen,
+                    } => {
+                        let Some(c) = parse_chunk(avail)? else {
+                            break;
+                        };
+                        if !c.last {
+                            q.http_frames(stats, &avail[c.data], &mut final_seen, now, conn)?;
+                            io.in_start += c.consumed;
+                            io.rx = HttpRx::Chunks {
+                                status,
+                                close,
+                                final_seen,
+                            };
+                            continue;
+                        }
+                        io.in_start += c.consumed;
+                        io.rx = HttpRx::Head;
+                        q.end_http(stats, status, final_seen, now, conn)?;
+                        if close {
+                            io.in_start = io.in_end;
+                            io.stream = None;
+                            let why = "server closed the connection (Connection: close)";
+                            q.fail_all(stats, now, conn, None, why);
+                            break;
+                        }
+                    }
+                }
+            } else if stats.plan.http {
                 let Some(r) = parse_response(avail, &mut io.body)? else {
                     break;
                 };
@@ -567,7 +986,16 @@ impl Conn {
                 if avail.len() < len {
                     break;
                 }
-                q.on_frame(stats, &h, &avail[HEADER_LEN..len], now, conn)?;
+                if stats.plan.streams.is_some() {
+                    // Streams on one connection run concurrently: frames are matched by id.
+                    let id = h.request_id;
+                    let Some(j) = q.inflight.iter().position(|p| p.id == id) else {
+                        return Err(format!("stream frame with unexpected request id {id}"));
+                    };
+                    q.on_stream_frame(stats, j, &h, &avail[HEADER_LEN..len], now, conn);
+                } else {
+                    q.on_frame(stats, &h, &avail[HEADER_LEN..len], now, conn)?;
+                }
                 io.in_start += len;
             }
         }
@@ -624,6 +1052,7 @@ pub(crate) fn run_thread(
                 in_start: 0,
                 in_end: 0,
                 body: Vec::with_capacity(1024),
+                rx: HttpRx::Head,
                 writable: true,
                 dirty: false,
             },
@@ -643,6 +1072,10 @@ pub(crate) fn run_thread(
             last_done_ns: 0,
             late_replies: 0,
             samples: Vec::new(),
+            streams: match plan.streams {
+                Some(_) => Some(GenStats::new()?),
+                None => None,
+            },
         },
         outstanding: 0,
         completed: 0,
@@ -684,6 +1117,9 @@ pub(crate) fn run_thread(
                 id: k as u32,
                 payload: (k % plan.requests.len() as u64) as u32,
                 timed_out: false,
+                tokens: 0,
+                last_ns: 0,
+                fault: Fault::None,
             };
             stats.outstanding += 1;
             let conn = &mut conns[local];

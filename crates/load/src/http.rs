@@ -31,9 +31,30 @@ fn trim(s: &[u8]) -> &[u8] {
     s.trim_ascii()
 }
 
-/// Parse one response from the front of `buf`. `Ok(None)`: incomplete. On `Ok(Some)`, `body`
-/// holds the body (chunks concatenated); otherwise its contents are unspecified.
-pub(crate) fn parse_response(buf: &[u8], body: &mut Vec<u8>) -> Result<Option<Parsed>, String> {
+/// How the body of a response is delimited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BodyKind {
+    /// `Content-Length` (0 when the response has neither length nor chunking).
+    Length(usize),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+}
+
+/// A complete response head at the front of the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Head {
+    /// Bytes of the head including the blank line.
+    pub head_len: usize,
+    /// Status code.
+    pub status: u16,
+    /// The server will close the connection after this response.
+    pub close: bool,
+    /// How the body is delimited.
+    pub body: BodyKind,
+}
+
+/// Parse the head of the response at the front of `buf`. `Ok(None)`: incomplete.
+pub(crate) fn parse_head(buf: &[u8]) -> Result<Option<Head>, String> {
     let window = &buf[..buf.len().min(MAX_HEAD)];
     let Some(end) = find(window, b"\r\n\r\n") else {
         if buf.len() >= MAX_HEAD {
@@ -96,76 +117,127 @@ pub(crate) fn parse_response(buf: &[u8], body: &mut Vec<u8>) -> Result<Option<Pa
             }
         }
     }
-    body.clear();
-    let consumed = if chunked {
-        match parse_chunked(&buf[head_len..], body)? {
-            Some(n) => head_len + n,
-            None => return Ok(None),
-        }
+    let body = if chunked {
+        BodyKind::Chunked
     } else {
         // No length at all: only bodiless responses are possible on a pipelined connection.
         let len = content_length.unwrap_or(0);
         if len > MAX_BODY {
             return Err("HTTP body too large".into());
         }
-        if buf.len() < head_len + len {
-            return Ok(None);
+        BodyKind::Length(len)
+    };
+    Ok(Some(Head {
+        head_len,
+        status,
+        close,
+        body,
+    }))
+}
+
+/// Parse one response from the front of `buf`. `Ok(None)`: incomplete. On `Ok(Some)`, `body`
+/// holds the body (chunks concatenated); otherwise its contents are unspecified.
+pub(crate) fn parse_response(buf: &[u8], body: &mut Vec<u8>) -> Result<Option<Parsed>, String> {
+    let Some(head) = parse_head(buf)? else {
+        return Ok(None);
+    };
+    let head_len = head.head_len;
+    body.clear();
+    let consumed = match head.body {
+        BodyKind::Chunked => {
+            let mut pos = head_len;
+            loop {
+                let Some(c) = parse_chunk(&buf[pos..])? else {
+                    return Ok(None);
+                };
+                if c.last {
+                    break pos + c.consumed;
+                }
+                if body.len() + c.data.len() > MAX_BODY {
+                    return Err("HTTP body too large".into());
+                }
+                body.extend_from_slice(&buf[pos + c.data.start..pos + c.data.end]);
+                pos += c.consumed;
+            }
         }
-        body.extend_from_slice(&buf[head_len..head_len + len]);
-        head_len + len
+        BodyKind::Length(len) => {
+            if buf.len() < head_len + len {
+                return Ok(None);
+            }
+            body.extend_from_slice(&buf[head_len..head_len + len]);
+            head_len + len
+        }
     };
     Ok(Some(Parsed {
         consumed,
         head_len,
-        status,
-        close,
+        status: head.status,
+        close: head.close,
     }))
 }
 
-/// Parse a chunked body; `Some(bytes consumed)` when the last chunk and trailers are complete.
-fn parse_chunked(b: &[u8], body: &mut Vec<u8>) -> Result<Option<usize>, String> {
-    let mut pos = 0;
-    loop {
-        let Some(eol) = find(&b[pos..], b"\r\n") else {
-            if b.len() - pos > 64 {
-                return Err("chunk size line too long".into());
-            }
-            return Ok(None);
-        };
-        let line = &b[pos..pos + eol];
-        // Chunk extensions (";name=value") are allowed and ignored.
-        let size_hex = trim(line.split(|&c| c == b';').next().unwrap_or_default());
-        if size_hex.is_empty() || size_hex.len() > 8 || !size_hex.iter().all(u8::is_ascii_hexdigit)
-        {
-            return Err("bad chunk size".into());
+/// One chunk of a chunked body, complete at the front of a buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    /// Bytes of the chunk: size line, data and CRLF (for the last chunk: the trailers too).
+    pub consumed: usize,
+    /// Where the data lies, relative to the front of the buffer (empty for the last chunk).
+    pub data: std::ops::Range<usize>,
+    /// The last (zero-size) chunk: the body, trailers included, is complete.
+    pub last: bool,
+}
+
+/// Parse the chunk at the front of `b` (a chunked body after the head, or after the chunks
+/// already consumed). `Ok(None)`: incomplete.
+pub(crate) fn parse_chunk(b: &[u8]) -> Result<Option<Chunk>, String> {
+    let Some(eol) = find(b, b"\r\n") else {
+        if b.len() > 64 {
+            return Err("chunk size line too long".into());
         }
-        let size = usize::from_str_radix(std::str::from_utf8(size_hex).unwrap_or("x"), 16)
-            .map_err(|_| "bad chunk size".to_string())?;
-        pos += eol + 2;
-        if size == 0 {
-            // Trailer fields, then an empty line.
-            loop {
-                let Some(eol) = find(&b[pos..], b"\r\n") else {
-                    return Ok(None);
-                };
-                pos += eol + 2;
-                if eol == 0 {
-                    return Ok(Some(pos));
-                }
-            }
-        }
-        if body.len() + size > MAX_BODY {
-            return Err("HTTP body too large".into());
-        }
-        if b.len() < pos + size + 2 {
-            return Ok(None);
-        }
-        if &b[pos + size..pos + size + 2] != b"\r\n" {
-            return Err("chunk data not followed by CRLF".into());
-        }
-        body.extend_from_slice(&b[pos..pos + size]);
-        pos += size + 2;
+        return Ok(None);
+    };
+    let line = &b[..eol];
+    // Chunk extensions (";name=value") are allowed and ignored.
+    let size_hex = trim(line.split(|&c| c == b';').next().unwrap_or_default());
+    if size_hex.is_empty() || size_hex.len() > 8 || !size_hex.iter().all(u8::is_ascii_hexdigit) {
+        return Err("bad chunk size".into());
     }
+    let size = size_hex.iter().fold(0usize, |a, &d| {
+        a * 16 + (d as char).to_digit(16).unwrap_or(0) as usize
+    });
+    let mut pos = eol + 2;
+    if size == 0 {
+        // Trailer fields, then an empty line.
+        loop {
+            let Some(eol) = find(&b[pos..], b"\r\n") else {
+                return Ok(None);
+            };
+            pos += eol + 2;
+            if eol == 0 {
+                return Ok(Some(Chunk {
+                    consumed: pos,
+                    data: pos..pos,
+                    last: true,
+                }));
+            }
+        }
+    }
+    if size > MAX_BODY {
+        return Err("HTTP body too large".into());
+    }
+    if b.len() < pos + size + 2 {
+        return Ok(None);
+    }
+    if &b[pos + size..pos + size + 2] != b"\r\n" {
+        return Err("chunk data not followed by CRLF".into());
+    }
+    let data = pos..pos + size;
+    pos += size + 2;
+    Ok(Some(Chunk {
+        consumed: pos,
+        data,
+        last: false,
+    }))
 }
 
 /// The header fields of a complete head (`head_len` bytes), for callers that want them.
@@ -253,6 +325,59 @@ mod tests {
         }
         let all: Vec<usize> = (1..data.len()).collect();
         assert_eq!(feed(&data, &all), expect);
+    }
+
+    /// A chunked stream parsed chunk by chunk as bytes trickle in: every split gives the same
+    /// chunks, each reported as soon as it is complete.
+    #[test]
+    fn chunks_parse_incrementally() {
+        let mut body = Vec::new();
+        let frames: Vec<Vec<u8>> = (0..3u32)
+            .map(|i| {
+                let mut f = Vec::new();
+                encode_reply(&mut f, Status::Token, 9, i, &[100 + i]);
+                f
+            })
+            .collect();
+        for f in &frames {
+            http_chunk(&mut body, f);
+        }
+        body.extend_from_slice(b"0\r\nX-Trailer: 1\r\n\r\n");
+        for cut in 0..=body.len() {
+            let mut got = Vec::new();
+            let mut pos = 0;
+            let mut last = false;
+            for avail in [cut, body.len()] {
+                while !last {
+                    let Some(c) = parse_chunk(&body[pos..avail]).unwrap() else {
+                        break;
+                    };
+                    assert!(pos + c.consumed <= avail);
+                    if c.last {
+                        last = true;
+                    } else {
+                        got.push(body[pos + c.data.start..pos + c.data.end].to_vec());
+                    }
+                    pos += c.consumed;
+                }
+            }
+            assert!(last && pos == body.len(), "cut {cut}");
+            assert_eq!(got, frames, "cut {cut}");
+        }
+        assert!(parse_chunk(b"g\r\n").is_err());
+        assert!(parse_chunk(b"2\r\nabcd").is_err());
+        assert_eq!(parse_chunk(b"2\r\nab"), Ok(None));
+        let h = parse_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!((h.status, h.close, h.body), (200, false, BodyKind::Chunked));
+        let h = parse_head(b"HTTP/1.1 503 X\r\nContent-Length: 24\r\nConnection: close\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (h.status, h.close, h.body),
+            (503, true, BodyKind::Length(24))
+        );
     }
 
     #[test]

@@ -2,14 +2,16 @@
 //!
 //! Open loop with send times fixed in advance (latency counts from the scheduled time, so a
 //! slow server cannot hide behind a slow client), exact replay checking of every reply against
-//! golden replies that were themselves checked against an independent f64 reference, and CPU
-//! accounting of the server, the host and the generator over the measured interval.
+//! golden replies that were themselves checked against an independent f64 reference (for
+//! generation: every token stream against the prompt's golden stream), and CPU accounting of
+//! the server, the host and the generator over the measured interval.
 //! `docs/load.md` explains the method; [`run`] is the entry point and [`client`] has blocking
 //! helpers for tests.
 
 pub mod client;
 pub mod discover;
 mod engine;
+mod generate;
 mod http;
 mod payload;
 pub mod report;
@@ -27,10 +29,11 @@ use bgs_protocol::{HEADER_LEN, MAX_REPEAT, Op, RequestHeader, Status};
 
 pub use client::{FrameClient, HttpResponse, Reply};
 pub use engine::Counts;
-pub use payload::{check_reference, golden_reference, make_payload, payload_words};
-pub use report::{Latency, LoadReport, ReportConfig};
+pub use generate::{FLAG_IGNORE_EOS, GenerateConfig, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS};
+pub use payload::{check_reference, golden_reference, make_payload, make_prompt, payload_words};
+pub use report::{GenerateReport, Latency, LoadReport, ReportConfig};
 
-use engine::{Plan, ThreadResult};
+use engine::{GenPlan, GenStats, Plan, STATUS_SLOTS, ThreadResult};
 use report::{HostCpuReport, ProcessCpuReport};
 
 /// What to run.
@@ -38,11 +41,11 @@ use report::{HostCpuReport, ProcessCpuReport};
 pub struct LoadConfig {
     /// Server address.
     pub target: SocketAddr,
-    /// Echo, Gemm8 or Fft32.
+    /// Echo, Gemm8, Fft32 or Generate.
     pub op: Op,
     /// Repeat count (request param) for gemm8/fft32.
     pub repeat: u32,
-    /// Payload words for echo; gemm8/fft32 always send 64.
+    /// Payload words for echo; gemm8/fft32 always send 64 (generate: see `generate`).
     pub words: u32,
     /// Offered requests per second, all connections together.
     pub rate: f64,
@@ -60,7 +63,7 @@ pub struct LoadConfig {
     pub http: bool,
     /// A request unanswered this long after its scheduled time is timed out.
     pub timeout: Duration,
-    /// Distinct payloads cycled through.
+    /// Distinct payloads (generate: prompts) cycled through.
     pub distinct_payloads: usize,
     /// Payload seed.
     pub seed: u64,
@@ -70,6 +73,8 @@ pub struct LoadConfig {
     pub progress: bool,
     /// Client I/O threads (connections are spread across them).
     pub threads: usize,
+    /// Prompt length, max new tokens and flags of generate requests (other ops ignore it).
+    pub generate: GenerateConfig,
 }
 
 impl Default for LoadConfig {
@@ -92,19 +97,21 @@ impl Default for LoadConfig {
             server_pid: None,
             progress: false,
             threads: 1,
+            generate: GenerateConfig::default(),
         }
     }
 }
 
 /// Largest echo payload the generator will send (the server's own limit is usually lower).
 const MAX_WORDS: u32 = 1 << 20;
+/// Length of the first and last windows of the run whose time to first token is reported
+/// apart (a queue that grows during the run shows as a later window's larger TTFT).
+const TTFT_WINDOW_NS: u64 = 10_000_000_000;
 
 fn validate(cfg: &LoadConfig) -> anyhow::Result<()> {
-    ensure!(
-        matches!(cfg.op, Op::Echo | Op::Gemm8 | Op::Fft32),
-        "op {} is not supported by the load generator",
-        cfg.op.name()
-    );
+    if cfg.op == Op::Generate {
+        cfg.generate.validate()?;
+    }
     ensure!(
         cfg.rate.is_finite() && cfg.rate > 0.0,
         "rate must be a positive number"
@@ -131,7 +138,11 @@ fn validate(cfg: &LoadConfig) -> anyhow::Result<()> {
 
 /// One request frame (id 0) for payload `words`.
 fn request_frame(cfg: &LoadConfig, id: u32, words: &[u32]) -> Vec<u8> {
-    let h = RequestHeader::new(cfg.op, id, words.len() as u32, cfg.repeat);
+    let h = if cfg.op == Op::Generate {
+        cfg.generate.header(id, words.len() as u32)
+    } else {
+        RequestHeader::new(cfg.op, id, words.len() as u32, cfg.repeat)
+    };
     let mut f = Vec::with_capacity(HEADER_LEN + words.len() * 4);
     encode_request(&mut f, &h, words);
     f
@@ -255,11 +266,21 @@ pub fn run(cfg: &LoadConfig) -> anyhow::Result<LoadReport> {
             "threads reduced to {threads}, one per connection at most"
         ));
     }
-    let words = payload_words(cfg.op, cfg.words);
-    let payloads: Vec<Vec<u32>> = (0..cfg.distinct_payloads)
-        .map(|i| make_payload(cfg.op, words, cfg.seed, i))
-        .collect();
-    let golden = golden_pass(cfg, &payloads)?;
+    let (payloads, golden, gen_golden) = if cfg.op == Op::Generate {
+        let g = &cfg.generate;
+        let prompts: Vec<Vec<u32>> = (0..cfg.distinct_payloads)
+            .map(|i| make_prompt(cfg.seed, i, g.prompt_tokens, g.token_range))
+            .collect();
+        let golden = generate::golden_pass(cfg.target, cfg.http, g, &prompts)?;
+        (prompts, Vec::new(), Some(golden))
+    } else {
+        let words = payload_words(cfg.op, cfg.words);
+        let payloads: Vec<Vec<u32>> = (0..cfg.distinct_payloads)
+            .map(|i| make_payload(cfg.op, words, cfg.seed, i))
+            .collect();
+        let golden = golden_pass(cfg, &payloads)?;
+        (payloads, golden, None)
+    };
 
     // Encoded requests with id 0; the engine patches the id in place for each send.
     let host = cfg.target.to_string();
@@ -322,6 +343,16 @@ pub fn run(cfg: &LoadConfig) -> anyhow::Result<LoadReport> {
         .map_or(0, |d| d.as_millis() as u64);
     // A little slack so every thread is in its loop before request 0 is due.
     let t0_ns = monotonic_ns() + 5_000_000;
+    let sched = |k: u64| t0_ns + (k as f64 * period_ns) as u64;
+    let gen_plan = gen_golden.map(|golden| {
+        let first = sched(warmup_end);
+        let last = sched(end.saturating_sub(1).max(warmup_end));
+        GenPlan {
+            golden,
+            first_window_end_ns: first + TTFT_WINDOW_NS,
+            last_window_start_ns: last.saturating_sub(TTFT_WINDOW_NS).max(first),
+        }
+    });
     let plan = Arc::new(Plan {
         connections: cfg.connections,
         threads,
@@ -335,6 +366,7 @@ pub fn run(cfg: &LoadConfig) -> anyhow::Result<LoadReport> {
         requests,
         id_offset,
         golden,
+        streams: gen_plan,
     });
 
     // Connection c goes to thread c % T, in order, so its local index is c / T.
@@ -443,6 +475,27 @@ pub fn run(cfg: &LoadConfig) -> anyhow::Result<LoadReport> {
     ))
 }
 
+/// The report key of final-status slot `i` (see [`engine::GenStats::final_status`]).
+fn status_key(i: usize) -> String {
+    let name = match Status::from_u16(i as u16) {
+        _ if i >= STATUS_SLOTS - 1 => "other",
+        Some(Status::Ok) => "ok",
+        Some(Status::Token) => "token",
+        Some(Status::EndOfStream) => "end_of_stream",
+        Some(Status::BadMagic) => "bad_magic",
+        Some(Status::BadVersion) => "bad_version",
+        Some(Status::UnknownOp) => "unknown_op",
+        Some(Status::PayloadTooLarge) => "payload_too_large",
+        Some(Status::BadParam) => "bad_param",
+        Some(Status::Busy) => "busy",
+        Some(Status::Internal) => "internal",
+        Some(Status::BadFlags) => "bad_flags",
+        Some(Status::Cancelled) => "cancelled",
+        None => return format!("status_{i}"),
+    };
+    name.into()
+}
+
 #[allow(clippy::too_many_arguments)]
 fn build_report(
     cfg: &LoadConfig,
@@ -462,7 +515,13 @@ fn build_report(
     let (mut request_bytes, mut reply_bytes, mut late) = (0, 0, 0);
     let (mut last_send, mut last_done) = (0u64, 0u64);
     let mut samples = Vec::new();
+    let mut gen_stats = plan.streams.as_ref().and_then(|_| GenStats::new().ok());
     for r in results {
+        if let (Some(g), Some(rg)) = (gen_stats.as_mut(), r.streams.as_ref())
+            && g.add(rg).is_err()
+        {
+            notes.push("generation histograms could not be merged".into());
+        }
         counts.add(&r.measured);
         warmup_counts.add(&r.warmup);
         if hist.add(&r.hist).is_err() || lag.add(&r.send_lag).is_err() {
@@ -506,12 +565,43 @@ fn build_report(
                 .into(),
         );
     }
+    let generate = match (gen_stats, &plan.streams) {
+        (Some(g), Some(gp)) => {
+            let lens = gp.golden.iter().map(|s| s.tokens.len() as u64);
+            let final_statuses = g
+                .final_status
+                .iter()
+                .enumerate()
+                .filter(|&(_, &n)| n > 0)
+                .map(|(i, &n)| (status_key(i), n))
+                .collect();
+            Some(GenerateReport {
+                prompts: gp.golden.len(),
+                golden_tokens: lens.clone().sum(),
+                golden_min_tokens: lens.clone().min().unwrap_or(0),
+                golden_max_tokens: lens.max().unwrap_or(0),
+                completed: ok,
+                tokens: g.tokens,
+                tokens_per_s: rate(g.tokens, measured_interval_ns),
+                ttft: Latency::from_histogram(&g.ttft),
+                inter_token: Latency::from_histogram(&g.gap),
+                ttft_first_10s: Latency::from_histogram(&g.ttft_first),
+                ttft_last_10s: Latency::from_histogram(&g.ttft_last),
+                final_statuses,
+            })
+        }
+        _ => None,
+    };
     LoadReport {
         config: ReportConfig {
             target: cfg.target.to_string(),
             op: cfg.op.name().into(),
             repeat: cfg.repeat,
-            words: payload_words(cfg.op, cfg.words),
+            words: if cfg.op == Op::Generate {
+                cfg.generate.prompt_tokens
+            } else {
+                payload_words(cfg.op, cfg.words)
+            },
             rate: cfg.rate,
             connections: cfg.connections,
             pipeline: cfg.pipeline,
@@ -523,6 +613,7 @@ fn build_report(
             distinct_payloads: cfg.distinct_payloads,
             seed: cfg.seed,
             threads,
+            generate: (cfg.op == Op::Generate).then_some(cfg.generate),
         },
         started_unix_ms,
         scheduled: measured,
@@ -542,6 +633,7 @@ fn build_report(
         reply_bytes,
         server_cpu,
         host_cpu,
+        generate,
         client_cpu,
         failure_samples: samples,
         notes,

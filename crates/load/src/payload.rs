@@ -54,6 +54,21 @@ pub fn make_payload(op: Op, words: u32, seed: u64, index: usize) -> Vec<u32> {
     }
 }
 
+/// The deterministic prompt number `index` of the set named by `seed`: `tokens` token ids drawn
+/// uniformly from `0..range` (`range` ≥ 1). Like [`make_payload`], each index has its own
+/// generator stream.
+pub fn make_prompt(seed: u64, index: usize, tokens: u32, range: u32) -> Vec<u32> {
+    let mut rng = SplitMix64::new(
+        seed ^ (index as u64)
+            .wrapping_add(1)
+            .wrapping_mul(0xD1B5_4A32_D192_ED03),
+    );
+    let range = u64::from(range.max(1));
+    (0..tokens)
+        .map(|_| (rng.next_u64() % range) as u32)
+        .collect()
+}
+
 /// The f64 reference result of `op` on `payload`, or an empty vector for ops without a
 /// numerical reference (echo is checked for exact equality instead).
 ///
@@ -173,6 +188,18 @@ mod tests {
         assert!(a.iter().all(|&w| (-1.0..1.0).contains(&f32::from_bits(w))));
         assert_eq!(make_payload(Op::Echo, 5, 1, 0).len(), 5);
         assert_eq!(make_payload(Op::Echo, 0, 1, 0).len(), 0);
+    }
+
+    #[test]
+    fn prompts_are_deterministic_and_in_range() {
+        let a = make_prompt(5, 2, 100, 7);
+        assert_eq!(a.len(), 100);
+        assert_eq!(a, make_prompt(5, 2, 100, 7));
+        assert_ne!(a, make_prompt(5, 3, 100, 7));
+        assert!(a.iter().all(|&t| t < 7));
+        // Every value of a small range shows up in a long prompt.
+        assert!((0..7).all(|v| a.contains(&v)));
+        assert!(make_prompt(1, 0, 50, 1).iter().all(|&t| t == 0));
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! The report of a run: JSON via serde, a compact table via `Display`.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use bgs_cpuacct::{HostDelta, HostPerRequest, ProcessDelta, ProcessPerRequest};
 use serde::Serialize;
 
 pub use crate::engine::Counts;
+use crate::generate::GenerateConfig;
 
 /// The configuration a report was produced with.
 #[derive(Clone, Debug, Serialize)]
@@ -40,6 +42,9 @@ pub struct ReportConfig {
     pub seed: u64,
     /// Client I/O threads.
     pub threads: usize,
+    /// Generation parameters (op generate only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generate: Option<GenerateConfig>,
 }
 
 /// Latency of measured ok replies, from scheduled send time to complete reply, in µs.
@@ -78,6 +83,39 @@ impl Latency {
             max_us: us(h.max()),
         })
     }
+}
+
+/// What generation streams measured (measured requests only). Times count from the scheduled
+/// send time, like `latency`; only streams that matched their golden stream up to that point
+/// contribute timings.
+#[derive(Clone, Debug, Serialize)]
+pub struct GenerateReport {
+    /// Prompts replayed (distinct payloads).
+    pub prompts: usize,
+    /// Tokens in the golden streams, all prompts together.
+    pub golden_tokens: u64,
+    /// Shortest and longest golden stream (tokens).
+    pub golden_min_tokens: u64,
+    /// Longest golden stream (tokens).
+    pub golden_max_tokens: u64,
+    /// Streams that ended with a correct end-of-stream frame (= `counts.ok`).
+    pub completed: u64,
+    /// Token frames received.
+    pub tokens: u64,
+    /// Token frames received per second of the measured interval.
+    pub tokens_per_s: f64,
+    /// Time to first token (scheduled send to the first token frame).
+    pub ttft: Option<Latency>,
+    /// Gaps between consecutive token frames of a stream (frames that arrive in one read share
+    /// an arrival time, so a gap can be as small as 0.001 µs).
+    pub inter_token: Option<Latency>,
+    /// Time to first token of requests scheduled in the first 10 s of the measured interval.
+    pub ttft_first_10s: Option<Latency>,
+    /// Time to first token of requests scheduled in the last 10 s of the measured interval
+    /// (the two windows overlap in runs shorter than 20 s).
+    pub ttft_last_10s: Option<Latency>,
+    /// Final frames by status name (end_of_stream, busy, cancelled, bad_param, ...).
+    pub final_statuses: BTreeMap<String, u64>,
 }
 
 /// CPU of one process over the measured interval.
@@ -142,6 +180,9 @@ pub struct LoadReport {
     pub server_cpu: Option<ProcessCpuReport>,
     /// Whole-host CPU.
     pub host_cpu: Option<HostCpuReport>,
+    /// Generation metrics (op generate only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generate: Option<GenerateReport>,
     /// This load generator's own CPU.
     pub client_cpu: Option<ProcessCpuReport>,
     /// The first failures, described.
@@ -176,11 +217,20 @@ fn f(v: f64) -> String {
 impl fmt::Display for LoadReport {
     fn fmt(&self, out: &mut fmt::Formatter<'_>) -> fmt::Result {
         let c = &self.config;
+        let what = match &c.generate {
+            Some(g) => format!(
+                "{} ({} prompt tokens, max {} new{}, {} prompts)",
+                c.op,
+                g.prompt_tokens,
+                g.max_tokens,
+                if g.ignore_eos { ", EOS ignored" } else { "" },
+                c.distinct_payloads
+            ),
+            None => format!("{} x{}", c.op, c.repeat),
+        };
         writeln!(
             out,
-            "{} x{} -> {} ({}): {} conns, pipeline {}, {} thread(s)",
-            c.op,
-            c.repeat,
+            "{what} -> {} ({}): {} conns, pipeline {}, {} thread(s)",
             c.target,
             if c.http { "HTTP" } else { "binary" },
             c.connections,
@@ -192,10 +242,16 @@ impl fmt::Display for LoadReport {
             "  rate      offered {:>10.1}/s  achieved {:>10.1}/s  (asked {:.1}/s, {:.2} s)",
             self.offered_rate, self.achieved_rate, c.rate, self.measured_interval_s
         )?;
+        // For generation streams latency runs to the end-of-stream frame.
+        let label = if c.generate.is_some() {
+            "complete "
+        } else {
+            "latency  "
+        };
         match &self.latency {
             Some(l) => writeln!(
                 out,
-                "  latency   p50 {} us  p90 {} us  p99 {} us  p99.9 {} us  max {} us  mean {} us",
+                "  {label} p50 {} us  p90 {} us  p99 {} us  p99.9 {} us  max {} us  mean {} us",
                 f(l.p50_us),
                 f(l.p90_us),
                 f(l.p99_us),
@@ -203,7 +259,35 @@ impl fmt::Display for LoadReport {
                 f(l.max_us),
                 f(l.mean_us)
             )?,
-            None => writeln!(out, "  latency   (no ok replies)")?,
+            None => writeln!(out, "  {label} (no ok replies)")?,
+        }
+        if let Some(g) = &self.generate {
+            writeln!(
+                out,
+                "  tokens    {} received, {:.1}/s  (golden streams: {} tokens, {}..{} per prompt)",
+                g.tokens, g.tokens_per_s, g.golden_tokens, g.golden_min_tokens, g.golden_max_tokens
+            )?;
+            let line = |name: &str, l: &Option<Latency>| match l {
+                Some(l) => format!(
+                    "  {name:<9} p50 {} us  p99 {} us  mean {} us  max {} us  (n {})",
+                    f(l.p50_us),
+                    f(l.p99_us),
+                    f(l.mean_us),
+                    f(l.max_us),
+                    l.count
+                ),
+                None => format!("  {name:<9} (none)"),
+            };
+            writeln!(out, "{}", line("ttft", &g.ttft))?;
+            writeln!(out, "{}", line("gap", &g.inter_token))?;
+            writeln!(out, "{}", line("ttft 1st", &g.ttft_first_10s))?;
+            writeln!(out, "{}", line("ttft last", &g.ttft_last_10s))?;
+            let st: Vec<String> = g
+                .final_statuses
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            writeln!(out, "  finals    {}", st.join(", "))?;
         }
         if let Some(l) = &self.send_lag {
             writeln!(
@@ -217,7 +301,7 @@ impl fmt::Display for LoadReport {
         let k = &self.counts;
         writeln!(
             out,
-            "  requests  {} scheduled: ok {}  busy {}  failures {} (wrong {}, error {}, timed out {}, conn failed {})",
+            "  requests  {} scheduled: ok {}  busy {}  failures {} (wrong {}, error {}, timed out {}, conn failed {}, cancelled {})",
             self.scheduled,
             k.ok,
             k.busy,
@@ -225,7 +309,8 @@ impl fmt::Display for LoadReport {
             k.wrong,
             k.error,
             k.timed_out,
-            k.conn_failed
+            k.conn_failed,
+            k.cancelled
         )?;
         writeln!(
             out,

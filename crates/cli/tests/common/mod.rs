@@ -130,6 +130,7 @@ pub fn load_config(addr: SocketAddr, op: bgs_protocol::Op) -> bgs_load::LoadConf
         server_pid: None,
         progress: false,
         threads: 1,
+        generate: Default::default(),
     }
 }
 
