@@ -1,41 +1,75 @@
-//! Executors take requests from the request ring, run an adapter in one of N slots and
-//! publish completions into the completion ring.
+//! Executors take requests from the request ring, run them in engines and publish
+//! completions into the completion ring.
 //!
-//! [`CpuExecutor`] is the embedded default: one resident thread per slot, each consuming the
-//! (multi-consumer) request ring directly. It keeps the semantics the GPU executor has: a
-//! request occupies one slot from the moment it is taken until its final completion is
-//! published; completions of different slots may be published out of order (the transport
-//! restores per-connection order from `conn_seq`); a full completion ring back-pressures the
-//! slot rather than dropping anything.
+//! [`CpuExecutor`] is the embedded default: one resident thread per engine, each consuming the
+//! (multi-consumer) request ring directly. [`CpuExecutor::start`] gives each of N slot
+//! threads a one-shot engine of capacity 1 (echo, gemm8, fft32), which keeps the semantics the
+//! GPU executor has: a request occupies one slot from the moment it is taken until its final
+//! completion is published. [`CpuExecutor::start_engines`] runs given engines instead (the
+//! generation server passes one engine holding many live sequences).
+//!
+//! Completions of different threads may be published out of order (the transport restores
+//! per-connection order from `conn_seq`). A full completion ring back-pressures the engine (its
+//! frame is refused and retried) rather than dropping anything. Streamed frames (generate)
+//! also wait for per-stream credit: at most `stream_window` frames of one stream are in the
+//! completion path (published and not yet acknowledged in `stream_acks`).
+//!
+//! Each thread owns a contiguous range of stream ids (its engine's capacity), so credit
+//! counters are never shared between threads.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use bgs_adapters::{Adapter, Emit, OneShotCpu};
+use bgs_engine::oneshot::OneShotEngine;
+use bgs_engine::{Engine, Frame, FrameSink, NoCredit, Progress, Request, StreamId};
 use bgs_protocol::{Op, Status};
-use bgs_ring::{OP_REJECT, RingRegion, SLOT_WORDS};
+use bgs_ring::{MAX_STREAMS, OP_CANCEL, OP_REJECT, RingRegion, SLOT_WORDS};
 
 /// Called after a completion is published while the completion consumer announced that it
 /// sleeps (see `bgs_ring` sleep guards); the native transport passes an eventfd writer.
 pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
 /// A sleep used instead of the request ring's futex when the producers cannot wake a futex
-/// (BPF programs ring a BPF ring buffer instead). Called with the slot already counted as a
+/// (BPF programs ring a BPF ring buffer instead). Called with the thread already counted as a
 /// sleeper and the ring re-checked empty; it returns after a wake-up or the timeout.
 pub type ExternalWait = Arc<dyn Fn(Duration) + Send + Sync>;
+
+/// Whether replies to `op` are a stream that takes credit (`CompletionEntry::stream != 0`).
+///
+/// The one place that decides it, so that it can move to the protocol's op table.
+pub fn op_streams(op: Op) -> bool {
+    op == Op::Generate
+}
 
 /// Settings of the CPU executor.
 #[derive(Clone)]
 pub struct CpuExecutorConfig {
-    /// Number of slots (resident worker threads).
+    /// Number of slots (one-shot threads) that [`CpuExecutor::start`] runs;
+    /// [`CpuExecutor::start_engines`] runs one thread per engine instead.
     pub slots: usize,
-    /// How long an idle slot spins re-checking the ring before it sleeps.
+    /// How long an idle thread spins re-checking the ring before it sleeps.
     pub idle_spin: Duration,
-    /// Upper bound on one sleep.
+    /// Upper bound on one idle sleep (nothing live). Producers wake sleepers (the futex
+    /// doorbell, or `external_wait`), so this only bounds a missed wake-up and the time a
+    /// thread sleeping in `external_wait` takes to see shutdown; it is long so that idle
+    /// threads do not keep waking up.
     pub max_sleep: Duration,
-    /// How an idle slot sleeps when producers cannot wake the ring's futex.
+    /// How long a thread whose live streams all wait (for credit, or for room in the
+    /// completion ring) sleeps before it looks again. Short, because nothing wakes it when
+    /// credit returns: the transport acknowledges frames by bumping `stream_acks` counters
+    /// without ringing a doorbell (that would cost it a system call per ack batch).
+    pub credit_poll: Duration,
+    /// Most frames of one stream in flight (published to the completion ring and not yet
+    /// acknowledged by its consumer), at least 1.
+    pub stream_window: u32,
+    /// Requests a thread whose engine is full may take from the ring ahead of admission, so
+    /// that cancel markers queued behind them are still seen while long streams run. Only
+    /// threads with live streamed requests look ahead (one-shot requests end within a step).
+    pub lookahead: usize,
+    /// How an idle thread sleeps when producers cannot wake the ring's futex.
     pub external_wait: Option<ExternalWait>,
 }
 
@@ -44,31 +78,13 @@ impl Default for CpuExecutorConfig {
         CpuExecutorConfig {
             slots: std::thread::available_parallelism().map_or(2, |n| n.get()),
             idle_spin: Duration::from_micros(20),
-            max_sleep: Duration::from_millis(1),
+            max_sleep: Duration::from_millis(250),
+            credit_poll: Duration::from_micros(150),
+            stream_window: 16,
+            lookahead: 64,
             external_wait: None,
         }
     }
-}
-
-/// Counters shared by all slots.
-#[derive(Debug, Default)]
-pub struct ExecutorStats {
-    /// Requests taken from the ring.
-    pub requests: AtomicU64,
-    /// Completions published.
-    pub completions: AtomicU64,
-    /// Times a slot found the completion ring full and had to wait.
-    pub completion_stalls: AtomicU64,
-    /// Times a slot went to sleep on an empty ring.
-    pub sleeps: AtomicU64,
-}
-
-/// The embedded CPU executor.
-pub struct CpuExecutor {
-    threads: Vec<JoinHandle<()>>,
-    stop: Arc<AtomicBool>,
-    region: Arc<RingRegion>,
-    stats: Arc<ExecutorStats>,
 }
 
 impl std::fmt::Debug for CpuExecutorConfig {
@@ -77,89 +93,162 @@ impl std::fmt::Debug for CpuExecutorConfig {
             .field("slots", &self.slots)
             .field("idle_spin", &self.idle_spin)
             .field("max_sleep", &self.max_sleep)
+            .field("credit_poll", &self.credit_poll)
+            .field("stream_window", &self.stream_window)
+            .field("lookahead", &self.lookahead)
             .field("external_wait", &self.external_wait.is_some())
             .finish()
     }
 }
 
+/// Counters shared by all threads.
+#[derive(Debug, Default)]
+pub struct ExecutorStats {
+    /// Requests taken from the ring (rejections included, cancel markers not).
+    pub requests: AtomicU64,
+    /// Completions published.
+    pub completions: AtomicU64,
+    /// Times a frame found the completion ring full (it is retried later).
+    pub completion_stalls: AtomicU64,
+    /// Times a thread went to sleep on an empty ring.
+    pub sleeps: AtomicU64,
+    /// Requests admitted into an engine (streams started).
+    pub streams: AtomicU64,
+    /// Cancel markers (`OP_CANCEL`) taken from the ring.
+    pub cancels: AtomicU64,
+    /// Streamed frames refused because their stream had no credit left.
+    pub credit_refusals: AtomicU64,
+    /// Streams an engine dropped without a final frame, answered `Internal` by the executor.
+    pub lost_streams: AtomicU64,
+}
+
+/// What all threads share.
+struct Shared {
+    region: Arc<RingRegion>,
+    stop: AtomicBool,
+    stats: Arc<ExecutorStats>,
+    waker: Option<Waker>,
+    /// Per thread: cancel markers popped by other threads (a connection's streams may live in
+    /// any thread's engine).
+    inboxes: Vec<Inbox>,
+}
+
+#[derive(Default)]
+struct Inbox {
+    pending: AtomicBool,
+    conns: Mutex<Vec<u64>>,
+}
+
+/// The embedded CPU executor.
+pub struct CpuExecutor {
+    threads: Vec<JoinHandle<()>>,
+    shared: Arc<Shared>,
+}
+
 impl std::fmt::Debug for CpuExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpuExecutor")
-            .field("slots", &self.threads.len())
-            .field("stats", &self.stats)
+            .field("threads", &self.threads.len())
+            .field("stats", &self.shared.stats)
             .finish()
     }
 }
 
 impl CpuExecutor {
-    /// Start `cfg.slots` slot threads running the one-shot CPU adapter.
+    /// Start `cfg.slots` slot threads, each running a one-shot CPU engine of capacity 1.
     pub fn start(
         region: Arc<RingRegion>,
         cfg: &CpuExecutorConfig,
         waker: Option<Waker>,
     ) -> std::io::Result<Self> {
-        Self::start_with(region, cfg, waker, || Box::new(OneShotCpu::default()))
+        let engines = (0..cfg.slots.max(1))
+            .map(|_| Box::new(OneShotEngine::new(1)) as Box<dyn Engine>)
+            .collect();
+        Self::start_engines(region, cfg, waker, engines)
     }
 
-    /// Start slot threads with adapters made by `make_adapter` (one per slot).
-    pub fn start_with(
+    /// Start one thread per engine. Thread `t` owns the stream ids that follow those of
+    /// threads `0..t`, as many as its engine's capacity; the capacities must add up to at
+    /// most [`MAX_STREAMS`] (the ring's credit counters).
+    pub fn start_engines(
         region: Arc<RingRegion>,
         cfg: &CpuExecutorConfig,
         waker: Option<Waker>,
-        make_adapter: impl Fn() -> Box<dyn Adapter>,
+        engines: Vec<Box<dyn Engine>>,
     ) -> std::io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let stats = Arc::new(ExecutorStats::default());
-        let mut threads = Vec::new();
-        for slot in 0..cfg.slots.max(1) {
-            let worker = SlotWorker {
-                region: region.clone(),
-                stop: stop.clone(),
-                stats: stats.clone(),
-                waker: waker.clone(),
-                adapter: make_adapter(),
-                idle_spin: cfg.idle_spin,
-                max_sleep: cfg.max_sleep,
-                external_wait: cfg.external_wait.clone(),
-            };
-            let t = std::thread::Builder::new()
-                .name(format!("bgs-slot-{slot}"))
+        let invalid = |msg: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, msg);
+        if engines.is_empty() {
+            return Err(invalid("the CPU executor needs at least one engine".into()));
+        }
+        if cfg.stream_window == 0 {
+            return Err(invalid("stream_window must be at least 1 frame".into()));
+        }
+        let mut total = 0usize;
+        for (t, e) in engines.iter().enumerate() {
+            if e.capacity() == 0 {
+                return Err(invalid(format!("engine {t} has capacity 0")));
+            }
+            total = total.saturating_add(e.capacity());
+        }
+        if total > MAX_STREAMS {
+            return Err(invalid(format!(
+                "the engines hold up to {total} streams at once, more than the {MAX_STREAMS} \
+                 stream ids (credit counters) of the ring; use fewer slots or a smaller capacity"
+            )));
+        }
+        let shared = Arc::new(Shared {
+            region: region.clone(),
+            stop: AtomicBool::new(false),
+            stats: Arc::new(ExecutorStats::default()),
+            waker,
+            inboxes: (0..engines.len()).map(|_| Inbox::default()).collect(),
+        });
+        let mut exec = CpuExecutor {
+            threads: Vec::with_capacity(engines.len()),
+            shared: shared.clone(),
+        };
+        let mut base = 0u32;
+        for (t, engine) in engines.into_iter().enumerate() {
+            let cap = engine.capacity();
+            let worker = Worker::new(t, shared.clone(), engine, base, cap, cfg);
+            base += cap as u32;
+            let spawned = std::thread::Builder::new()
+                .name(format!("bgs-slot-{t}"))
                 .spawn(move || worker.run());
-            match t {
-                Ok(t) => threads.push(t),
-                Err(e) => {
-                    stop.store(true, Ordering::Release);
-                    return Err(e);
-                }
+            match spawned {
+                Ok(h) => exec.threads.push(h),
+                // Dropping `exec` stops the threads started so far.
+                Err(e) => return Err(e),
             }
         }
-        Ok(CpuExecutor {
-            threads,
-            stop,
-            region,
-            stats,
-        })
+        Ok(exec)
     }
 
     /// Counters.
     pub fn stats(&self) -> &Arc<ExecutorStats> {
-        &self.stats
+        &self.shared.stats
     }
 
-    /// Number of slots.
+    /// Number of threads (slots, or engines).
     pub fn slots(&self) -> usize {
         self.threads.len()
     }
 
-    /// Stop all slots after their current request and join them.
+    /// Stop all threads after their current step and join them. Streams still live are
+    /// abandoned (the transport is shutting down too).
     pub fn shutdown(mut self) {
         self.stop_and_join();
     }
 
     fn stop_and_join(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Wake sleeping slots so they see the flag now rather than after `max_sleep`.
-        self.region.requests().notify();
+        self.shared.stop.store(true, Ordering::Release);
+        // Wake futex sleepers so they see the flag now rather than after `max_sleep`. A thread
+        // that checked the flag just before it was set may register as a sleeper after this
+        // notify: ring again until every thread is out.
+        while self.threads.iter().any(|t| !t.is_finished()) {
+            self.shared.region.requests().notify();
+            std::thread::sleep(Duration::from_millis(1));
+        }
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -172,7 +261,7 @@ impl Drop for CpuExecutor {
     }
 }
 
-/// A request copied out of its ring slot, so the slot is released before the work runs.
+/// A request entry copied out of its ring slot, so the slot is released before the work runs.
 struct Job {
     conn: u64,
     conn_seq: u32,
@@ -184,20 +273,9 @@ struct Job {
     payload: [u32; SLOT_WORDS],
 }
 
-struct SlotWorker {
-    region: Arc<RingRegion>,
-    stop: Arc<AtomicBool>,
-    stats: Arc<ExecutorStats>,
-    waker: Option<Waker>,
-    adapter: Box<dyn Adapter>,
-    idle_spin: Duration,
-    max_sleep: Duration,
-    external_wait: Option<ExternalWait>,
-}
-
-impl SlotWorker {
-    fn run(mut self) {
-        let mut job = Job {
+impl Job {
+    fn boxed() -> Box<Job> {
+        Box::new(Job {
             conn: 0,
             conn_seq: 0,
             op: 0,
@@ -206,231 +284,589 @@ impl SlotWorker {
             route: 0,
             words: 0,
             payload: [0; SLOT_WORDS],
-        };
-        while !self.stop.load(Ordering::Acquire) {
-            if self.take(&mut job) {
-                self.stats.requests.fetch_add(1, Ordering::Relaxed);
-                self.execute(&job);
-                continue;
-            }
-            // Idle: spin briefly (a burst often has more requests right behind), then sleep
-            // until a producer notifies or `max_sleep` passes.
-            let spin_until = std::time::Instant::now() + self.idle_spin;
-            let mut found = false;
-            while std::time::Instant::now() < spin_until {
-                if !self.region.requests().is_empty() {
-                    found = true;
-                    break;
-                }
-                std::hint::spin_loop();
-            }
-            if !found {
-                self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
-                match &self.external_wait {
-                    Some(wait) => {
-                        let ring = self.region.requests();
-                        let _guard = ring.sleep_guard();
-                        if ring.is_empty() && !self.stop.load(Ordering::Acquire) {
-                            wait(self.max_sleep);
-                        }
-                    }
-                    None => {
-                        self.region.requests().wait_nonempty(self.max_sleep);
-                    }
-                }
-            }
-        }
+        })
     }
 
-    fn take(&self, job: &mut Job) -> bool {
-        self.region
-            .requests()
-            .try_pop(|e| {
-                let n = (e.words as usize).min(SLOT_WORDS);
-                job.conn = e.conn;
-                job.conn_seq = e.conn_seq;
-                job.op = e.op;
-                job.request_id = e.request_id;
-                job.param = e.param;
-                job.route = e.route;
-                job.words = n;
-                job.payload[..n].copy_from_slice(&e.payload[..n]);
+    fn reply_to(&self) -> ReplyTo {
+        ReplyTo {
+            conn: self.conn,
+            conn_seq: self.conn_seq,
+            request_id: self.request_id,
+            route: self.route,
+        }
+    }
+}
+
+/// What a completion copies from its request.
+#[derive(Clone, Copy, Debug, Default)]
+struct ReplyTo {
+    conn: u64,
+    conn_seq: u32,
+    request_id: u32,
+    route: u32,
+}
+
+/// Per stream id of a thread.
+#[derive(Clone, Copy, Debug, Default)]
+struct StreamMeta {
+    /// Admitted and its final frame not yet published.
+    open: bool,
+    /// Takes credit (see [`op_streams`]).
+    streamed: bool,
+    reply: ReplyTo,
+    /// Frames of this credit stream ever published (wrapping, like the ack counter; not reset
+    /// when the id is reused, which keeps `published - acked` right across reuse).
+    published: u32,
+}
+
+/// A final frame the executor owes itself (rejections, refused admissions, cancelled
+/// look-ahead requests, lost streams); kept until the completion ring takes it.
+#[derive(Clone, Copy, Debug)]
+struct Owed {
+    reply: ReplyTo,
+    status: Status,
+}
+
+/// Most owed frames before the thread stops taking entries from the ring (they only pile up
+/// while the completion ring is full).
+const OWED_LIMIT: usize = 64;
+
+struct Worker {
+    t: usize,
+    shared: Arc<Shared>,
+    engine: Box<dyn Engine>,
+    /// First stream id of this thread.
+    base: u32,
+    streams: Vec<StreamMeta>,
+    /// Free local stream indices (stack).
+    free: Vec<u32>,
+    /// Streams admitted whose final frame is not published yet.
+    open: usize,
+    /// Of those, streamed ones.
+    open_streamed: usize,
+    /// Requests taken ahead of admission (see `CpuExecutorConfig::lookahead`).
+    backlog: VecDeque<Box<Job>>,
+    /// Boxed because jobs (1 KiB each) move between `scratch`, `backlog` and this pool.
+    #[allow(clippy::vec_box)]
+    spare_jobs: Vec<Box<Job>>,
+    scratch: Box<Job>,
+    owed: VecDeque<Owed>,
+    window: u32,
+    lookahead: usize,
+    idle_spin: Duration,
+    max_sleep: Duration,
+    credit_poll: Duration,
+    external_wait: Option<ExternalWait>,
+    /// The safety net found fewer live streams than owed but could not tell which: logged
+    /// once per episode.
+    lost_unidentified: bool,
+}
+
+/// What one pop from the request ring brought.
+enum Popped {
+    Nothing,
+    Cancel(u64),
+    Reject,
+    Request,
+}
+
+impl Worker {
+    fn new(
+        t: usize,
+        shared: Arc<Shared>,
+        engine: Box<dyn Engine>,
+        base: u32,
+        cap: usize,
+        cfg: &CpuExecutorConfig,
+    ) -> Worker {
+        let acks = shared.region.stream_acks();
+        let streams = (0..cap)
+            .map(|i| StreamMeta {
+                // A region reused from an earlier executor has counters that moved: start
+                // level with them so that nothing counts as in flight.
+                published: acks[base as usize + i].load(Ordering::Acquire),
+                ..StreamMeta::default()
             })
-            .is_some()
+            .collect();
+        Worker {
+            t,
+            shared,
+            engine,
+            base,
+            streams,
+            free: (0..cap as u32).rev().collect(),
+            open: 0,
+            open_streamed: 0,
+            backlog: VecDeque::new(),
+            spare_jobs: Vec::new(),
+            scratch: Job::boxed(),
+            owed: VecDeque::new(),
+            window: cfg.stream_window,
+            lookahead: cfg.lookahead,
+            idle_spin: cfg.idle_spin,
+            max_sleep: cfg.max_sleep,
+            credit_poll: cfg.credit_poll,
+            external_wait: cfg.external_wait.clone(),
+            lost_unidentified: false,
+        }
     }
 
-    fn execute(&mut self, job: &Job) {
-        let mut sink = CompletionSink {
-            region: &self.region,
-            stop: &self.stop,
-            stats: &self.stats,
-            waker: self.waker.as_ref(),
-            job,
-            final_sent: false,
-        };
-        match Op::from_u16(job.op) {
-            // A rejection the framer placed in the connection's order: answer it as is.
-            None if job.op == OP_REJECT => {
-                let status = u16::try_from(job.param)
-                    .ok()
-                    .and_then(Status::from_u16)
-                    .unwrap_or(Status::Internal);
-                sink.emit(status, true, 0, &[]);
+    fn run(mut self) {
+        while !self.shared.stop.load(Ordering::Acquire) {
+            // New requests and cancel markers are looked at between every two steps: a step
+            // of a generation engine is one forward pass, and a cancel frees its batch place.
+            let mut busy = self.intake();
+            busy |= self.flush_owed();
+            if self.open > 0 {
+                let mut sink = Sink {
+                    region: &self.shared.region,
+                    stats: &self.shared.stats,
+                    waker: self.shared.waker.as_ref(),
+                    base: self.base,
+                    streams: &mut self.streams,
+                    free: &mut self.free,
+                    open: &mut self.open,
+                    open_streamed: &mut self.open_streamed,
+                    window: self.window,
+                };
+                busy |= self.engine.step(&mut sink) == Progress::Working;
+                self.check_lost();
             }
-            Some(op) => self
-                .adapter
-                .run(op, job.param, &job.payload[..job.words], &mut sink),
-            None => sink.emit(Status::UnknownOp, true, 0, &[]),
-        }
-        if !sink.final_sent {
-            // Every accepted request is answered exactly once: an adapter that forgot its
-            // final frame yields an internal error rather than a hung client.
-            tracing::error!(op = job.op, "adapter returned without a final frame");
-            sink.emit(Status::Internal, true, 0, &[]);
+            if !busy {
+                self.idle();
+            }
         }
     }
-}
 
-struct CompletionSink<'a> {
-    region: &'a RingRegion,
-    stop: &'a AtomicBool,
-    stats: &'a ExecutorStats,
-    waker: Option<&'a Waker>,
-    job: &'a Job,
-    final_sent: bool,
-}
+    /// Room in the engine for one more request.
+    fn can_admit(&self) -> bool {
+        !self.free.is_empty() && self.engine.live() < self.engine.capacity()
+    }
 
-impl Emit for CompletionSink<'_> {
-    fn emit(&mut self, status: Status, final_: bool, stream_seq: u32, words: &[u32]) {
-        if self.final_sent {
-            tracing::error!("adapter emitted after its final frame; dropped");
-            return;
+    /// Whether the thread takes the next ring entry now.
+    fn wants_entries(&self) -> bool {
+        if self.owed.len() >= OWED_LIMIT {
+            return false;
         }
-        let n = words.len().min(SLOT_WORDS);
-        let mut stalled = false;
-        loop {
-            let pushed = self.region.completions().try_push(|e| {
-                e.conn = self.job.conn;
-                e.conn_seq = self.job.conn_seq;
-                e.status = status as u16;
-                e.final_ = u16::from(final_);
-                e.request_id = self.job.request_id;
-                e.words = n as u32;
-                e.stream_seq = stream_seq;
-                e.route = self.job.route;
-                e.payload[..n].copy_from_slice(&words[..n]);
+        if self.backlog.is_empty() && self.can_admit() {
+            return true;
+        }
+        self.open_streamed > 0 && self.backlog.len() < self.lookahead
+    }
+
+    /// Apply cancels from other threads, admit waiting requests, take ring entries.
+    fn intake(&mut self) -> bool {
+        let mut did = false;
+        let inbox = &self.shared.inboxes[self.t];
+        if inbox.pending.swap(false, Ordering::Acquire) {
+            let conns = std::mem::take(&mut *inbox.conns.lock().unwrap_or_else(|e| e.into_inner()));
+            for conn in conns {
+                self.cancel_local(conn);
+            }
+            did = true;
+        }
+        while !self.backlog.is_empty() && self.can_admit() {
+            if let Some(job) = self.backlog.pop_front() {
+                self.admit(&job);
+                self.spare_jobs.push(job);
+                did = true;
+            }
+        }
+        while self.wants_entries() {
+            match self.pop() {
+                Popped::Nothing => break,
+                Popped::Cancel(conn) => {
+                    self.shared.stats.cancels.fetch_add(1, Ordering::Relaxed);
+                    self.cancel_local(conn);
+                    self.broadcast_cancel(conn);
+                }
+                Popped::Reject => {
+                    self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+                    // A rejection the framer placed in the connection's order: answer it as is.
+                    let status = u16::try_from(self.scratch.param)
+                        .ok()
+                        .and_then(Status::from_u16)
+                        .unwrap_or(Status::Internal);
+                    self.owed.push_back(Owed {
+                        reply: self.scratch.reply_to(),
+                        status,
+                    });
+                }
+                Popped::Request => {
+                    self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+                    if self.backlog.is_empty() && self.can_admit() {
+                        // Admit from `scratch` (swapped out for a spare buffer, so that the
+                        // steady state does not allocate).
+                        let next = self.spare_jobs.pop().unwrap_or_else(Job::boxed);
+                        let job = std::mem::replace(&mut self.scratch, next);
+                        self.admit(&job);
+                        self.spare_jobs.push(job);
+                    } else {
+                        let next = self.spare_jobs.pop().unwrap_or_else(Job::boxed);
+                        let job = std::mem::replace(&mut self.scratch, next);
+                        self.backlog.push_back(job);
+                    }
+                }
+            }
+            did = true;
+        }
+        did
+    }
+
+    /// Copy the next ring entry into `scratch`.
+    fn pop(&mut self) -> Popped {
+        let job = &mut *self.scratch;
+        let got = self.shared.region.requests().try_pop(|e| {
+            let n = (e.words as usize).min(SLOT_WORDS);
+            job.conn = e.conn;
+            job.conn_seq = e.conn_seq;
+            job.op = e.op;
+            job.request_id = e.request_id;
+            job.param = e.param;
+            job.route = e.route;
+            job.words = n;
+            if e.op != OP_CANCEL && e.op != OP_REJECT {
+                job.payload[..n].copy_from_slice(&e.payload[..n]);
+            }
+        });
+        match got {
+            None => Popped::Nothing,
+            Some(()) if job.op == OP_CANCEL => Popped::Cancel(job.conn),
+            Some(()) if job.op == OP_REJECT => Popped::Reject,
+            Some(()) => Popped::Request,
+        }
+    }
+
+    fn admit(&mut self, job: &Job) {
+        let Some(op) = Op::from_u16(job.op) else {
+            self.owed.push_back(Owed {
+                reply: job.reply_to(),
+                status: Status::UnknownOp,
             });
-            if pushed.is_ok() {
+            return;
+        };
+        let Some(local) = self.free.pop() else {
+            // `can_admit` was checked by the caller.
+            self.owed.push_back(Owed {
+                reply: job.reply_to(),
+                status: Status::Internal,
+            });
+            return;
+        };
+        let request = Request {
+            stream: StreamId(self.base + local),
+            conn: job.conn,
+            op,
+            param: job.param,
+            payload: &job.payload[..job.words],
+        };
+        match self.engine.admit(request) {
+            Ok(()) => {
+                let streamed = op_streams(op);
+                let m = &mut self.streams[local as usize];
+                m.open = true;
+                m.streamed = streamed;
+                m.reply = job.reply_to();
+                self.open += 1;
+                self.open_streamed += usize::from(streamed);
+                self.shared.stats.streams.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(status) => {
+                self.free.push(local);
+                self.owed.push_back(Owed {
+                    reply: job.reply_to(),
+                    status,
+                });
+            }
+        }
+    }
+
+    /// Connection `conn` ended: cancel its streams in this thread's engine and its streamed
+    /// requests still waiting for admission (one-shot ones are answered as usual).
+    fn cancel_local(&mut self, conn: u64) {
+        if self.open > 0 {
+            self.engine.cancel(conn);
+        }
+        if self.backlog.iter().any(|j| j.conn == conn) {
+            let mut kept = VecDeque::with_capacity(self.backlog.len());
+            for job in self.backlog.drain(..) {
+                let streamed = Op::from_u16(job.op).is_some_and(op_streams);
+                if job.conn == conn && streamed {
+                    self.owed.push_back(Owed {
+                        reply: job.reply_to(),
+                        status: Status::Cancelled,
+                    });
+                    self.spare_jobs.push(job);
+                } else {
+                    kept.push_back(job);
+                }
+            }
+            self.backlog = kept;
+        }
+    }
+
+    /// Tell the other threads: the connection's streams may live in their engines, or be
+    /// about to (another thread may have popped a request of it just before this marker).
+    fn broadcast_cancel(&self, conn: u64) {
+        for (t, inbox) in self.shared.inboxes.iter().enumerate() {
+            if t != self.t {
+                inbox
+                    .conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(conn);
+                inbox.pending.store(true, Ordering::Release);
+            }
+        }
+    }
+
+    /// Publish owed final frames; true if any went out.
+    fn flush_owed(&mut self) -> bool {
+        let mut did = false;
+        while let Some(o) = self.owed.front().copied() {
+            let ok = publish(
+                &self.shared.region,
+                &self.shared.stats,
+                self.shared.waker.as_ref(),
+                o.reply,
+                0,
+                Frame {
+                    status: o.status,
+                    final_: true,
+                    seq: 0,
+                    words: &[],
+                },
+            );
+            if !ok {
                 break;
             }
-            if self.stop.load(Ordering::Acquire) {
+            self.owed.pop_front();
+            did = true;
+        }
+        did
+    }
+
+    /// The "exactly once" safety net: every admitted request ends with one final frame. An
+    /// engine whose `live()` dropped below the streams still owed a final frame lost some;
+    /// answer those `Internal` instead of leaving their clients hanging.
+    fn check_lost(&mut self) {
+        let live = self.engine.live();
+        if live >= self.open {
+            self.lost_unidentified = false;
+            return;
+        }
+        for local in 0..self.streams.len() {
+            if !self.streams[local].open {
+                continue;
+            }
+            let id = StreamId(self.base + local as u32);
+            let lost = match self.engine.holds(id) {
+                Some(holds) => !holds,
+                // Without `holds`, the lost streams are known only when none is live.
+                None => live == 0,
+            };
+            if lost {
+                tracing::error!(stream = id.0, "engine ended a stream without a final frame");
+                let m = &mut self.streams[local];
+                m.open = false;
+                self.open -= 1;
+                self.open_streamed -= usize::from(m.streamed);
+                self.free.push(local as u32);
+                self.owed.push_back(Owed {
+                    reply: m.reply,
+                    status: Status::Internal,
+                });
+                self.shared
+                    .stats
+                    .lost_streams
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if live < self.open && !self.lost_unidentified {
+            self.lost_unidentified = true;
+            tracing::error!(
+                live,
+                owed = self.open,
+                "engine reports fewer live streams than owe a final frame; \
+                 they are answered once it reports none live"
+            );
+        }
+    }
+
+    /// Nothing to do right now.
+    fn idle(&mut self) {
+        if self.open > 0 || !self.owed.is_empty() || !self.backlog.is_empty() {
+            // Live streams wait for credit or for room in the completion ring. Neither rings a
+            // doorbell, so poll; new ring entries cut the wait short when the thread takes them.
+            if self.wants_entries() {
+                self.sleep(self.credit_poll);
+            } else {
+                std::thread::sleep(self.credit_poll);
+            }
+            return;
+        }
+        // Nothing live: spin briefly (a burst often has more requests right behind), then
+        // sleep until a producer rings the doorbell.
+        let ring = self.shared.region.requests();
+        let inbox = &self.shared.inboxes[self.t];
+        let spin_until = Instant::now() + self.idle_spin;
+        while Instant::now() < spin_until {
+            if !ring.is_empty() || inbox.pending.load(Ordering::Relaxed) {
                 return;
             }
-            if !stalled {
-                stalled = true;
-                self.stats.completion_stalls.fetch_add(1, Ordering::Relaxed);
-            }
-            // The consumer is behind: let it run.
-            std::thread::sleep(Duration::from_micros(20));
+            std::hint::spin_loop();
         }
-        self.stats.completions.fetch_add(1, Ordering::Relaxed);
-        self.final_sent = final_;
-        // Futex sleepers (other executors' consumers, tests) and an epoll sleeper (the native
-        // transport, through its eventfd) are both told; each costs a load when nobody sleeps.
-        // One fence and load when nobody sleeps (the common case under load); `notify`
-        // re-checks only when someone does.
-        let ring = self.region.completions();
-        if ring.has_sleepers() {
-            ring.notify();
-            if let Some(w) = self.waker {
-                w();
+        self.shared.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+        self.sleep(self.max_sleep);
+    }
+
+    /// Sleep until the request ring has entries or `timeout` passes. A cancel sent to this
+    /// thread's inbox does not wake it: a thread sleeping here has no stream to cancel.
+    fn sleep(&self, timeout: Duration) {
+        let ring = self.shared.region.requests();
+        match &self.external_wait {
+            Some(wait) => {
+                let _guard = ring.sleep_guard();
+                if ring.is_empty() && !self.shared.stop.load(Ordering::Acquire) {
+                    wait(timeout);
+                }
+            }
+            None => {
+                ring.wait_nonempty(timeout);
             }
         }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use bgs_ring::RingConfig;
-    use std::time::Instant;
-
-    fn region() -> Arc<RingRegion> {
-        Arc::new(
-            RingRegion::new(RingConfig {
-                request_slots: 8,
-                completion_slots: 8,
-            })
-            .unwrap(),
-        )
-    }
-
-    fn collect(region: &RingRegion, n: usize) -> Vec<(u32, u16, u32, Vec<u32>)> {
-        let mut out = Vec::new();
-        let end = Instant::now() + Duration::from_secs(10);
-        while out.len() < n && Instant::now() < end {
-            if let Some(c) = region.completions().try_pop(|e| {
-                (
-                    e.conn_seq,
-                    e.status,
-                    e.route,
-                    e.payload[..e.words as usize].to_vec(),
-                )
-            }) {
-                out.push(c);
-            } else {
-                region
-                    .completions()
-                    .wait_nonempty(Duration::from_millis(10));
-            }
-        }
-        out.sort();
-        out
-    }
-
-    #[test]
-    fn executes_requests_and_passes_rejections_through() {
-        let region = region();
-        let exec = CpuExecutor::start(
-            region.clone(),
-            &CpuExecutorConfig {
-                slots: 2,
-                ..Default::default()
-            },
-            None,
-        )
-        .unwrap();
-        region
-            .requests()
-            .try_push(|e| {
-                e.conn = 5;
-                e.conn_seq = 0;
-                e.op = Op::Echo as u16;
-                e.words = 2;
-                e.route = bgs_ring::route::HTTP;
-                e.payload[..2].copy_from_slice(&[9, 8]);
-            })
-            .unwrap();
-        region
-            .requests()
-            .try_push(|e| {
-                e.conn = 5;
-                e.conn_seq = 1;
-                e.op = OP_REJECT;
-                e.param = Status::BadParam as u32;
-                e.words = 0;
-                e.route = bgs_ring::route::CLOSE;
-            })
-            .unwrap();
-        region.requests().notify();
-        let got = collect(&region, 2);
-        assert_eq!(
-            got,
-            vec![
-                (0, Status::Ok as u16, bgs_ring::route::HTTP, vec![9, 8]),
-                (1, Status::BadParam as u16, bgs_ring::route::CLOSE, vec![]),
-            ]
+/// Publish one completion; false when the completion ring is full.
+fn publish(
+    region: &RingRegion,
+    stats: &ExecutorStats,
+    waker: Option<&Waker>,
+    reply: ReplyTo,
+    stream: u32,
+    frame: Frame<'_>,
+) -> bool {
+    let n = frame.words.len().min(SLOT_WORDS);
+    if n < frame.words.len() {
+        tracing::error!(
+            words = frame.words.len(),
+            "frame larger than a ring slot; truncated"
         );
-        exec.shutdown();
+    }
+    let pushed = region.completions().try_push(|e| {
+        e.conn = reply.conn;
+        e.conn_seq = reply.conn_seq;
+        e.status = frame.status as u16;
+        e.final_ = u16::from(frame.final_);
+        e.request_id = reply.request_id;
+        e.words = n as u32;
+        e.stream_seq = frame.seq;
+        e.route = reply.route;
+        e.stream = stream;
+        e.payload[..n].copy_from_slice(&frame.words[..n]);
+    });
+    if pushed.is_err() {
+        stats.completion_stalls.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
+    stats.completions.fetch_add(1, Ordering::Relaxed);
+    // Futex sleepers (other executors' consumers, tests) and an epoll sleeper (the native
+    // transport, through its eventfd) are both told. One fence and load when nobody sleeps
+    // (the common case under load); `notify` re-checks only when someone does.
+    let ring = region.completions();
+    if ring.has_sleepers() {
+        ring.notify();
+        if let Some(w) = waker {
+            w();
+        }
+    }
+    true
+}
+
+/// The engine's view of the completion ring, for one thread's streams.
+struct Sink<'a> {
+    region: &'a RingRegion,
+    stats: &'a ExecutorStats,
+    waker: Option<&'a Waker>,
+    base: u32,
+    streams: &'a mut [StreamMeta],
+    free: &'a mut Vec<u32>,
+    open: &'a mut usize,
+    open_streamed: &'a mut usize,
+    window: u32,
+}
+
+impl Sink<'_> {
+    fn local(&self, stream: StreamId) -> Option<usize> {
+        let local = stream.0.checked_sub(self.base)? as usize;
+        self.streams.get(local).filter(|m| m.open).map(|_| local)
+    }
+
+    /// Frames of credit stream `local` in flight (published, not acknowledged).
+    fn in_flight(&self, local: usize) -> u32 {
+        let acked = self.region.stream_acks()[self.base as usize + local].load(Ordering::Acquire);
+        // More acks than frames (a consumer bug, or counters moved by an earlier user of the
+        // region) reads as nothing in flight rather than as a stall of ~2^32 frames.
+        let d = self.streams[local].published.wrapping_sub(acked);
+        if d > i32::MAX as u32 { 0 } else { d }
+    }
+}
+
+impl FrameSink for Sink<'_> {
+    fn credit(&self, stream: StreamId) -> u32 {
+        let Some(local) = self.local(stream) else {
+            return 0;
+        };
+        let ring = self.region.completions();
+        let room = (ring.capacity() - ring.len()) as u32;
+        if self.streams[local].streamed {
+            room.min(self.window.saturating_sub(self.in_flight(local)))
+        } else {
+            room
+        }
+    }
+
+    fn emit(&mut self, stream: StreamId, frame: Frame<'_>) -> Result<(), NoCredit> {
+        let Some(local) = self.local(stream) else {
+            // Accepting it keeps a buggy engine from retrying forever; the client of a live
+            // stream never sees another stream's frame.
+            tracing::error!(
+                stream = stream.0,
+                "frame for a stream that is not live (ended, or not this thread's); dropped"
+            );
+            return Ok(());
+        };
+        let m = self.streams[local];
+        let credit_stream = if m.streamed {
+            if self.in_flight(local) >= self.window {
+                self.stats.credit_refusals.fetch_add(1, Ordering::Relaxed);
+                return Err(NoCredit);
+            }
+            self.base + local as u32 + 1
+        } else {
+            0
+        };
+        if !publish(
+            self.region,
+            self.stats,
+            self.waker,
+            m.reply,
+            credit_stream,
+            frame,
+        ) {
+            return Err(NoCredit);
+        }
+        let m = &mut self.streams[local];
+        if m.streamed {
+            m.published = m.published.wrapping_add(1);
+        }
+        if frame.final_ {
+            m.open = false;
+            *self.open -= 1;
+            *self.open_streamed -= usize::from(m.streamed);
+            self.free.push(local as u32);
+        }
+        Ok(())
     }
 }
