@@ -18,7 +18,7 @@
 //! counters are never shared between threads.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -131,6 +131,10 @@ struct Shared {
     /// Per thread: cancel markers popped by other threads (a connection's streams may live in
     /// any thread's engine).
     inboxes: Vec<Inbox>,
+    /// Threads whose engines can admit a request now. A full thread takes requests ahead of
+    /// admission only when this is 0: otherwise a thread with room takes them (and the cancel
+    /// markers behind them), and looking ahead would only hold requests back from it.
+    rooms: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -202,6 +206,7 @@ impl CpuExecutor {
             stats: Arc::new(ExecutorStats::default()),
             waker,
             inboxes: (0..engines.len()).map(|_| Inbox::default()).collect(),
+            rooms: AtomicUsize::new(engines.len()),
         });
         let mut exec = CpuExecutor {
             threads: Vec::with_capacity(engines.len()),
@@ -357,6 +362,8 @@ struct Worker {
     max_sleep: Duration,
     credit_poll: Duration,
     external_wait: Option<ExternalWait>,
+    /// This thread counts in `Shared::rooms`.
+    room: bool,
     /// The safety net found fewer live streams than owed but could not tell which: logged
     /// once per episode.
     lost_unidentified: bool,
@@ -407,6 +414,7 @@ impl Worker {
             max_sleep: cfg.max_sleep,
             credit_poll: cfg.credit_poll,
             external_wait: cfg.external_wait.clone(),
+            room: true,
             lost_unidentified: false,
         }
     }
@@ -432,6 +440,7 @@ impl Worker {
                 busy |= self.engine.step(&mut sink) == Progress::Working;
                 self.check_lost();
             }
+            self.sync_room();
             if !busy {
                 self.idle();
             }
@@ -443,15 +452,33 @@ impl Worker {
         !self.free.is_empty() && self.engine.live() < self.engine.capacity()
     }
 
-    /// Whether the thread takes the next ring entry now.
-    fn wants_entries(&self) -> bool {
+    /// Keep `Shared::rooms` up to date (touched only when this thread's room changes).
+    fn sync_room(&mut self) {
+        let room = self.can_admit();
+        if room != self.room {
+            self.room = room;
+            if room {
+                self.shared.rooms.fetch_add(1, Ordering::AcqRel);
+            } else {
+                self.shared.rooms.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Whether the thread takes the next ring entry now: when it can admit it, or, full with
+    /// streams that may run long, to look ahead for cancel markers while no thread has room
+    /// (see `CpuExecutorConfig::lookahead`).
+    fn wants_entries(&mut self) -> bool {
         if self.owed.len() >= OWED_LIMIT {
             return false;
         }
         if self.backlog.is_empty() && self.can_admit() {
             return true;
         }
-        self.open_streamed > 0 && self.backlog.len() < self.lookahead
+        self.sync_room();
+        self.open_streamed > 0
+            && self.backlog.len() < self.lookahead
+            && self.shared.rooms.load(Ordering::Acquire) == 0
     }
 
     /// Apply cancels from other threads, admit waiting requests, take ring entries.
@@ -868,5 +895,567 @@ impl FrameSink for Sink<'_> {
             self.free.push(local as u32);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bgs_ring::RingConfig;
+    use std::sync::atomic::AtomicUsize;
+
+    fn region() -> Arc<RingRegion> {
+        Arc::new(
+            RingRegion::new(RingConfig {
+                request_slots: 64,
+                completion_slots: 64,
+            })
+            .unwrap(),
+        )
+    }
+
+    /// A completion as the tests see it.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    struct Got {
+        conn: u64,
+        conn_seq: u32,
+        status: u16,
+        final_: bool,
+        seq: u32,
+        route: u32,
+        stream: u32,
+        words: Vec<u32>,
+    }
+
+    /// Pop one completion (acknowledging its credit when `ack`), waiting up to `wait`.
+    fn next(region: &RingRegion, ack: bool, wait: Duration) -> Option<Got> {
+        let end = Instant::now() + wait;
+        loop {
+            let got = region.completions().try_pop(|e| Got {
+                conn: e.conn,
+                conn_seq: e.conn_seq,
+                status: e.status,
+                final_: e.final_ != 0,
+                seq: e.stream_seq,
+                route: e.route,
+                stream: e.stream,
+                words: e.payload().to_vec(),
+            });
+            if let Some(g) = got {
+                if ack {
+                    region.ack_stream(g.stream);
+                }
+                return Some(g);
+            }
+            let now = Instant::now();
+            if now >= end {
+                return None;
+            }
+            region
+                .completions()
+                .wait_nonempty((end - now).min(Duration::from_millis(5)));
+        }
+    }
+
+    fn push(region: &RingRegion, conn: u64, conn_seq: u32, op: u16, param: u32, payload: &[u32]) {
+        region
+            .requests()
+            .try_push(|e| {
+                e.conn = conn;
+                e.conn_seq = conn_seq;
+                e.op = op;
+                e.param = param;
+                e.flags = 0;
+                e.request_id = conn_seq + 100;
+                e.route = 0;
+                e.words = payload.len() as u32;
+                e.payload[..payload.len()].copy_from_slice(payload);
+            })
+            .unwrap();
+        region.requests().notify();
+    }
+
+    /// What a fake engine saw, shared with the test.
+    #[derive(Default)]
+    struct Log {
+        admitted: Mutex<Vec<(StreamId, u64)>>,
+        cancels: Mutex<Vec<u64>>,
+        live: AtomicUsize,
+    }
+
+    struct Live {
+        stream: StreamId,
+        conn: u64,
+        tokens: u32,
+        next: u32,
+        cancelled: bool,
+    }
+
+    /// Streams `param` tokens (one per step, word = token index), then EndOfStream; a cancel
+    /// ends the stream with `Cancelled` at the next step. `step_time` stands for a forward pass.
+    struct FakeGen {
+        cap: usize,
+        live: Vec<Live>,
+        log: Arc<Log>,
+        step_time: Duration,
+    }
+
+    impl FakeGen {
+        fn boxed(cap: usize, step_time: Duration) -> (Box<dyn Engine>, Arc<Log>) {
+            let log = Arc::new(Log::default());
+            let e = FakeGen {
+                cap,
+                live: Vec::new(),
+                log: log.clone(),
+                step_time,
+            };
+            (Box::new(e), log)
+        }
+    }
+
+    impl Engine for FakeGen {
+        fn capacity(&self) -> usize {
+            self.cap
+        }
+        fn live(&self) -> usize {
+            self.live.len()
+        }
+        fn admit(&mut self, r: Request<'_>) -> Result<(), Status> {
+            assert!(self.live.len() < self.cap, "admitted past capacity");
+            if r.payload.first() == Some(&u32::MAX) {
+                return Err(Status::BadParam);
+            }
+            self.log.admitted.lock().unwrap().push((r.stream, r.conn));
+            self.live.push(Live {
+                stream: r.stream,
+                conn: r.conn,
+                tokens: r.param,
+                next: 0,
+                cancelled: false,
+            });
+            self.log.live.store(self.live.len(), Ordering::SeqCst);
+            Ok(())
+        }
+        fn step(&mut self, sink: &mut dyn FrameSink) -> Progress {
+            if !self.step_time.is_zero() {
+                std::thread::sleep(self.step_time);
+            }
+            let mut progress = Progress::Idle;
+            self.live.retain_mut(|s| {
+                let (frame, words) = if s.cancelled {
+                    ((Status::Cancelled, true, s.next), [0, 0])
+                } else if s.next < s.tokens {
+                    ((Status::Token, false, s.next), [s.next, 0])
+                } else {
+                    ((Status::EndOfStream, true, s.next), [1, s.tokens])
+                };
+                let n = if frame.0 == Status::Token { 1 } else { 2 };
+                let n = if frame.0 == Status::Cancelled { 0 } else { n };
+                let f = Frame {
+                    status: frame.0,
+                    final_: frame.1,
+                    seq: frame.2,
+                    words: &words[..n],
+                };
+                match sink.emit(s.stream, f) {
+                    Ok(()) => {
+                        progress = Progress::Working;
+                        s.next += 1;
+                        !f.final_
+                    }
+                    Err(NoCredit) => true,
+                }
+            });
+            self.log.live.store(self.live.len(), Ordering::SeqCst);
+            progress
+        }
+        fn cancel(&mut self, conn: u64) {
+            self.log.cancels.lock().unwrap().push(conn);
+            for s in &mut self.live {
+                if s.conn == conn {
+                    s.cancelled = true;
+                }
+            }
+        }
+    }
+
+    fn cfg(window: u32) -> CpuExecutorConfig {
+        CpuExecutorConfig {
+            stream_window: window,
+            ..CpuExecutorConfig::default()
+        }
+    }
+
+    const GEN: u16 = Op::Generate as u16;
+
+    #[test]
+    fn executes_requests_and_passes_rejections_through() {
+        let region = region();
+        let exec = CpuExecutor::start(
+            region.clone(),
+            &CpuExecutorConfig {
+                slots: 2,
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap();
+        region
+            .requests()
+            .try_push(|e| {
+                e.conn = 5;
+                e.conn_seq = 0;
+                e.op = Op::Echo as u16;
+                e.words = 2;
+                e.route = bgs_ring::route::HTTP;
+                e.payload[..2].copy_from_slice(&[9, 8]);
+            })
+            .unwrap();
+        region
+            .requests()
+            .try_push(|e| {
+                e.conn = 5;
+                e.conn_seq = 1;
+                e.op = OP_REJECT;
+                e.param = Status::BadParam as u32;
+                e.words = 0;
+                e.route = bgs_ring::route::CLOSE;
+            })
+            .unwrap();
+        push(&region, 5, 2, Op::Generate as u16, 3, &[1, 2]);
+        let mut got: Vec<_> = (0..3)
+            .map(|_| next(&region, true, Duration::from_secs(10)).expect("a completion"))
+            .map(|g| (g.conn_seq, g.status, g.route, g.final_, g.words))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    0,
+                    Status::Ok as u16,
+                    bgs_ring::route::HTTP,
+                    true,
+                    vec![9, 8]
+                ),
+                (
+                    1,
+                    Status::BadParam as u16,
+                    bgs_ring::route::CLOSE,
+                    true,
+                    vec![]
+                ),
+                // A server without a model.
+                (2, Status::UnknownOp as u16, 0, true, vec![]),
+            ]
+        );
+        assert!(next(&region, true, Duration::from_millis(50)).is_none());
+        assert_eq!(exec.stats().requests.load(Ordering::Relaxed), 3);
+        exec.shutdown();
+    }
+
+    #[test]
+    fn streamed_frames_take_credit_and_stop_at_the_window() {
+        let region = region();
+        let (engine, _log) = FakeGen::boxed(4, Duration::ZERO);
+        let exec = CpuExecutor::start_engines(region.clone(), &cfg(4), None, vec![engine]).unwrap();
+        push(&region, 1, 0, GEN, 10, &[7]);
+        // Without acks: exactly the window's worth of frames, then nothing.
+        let mut frames = Vec::new();
+        while let Some(g) = next(&region, false, Duration::from_millis(200)) {
+            frames.push(g);
+        }
+        assert_eq!(frames.len(), 4, "{frames:?}");
+        let stream = frames[0].stream;
+        assert!(stream != 0);
+        for (i, f) in frames.iter().enumerate() {
+            assert_eq!(f.stream, stream);
+            assert_eq!(
+                (f.status, f.final_, f.seq),
+                (Status::Token as u16, false, i as u32)
+            );
+            assert_eq!(f.words, vec![i as u32]);
+            assert_eq!(f.conn_seq, 0);
+        }
+        assert!(exec.stats().credit_refusals.load(Ordering::Relaxed) > 0);
+        // Acknowledge them; the rest of the stream flows while the test keeps acknowledging.
+        for _ in 0..4 {
+            region.ack_stream(stream);
+        }
+        while let Some(g) = next(&region, true, Duration::from_secs(10)) {
+            let last = g.final_;
+            frames.push(g);
+            if last {
+                break;
+            }
+        }
+        assert_eq!(frames.len(), 11);
+        let end = frames.last().unwrap();
+        assert_eq!(
+            (
+                end.status,
+                end.final_,
+                end.seq,
+                end.stream,
+                end.words.clone()
+            ),
+            (Status::EndOfStream as u16, true, 10, stream, vec![1, 10])
+        );
+        assert_eq!(exec.stats().streams.load(Ordering::Relaxed), 1);
+        exec.shutdown();
+    }
+
+    #[test]
+    fn cancel_reaches_the_right_engine_promptly_and_is_not_answered() {
+        let region = region();
+        // A forward pass of 1 ms per step; two engine threads of one stream each.
+        let (e0, log0) = FakeGen::boxed(1, Duration::from_millis(1));
+        let (e1, log1) = FakeGen::boxed(1, Duration::from_millis(1));
+        let exec =
+            CpuExecutor::start_engines(region.clone(), &cfg(16), None, vec![e0, e1]).unwrap();
+        push(&region, 10, 0, GEN, 4000, &[1]);
+        push(&region, 20, 0, GEN, 4000, &[1]);
+        // Both streams running.
+        let mut seen = [false; 2];
+        while !(seen[0] && seen[1]) {
+            let g = next(&region, true, Duration::from_secs(10)).expect("tokens");
+            seen[usize::from(g.conn == 20)] = true;
+        }
+        let owner = |conn: u64| {
+            let has = |log: &Log| log.admitted.lock().unwrap().iter().any(|a| a.1 == conn);
+            if has(&log0) { &log0 } else { &log1 }
+        };
+        let target = owner(10);
+        let other = owner(20);
+        assert!(
+            !std::ptr::eq(target, other),
+            "capacity 1: one stream per thread"
+        );
+        let live_before = target.live.load(Ordering::SeqCst);
+        let t0 = Instant::now();
+        push(&region, 10, 0, OP_CANCEL, 0, &[]);
+        let mut cancelled_at = None;
+        let mut live_dropped = None;
+        while cancelled_at.is_none() || live_dropped.is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no cancel seen");
+            if live_dropped.is_none() && target.live.load(Ordering::SeqCst) < live_before {
+                live_dropped = Some(t0.elapsed());
+            }
+            if cancelled_at.is_some() {
+                std::thread::yield_now();
+                continue;
+            }
+            let Some(g) = next(&region, true, Duration::from_micros(200)) else {
+                continue;
+            };
+            if g.conn == 10 && g.final_ {
+                assert_eq!(g.status, Status::Cancelled as u16);
+                cancelled_at = Some(t0.elapsed());
+            }
+        }
+        let (cancelled_at, live_dropped) = (cancelled_at.unwrap(), live_dropped.unwrap());
+        println!(
+            "cancel latency: final Cancelled frame after {cancelled_at:?}, \
+             live() dropped after {live_dropped:?}"
+        );
+        // Generous for a loaded CI machine; the measured values are printed above.
+        assert!(cancelled_at < Duration::from_millis(500));
+        assert!(live_dropped < Duration::from_millis(500));
+        // Conn 10 stays quiet (the marker itself is never answered) while conn 20 runs on.
+        for _ in 0..20 {
+            let g = next(&region, true, Duration::from_secs(10)).expect("conn 20 runs on");
+            assert_eq!((g.conn, g.final_), (20, false), "{g:?}");
+        }
+        // The marker reached the engine holding conn 10's stream, whichever thread popped it.
+        assert!(target.cancels.lock().unwrap().contains(&10));
+        assert_eq!(owner(20).live.load(Ordering::SeqCst), 1);
+        assert_eq!(exec.stats().cancels.load(Ordering::Relaxed), 1);
+        // End the other one too; then the ring stays empty (markers are never answered).
+        push(&region, 20, 0, OP_CANCEL, 0, &[]);
+        loop {
+            let g = next(&region, true, Duration::from_secs(10)).expect("frames of conn 20");
+            assert_eq!(g.conn, 20);
+            if g.final_ {
+                assert_eq!(g.status, Status::Cancelled as u16);
+                break;
+            }
+        }
+        assert!(next(&region, true, Duration::from_millis(50)).is_none());
+        exec.shutdown();
+    }
+
+    #[test]
+    fn a_cancel_behind_a_waiting_request_is_seen_by_a_full_engine() {
+        let region = region();
+        let (engine, log) = FakeGen::boxed(1, Duration::from_millis(1));
+        let exec =
+            CpuExecutor::start_engines(region.clone(), &cfg(16), None, vec![engine]).unwrap();
+        push(&region, 1, 0, GEN, 100_000, &[1]);
+        next(&region, true, Duration::from_secs(10)).expect("a token of conn 1");
+        // The engine is full: conn 2's request waits (taken ahead), and its cancel marker
+        // behind it still reaches the thread; conn 2 is answered without being admitted.
+        push(&region, 2, 0, GEN, 5, &[1]);
+        push(&region, 2, 0, OP_CANCEL, 0, &[]);
+        push(&region, 1, 0, OP_CANCEL, 0, &[]);
+        let mut finals = Vec::new();
+        while finals.len() < 2 {
+            let g = next(&region, true, Duration::from_secs(10)).expect("finals");
+            if g.final_ {
+                finals.push((g.conn, g.status, g.stream));
+            }
+        }
+        finals.sort();
+        assert_eq!(finals[0].1, Status::Cancelled as u16);
+        assert!(finals[0].2 != 0, "conn 1's stream takes credit");
+        assert_eq!(
+            (finals[1].0, finals[1].1, finals[1].2),
+            (2, Status::Cancelled as u16, 0)
+        );
+        let admitted: Vec<u64> = log.admitted.lock().unwrap().iter().map(|a| a.1).collect();
+        assert_eq!(admitted, vec![1]);
+        exec.shutdown();
+    }
+
+    #[test]
+    fn streams_of_different_threads_never_share_an_id() {
+        let region = region();
+        let caps = [2usize, 3, 1];
+        let mut engines = Vec::new();
+        let mut logs = Vec::new();
+        for &c in &caps {
+            let (e, l) = FakeGen::boxed(c, Duration::ZERO);
+            engines.push(e);
+            logs.push(l);
+        }
+        let exec = CpuExecutor::start_engines(region.clone(), &cfg(2), None, engines).unwrap();
+        let n = 60u32;
+        let mut pushed = 0u32;
+        let mut finals = 0;
+        let mut live_per_stream = std::collections::HashMap::<u32, u64>::new();
+        while finals < n {
+            if pushed < n && region.requests().len() < 8 {
+                push(&region, u64::from(pushed), 0, GEN, 3, &[1]);
+                pushed += 1;
+            }
+            let Some(g) = next(&region, true, Duration::from_millis(5)) else {
+                continue;
+            };
+            // While a stream id is live, all its frames belong to one request.
+            let owner = *live_per_stream.entry(g.stream).or_insert(g.conn);
+            assert_eq!(owner, g.conn, "stream {} shared", g.stream);
+            if g.final_ {
+                live_per_stream.remove(&g.stream);
+                finals += 1;
+            }
+        }
+        let mut base = 0u32;
+        for (t, log) in logs.iter().enumerate() {
+            let range = base..base + caps[t] as u32;
+            for (id, _) in log.admitted.lock().unwrap().iter() {
+                assert!(
+                    range.contains(&id.0),
+                    "thread {t} used {id:?} outside {range:?}"
+                );
+            }
+            base = range.end;
+        }
+        let total: usize = logs.iter().map(|l| l.admitted.lock().unwrap().len()).sum();
+        assert_eq!(total, n as usize);
+        exec.shutdown();
+    }
+
+    #[test]
+    fn refuses_more_streams_than_the_ring_has_credit_counters() {
+        let engines = (0..MAX_STREAMS + 1)
+            .map(|_| Box::new(OneShotEngine::new(1)) as Box<dyn Engine>)
+            .collect();
+        let err = CpuExecutor::start_engines(region(), &cfg(16), None, engines).unwrap_err();
+        assert!(err.to_string().contains("513 streams"), "{err}");
+        let err = CpuExecutor::start(
+            region(),
+            &CpuExecutorConfig {
+                slots: MAX_STREAMS + 1,
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(CpuExecutor::start_engines(region(), &cfg(0), None, vec![]).is_err());
+    }
+
+    /// Admits, then drops every stream on its next step without a final frame (a bug the
+    /// executor's safety net covers).
+    struct Forgetful {
+        live: Vec<StreamId>,
+        tell: bool,
+    }
+
+    impl Engine for Forgetful {
+        fn capacity(&self) -> usize {
+            2
+        }
+        fn live(&self) -> usize {
+            self.live.len()
+        }
+        fn admit(&mut self, r: Request<'_>) -> Result<(), Status> {
+            self.live.push(r.stream);
+            Ok(())
+        }
+        fn step(&mut self, _sink: &mut dyn FrameSink) -> Progress {
+            self.live.clear();
+            Progress::Working
+        }
+        fn cancel(&mut self, _conn: u64) {}
+        fn holds(&self, stream: StreamId) -> Option<bool> {
+            self.tell.then(|| self.live.contains(&stream))
+        }
+    }
+
+    #[test]
+    fn a_stream_lost_without_a_final_frame_is_answered_internal() {
+        for tell in [false, true] {
+            let region = region();
+            let engine = Box::new(Forgetful {
+                live: Vec::new(),
+                tell,
+            });
+            let exec =
+                CpuExecutor::start_engines(region.clone(), &cfg(16), None, vec![engine]).unwrap();
+            push(&region, 3, 0, GEN, 5, &[1]);
+            push(&region, 3, 1, Op::Echo as u16, 0, &[1]);
+            let mut got: Vec<_> = (0..2)
+                .map(|_| next(&region, true, Duration::from_secs(10)).expect("answers"))
+                .map(|g| (g.conn_seq, g.status, g.final_, g.stream))
+                .collect();
+            got.sort();
+            assert_eq!(
+                got,
+                vec![
+                    (0, Status::Internal as u16, true, 0),
+                    (1, Status::Internal as u16, true, 0)
+                ]
+            );
+            assert!(next(&region, true, Duration::from_millis(50)).is_none());
+            assert_eq!(exec.stats().lost_streams.load(Ordering::Relaxed), 2);
+            exec.shutdown();
+        }
+    }
+
+    #[test]
+    fn an_admission_refused_by_the_engine_is_answered_with_its_status() {
+        let region = region();
+        let (engine, log) = FakeGen::boxed(2, Duration::ZERO);
+        let exec =
+            CpuExecutor::start_engines(region.clone(), &cfg(16), None, vec![engine]).unwrap();
+        push(&region, 4, 0, GEN, 5, &[u32::MAX]);
+        let g = next(&region, true, Duration::from_secs(10)).expect("an answer");
+        assert_eq!(
+            (g.status, g.final_, g.stream),
+            (Status::BadParam as u16, true, 0)
+        );
+        assert!(log.admitted.lock().unwrap().is_empty());
+        assert_eq!(exec.stats().streams.load(Ordering::Relaxed), 0);
+        exec.shutdown();
     }
 }
