@@ -18,7 +18,7 @@
 //! counters are never shared between threads.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -128,18 +128,22 @@ struct Shared {
     stop: AtomicBool,
     stats: Arc<ExecutorStats>,
     waker: Option<Waker>,
-    /// Per thread: cancel markers popped by other threads (a connection's streams may live in
-    /// any thread's engine).
-    inboxes: Vec<Inbox>,
-    /// Threads whose engines can admit a request now. A full thread takes requests ahead of
-    /// admission only when this is 0: otherwise a thread with room takes them (and the cancel
-    /// markers behind them), and looking ahead would only hold requests back from it.
-    rooms: AtomicUsize,
+    /// Per thread, each on a cache line of its own (written by its owner only on changes, or
+    /// by others on cancels).
+    threads: Vec<PerThread>,
 }
 
 #[derive(Default)]
-struct Inbox {
+#[repr(align(64))]
+struct PerThread {
+    /// The engine can admit a request now. A full thread takes requests ahead of admission
+    /// only when no thread has room: otherwise one with room takes them (and the cancel
+    /// markers behind them), and looking ahead would only hold requests back from it.
+    room: AtomicBool,
+    /// `conns` has entries.
     pending: AtomicBool,
+    /// Cancel markers popped by other threads (a connection's streams may live in any
+    /// thread's engine).
     conns: Mutex<Vec<u64>>,
 }
 
@@ -205,8 +209,12 @@ impl CpuExecutor {
             stop: AtomicBool::new(false),
             stats: Arc::new(ExecutorStats::default()),
             waker,
-            inboxes: (0..engines.len()).map(|_| Inbox::default()).collect(),
-            rooms: AtomicUsize::new(engines.len()),
+            threads: (0..engines.len())
+                .map(|_| PerThread {
+                    room: AtomicBool::new(true),
+                    ..PerThread::default()
+                })
+                .collect(),
         });
         let mut exec = CpuExecutor {
             threads: Vec::with_capacity(engines.len()),
@@ -332,6 +340,9 @@ struct Owed {
     status: Status,
 }
 
+/// How long a thread waits for the completion consumer when the completion ring is full.
+const STALL_SLEEP: Duration = Duration::from_micros(20);
+
 /// Most owed frames before the thread stops taking entries from the ring (they only pile up
 /// while the completion ring is full).
 const OWED_LIMIT: usize = 64;
@@ -362,7 +373,9 @@ struct Worker {
     max_sleep: Duration,
     credit_poll: Duration,
     external_wait: Option<ExternalWait>,
-    /// This thread counts in `Shared::rooms`.
+    /// A frame found the completion ring full in this round.
+    ring_full: bool,
+    /// What this thread last stored in its `PerThread::room`.
     room: bool,
     /// The safety net found fewer live streams than owed but could not tell which: logged
     /// once per episode.
@@ -415,6 +428,7 @@ impl Worker {
             credit_poll: cfg.credit_poll,
             external_wait: cfg.external_wait.clone(),
             room: true,
+            ring_full: false,
             lost_unidentified: false,
         }
     }
@@ -423,6 +437,7 @@ impl Worker {
         while !self.shared.stop.load(Ordering::Acquire) {
             // New requests and cancel markers are looked at between every two steps: a step
             // of a generation engine is one forward pass, and a cancel frees its batch place.
+            self.ring_full = false;
             let mut busy = self.intake();
             busy |= self.flush_owed();
             if self.open > 0 {
@@ -435,6 +450,7 @@ impl Worker {
                     free: &mut self.free,
                     open: &mut self.open,
                     open_streamed: &mut self.open_streamed,
+                    ring_full: &mut self.ring_full,
                     window: self.window,
                 };
                 busy |= self.engine.step(&mut sink) == Progress::Working;
@@ -457,11 +473,9 @@ impl Worker {
         let room = self.can_admit();
         if room != self.room {
             self.room = room;
-            if room {
-                self.shared.rooms.fetch_add(1, Ordering::AcqRel);
-            } else {
-                self.shared.rooms.fetch_sub(1, Ordering::AcqRel);
-            }
+            self.shared.threads[self.t]
+                .room
+                .store(room, Ordering::Release);
         }
     }
 
@@ -478,14 +492,19 @@ impl Worker {
         self.sync_room();
         self.open_streamed > 0
             && self.backlog.len() < self.lookahead
-            && self.shared.rooms.load(Ordering::Acquire) == 0
+            && !self
+                .shared
+                .threads
+                .iter()
+                .any(|p| p.room.load(Ordering::Acquire))
     }
 
     /// Apply cancels from other threads, admit waiting requests, take ring entries.
     fn intake(&mut self) -> bool {
         let mut did = false;
-        let inbox = &self.shared.inboxes[self.t];
-        if inbox.pending.swap(false, Ordering::Acquire) {
+        let inbox = &self.shared.threads[self.t];
+        // Load first: the swap writes the line, and cancels are rare.
+        if inbox.pending.load(Ordering::Relaxed) && inbox.pending.swap(false, Ordering::Acquire) {
             let conns = std::mem::take(&mut *inbox.conns.lock().unwrap_or_else(|e| e.into_inner()));
             for conn in conns {
                 self.cancel_local(conn);
@@ -635,7 +654,7 @@ impl Worker {
     /// Tell the other threads: the connection's streams may live in their engines, or be
     /// about to (another thread may have popped a request of it just before this marker).
     fn broadcast_cancel(&self, conn: u64) {
-        for (t, inbox) in self.shared.inboxes.iter().enumerate() {
+        for (t, inbox) in self.shared.threads.iter().enumerate() {
             if t != self.t {
                 inbox
                     .conns
@@ -665,6 +684,7 @@ impl Worker {
                 },
             );
             if !ok {
+                self.ring_full = true;
                 break;
             }
             self.owed.pop_front();
@@ -722,9 +742,15 @@ impl Worker {
 
     /// Nothing to do right now.
     fn idle(&mut self) {
+        if self.ring_full {
+            // The completion consumer is behind: let it run, and look again soon (it rings no
+            // doorbell when it frees slots).
+            std::thread::sleep(STALL_SLEEP);
+            return;
+        }
         if self.open > 0 || !self.owed.is_empty() || !self.backlog.is_empty() {
-            // Live streams wait for credit or for room in the completion ring. Neither rings a
-            // doorbell, so poll; new ring entries cut the wait short when the thread takes them.
+            // Live streams wait for credit. Acks ring no doorbell, so poll; new ring entries cut
+            // the wait short when the thread takes them.
             if self.wants_entries() {
                 self.sleep(self.credit_poll);
             } else {
@@ -735,7 +761,7 @@ impl Worker {
         // Nothing live: spin briefly (a burst often has more requests right behind), then
         // sleep until a producer rings the doorbell.
         let ring = self.shared.region.requests();
-        let inbox = &self.shared.inboxes[self.t];
+        let inbox = &self.shared.threads[self.t];
         let spin_until = Instant::now() + self.idle_spin;
         while Instant::now() < spin_until {
             if !ring.is_empty() || inbox.pending.load(Ordering::Relaxed) {
@@ -821,6 +847,7 @@ struct Sink<'a> {
     free: &'a mut Vec<u32>,
     open: &'a mut usize,
     open_streamed: &'a mut usize,
+    ring_full: &'a mut bool,
     window: u32,
 }
 
@@ -882,6 +909,7 @@ impl FrameSink for Sink<'_> {
             credit_stream,
             frame,
         ) {
+            *self.ring_full = true;
             return Err(NoCredit);
         }
         let m = &mut self.streams[local];
@@ -1151,6 +1179,40 @@ mod tests {
         );
         assert!(next(&region, true, Duration::from_millis(50)).is_none());
         assert_eq!(exec.stats().requests.load(Ordering::Relaxed), 3);
+        exec.shutdown();
+    }
+
+    #[test]
+    fn a_full_completion_ring_holds_replies_back_and_loses_none() {
+        let region = Arc::new(
+            RingRegion::new(RingConfig {
+                request_slots: 16,
+                completion_slots: 2,
+            })
+            .unwrap(),
+        );
+        let exec = CpuExecutor::start(
+            region.clone(),
+            &CpuExecutorConfig {
+                slots: 3,
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap();
+        for i in 0..10 {
+            push(&region, 1, i, Op::Echo as u16, 0, &[i]);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let mut got: Vec<_> = (0..10)
+            .map(|_| next(&region, true, Duration::from_secs(10)).expect("a reply"))
+            .map(|g| (g.conn_seq, g.words, g.stream))
+            .collect();
+        got.sort();
+        let want: Vec<_> = (0..10).map(|i| (i, vec![i], 0)).collect();
+        assert_eq!(got, want);
+        assert!(next(&region, true, Duration::from_millis(50)).is_none());
+        assert!(exec.stats().completion_stalls.load(Ordering::Relaxed) > 0);
         exec.shutdown();
     }
 
