@@ -468,7 +468,7 @@ impl Worker {
         !self.free.is_empty() && self.engine.live() < self.engine.capacity()
     }
 
-    /// Keep `Shared::rooms` up to date (touched only when this thread's room changes).
+    /// Keep this thread's `PerThread::room` up to date (stored only when it changes).
     fn sync_room(&mut self) {
         let room = self.can_admit();
         if room != self.room {
