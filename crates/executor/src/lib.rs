@@ -1203,7 +1203,11 @@ mod tests {
         for i in 0..10 {
             push(&region, 1, i, Op::Echo as u16, 0, &[i]);
         }
-        std::thread::sleep(Duration::from_millis(50));
+        // Nobody reads until the slots have run into the full ring.
+        let end = Instant::now() + Duration::from_secs(10);
+        while exec.stats().completion_stalls.load(Ordering::Relaxed) == 0 && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let mut got: Vec<_> = (0..10)
             .map(|_| next(&region, true, Duration::from_secs(10)).expect("a reply"))
             .map(|g| (g.conn_seq, g.words, g.stream))
