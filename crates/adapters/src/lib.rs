@@ -1,27 +1,12 @@
-//! Adapters: the work an executor runs in a slot for one request.
+//! Adapters: the CPU implementations of the one-shot ops (echo, gemm8, fft32).
 //!
-//! An adapter turns a request (op, param, payload words) into one or more reply frames through
-//! an [`Emit`] sink. One-shot adapters emit exactly one final frame; the generation adapter (a
-//! later addition) emits a token frame per generated token and then a final frame. The CPU
-//! implementations here define the reference semantics that the GPU adapters must match.
+//! They define the reference semantics the GPU kernels must match. Executors do not call them
+//! directly: `bgs_engine::oneshot::OneShotEngine` wraps [`OneShotCpu`] as an engine.
 
 pub mod fft;
 pub mod gemm;
 
 use bgs_protocol::{Op, Status};
-
-/// Where an adapter writes its reply frames.
-pub trait Emit {
-    /// Publish one frame. `final_` ends the request; `stream_seq` is the token index for
-    /// streamed frames (0 otherwise).
-    fn emit(&mut self, status: Status, final_: bool, stream_seq: u32, words: &[u32]);
-}
-
-/// Work that runs in an executor slot.
-pub trait Adapter: Send {
-    /// Execute one validated request and emit its reply frames (at least one final frame).
-    fn run(&mut self, op: Op, param: u32, payload: &[u32], emit: &mut dyn Emit);
-}
 
 /// The one-shot CPU adapter: echo, gemm8 (A·B with the fixed server matrix) and fft32.
 ///
@@ -61,6 +46,23 @@ impl OneShotCpu {
         &self.out
     }
 
+    /// Run one validated one-shot request and return its single reply frame (status and
+    /// words; the words borrow `payload` for echo, else this adapter's output buffer).
+    ///
+    /// The framer has validated sizes and params; they are re-checked cheaply so that a caller
+    /// that bypasses it gets an error status instead of a panic. `generate` is not a one-shot
+    /// op: a server without a model answers it `UnknownOp`.
+    pub fn run<'a>(&'a mut self, op: Op, param: u32, payload: &'a [u32]) -> (Status, &'a [u32]) {
+        let one_shot_ok = payload.len() == 64 && param <= bgs_protocol::MAX_REPEAT;
+        match op {
+            Op::Echo => (Status::Ok, payload),
+            Op::Gemm8 if one_shot_ok => (Status::Ok, &self.gemm8(payload, param)[..]),
+            Op::Fft32 if one_shot_ok => (Status::Ok, &self.fft32(payload, param)[..]),
+            Op::Gemm8 | Op::Fft32 => (Status::BadParam, &[]),
+            Op::Generate => (Status::UnknownOp, &[]),
+        }
+    }
+
     /// Run fft32 `repeat` times on `x` (32 interleaved complex64) and return the result words.
     pub fn fft32(&mut self, x: &[u32], repeat: u32) -> &[u32; 64] {
         let mut xf = [0f32; 64];
@@ -78,49 +80,19 @@ impl OneShotCpu {
     }
 }
 
-impl Adapter for OneShotCpu {
-    fn run(&mut self, op: Op, param: u32, payload: &[u32], emit: &mut dyn Emit) {
-        // The framer has validated sizes and params; re-check cheaply so that a caller that
-        // bypasses it gets an error frame instead of a panic.
-        let one_shot_ok = payload.len() == 64 && param <= bgs_protocol::MAX_REPEAT;
-        match op {
-            Op::Echo => emit.emit(Status::Ok, true, 0, payload),
-            Op::Gemm8 if one_shot_ok => {
-                let out = *self.gemm8(payload, param);
-                emit.emit(Status::Ok, true, 0, &out);
-            }
-            Op::Fft32 if one_shot_ok => {
-                let out = *self.fft32(payload, param);
-                emit.emit(Status::Ok, true, 0, &out);
-            }
-            Op::Gemm8 | Op::Fft32 => emit.emit(Status::BadParam, true, 0, &[]),
-            Op::Generate => emit.emit(Status::UnknownOp, true, 0, &[]),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[derive(Default)]
-    struct Collect(Vec<(Status, bool, u32, Vec<u32>)>);
-    impl Emit for Collect {
-        fn emit(&mut self, status: Status, final_: bool, stream_seq: u32, words: &[u32]) {
-            self.0.push((status, final_, stream_seq, words.to_vec()));
-        }
-    }
-
     #[test]
     fn echo_and_errors() {
         let mut a = OneShotCpu::default();
-        let mut c = Collect::default();
-        a.run(Op::Echo, 5, &[1, 2, 3], &mut c);
-        a.run(Op::Gemm8, 1, &[1, 2, 3], &mut c);
-        a.run(Op::Generate, 1, &[], &mut c);
-        assert_eq!(c.0[0], (Status::Ok, true, 0, vec![1, 2, 3]));
-        assert_eq!(c.0[1].0, Status::BadParam);
-        assert_eq!(c.0[2].0, Status::UnknownOp);
+        assert_eq!(a.run(Op::Echo, 5, &[1, 2, 3]), (Status::Ok, &[1, 2, 3][..]));
+        assert_eq!(a.run(Op::Gemm8, 1, &[1, 2, 3]).0, Status::BadParam);
+        assert_eq!(a.run(Op::Fft32, 1, &[0; 63]).0, Status::BadParam);
+        assert_eq!(a.run(Op::Generate, 1, &[]).0, Status::UnknownOp);
+        let (st, words) = a.run(Op::Gemm8, 1, &[0; 64]);
+        assert_eq!((st, words.len()), (Status::Ok, 64));
     }
 
     #[test]

@@ -14,6 +14,8 @@
 //! - `cancel` frees the stream's resources (KV blocks, batch place) at once; only the final
 //!   `Cancelled` frame may still be owed, and it is emitted as soon as the sink takes it.
 
+pub mod oneshot;
+
 use bgs_protocol::{Op, Status};
 
 /// A live stream inside one executor: an index below the executor's stream capacity,
@@ -89,4 +91,13 @@ pub trait Engine: Send {
     /// Connection `conn` ended: every stream of it ends with a final `Cancelled` frame, and
     /// its resources are freed now.
     fn cancel(&mut self, conn: u64);
+    /// Whether `stream` is still live (admitted, final frame not yet published), when the
+    /// engine can tell; `None` (the default) when it cannot. The executor uses it only for
+    /// its safety net: when [`Engine::live`] drops below the streams it still owes a final
+    /// frame, it answers the lost ones with `Internal`. Without this method it can only
+    /// identify them once `live()` reaches 0.
+    fn holds(&self, stream: StreamId) -> Option<bool> {
+        let _ = stream;
+        None
+    }
 }
