@@ -168,6 +168,7 @@ mod tests {
             conn: 7,
             op,
             param,
+            flags: 0,
             payload,
         }
     }

@@ -281,6 +281,7 @@ struct Job {
     op: u16,
     request_id: u32,
     param: u32,
+    flags: u32,
     route: u32,
     words: usize,
     payload: [u32; SLOT_WORDS],
@@ -294,6 +295,7 @@ impl Job {
             op: 0,
             request_id: 0,
             param: 0,
+            flags: 0,
             route: 0,
             words: 0,
             payload: [0; SLOT_WORDS],
@@ -569,6 +571,7 @@ impl Worker {
             job.op = e.op;
             job.request_id = e.request_id;
             job.param = e.param;
+            job.flags = e.flags;
             job.route = e.route;
             job.words = n;
             if e.op != OP_CANCEL && e.op != OP_REJECT {
@@ -604,6 +607,7 @@ impl Worker {
             conn: job.conn,
             op,
             param: job.param,
+            flags: job.flags,
             payload: &job.payload[..job.words],
         };
         match self.engine.admit(request) {

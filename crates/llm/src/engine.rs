@@ -582,6 +582,13 @@ impl<M: StepModel> Engine for GenerationEngine<M> {
         self.seqs.len() + self.oneshots.len()
     }
 
+    fn holds(&self, stream: StreamId) -> Option<bool> {
+        Some(
+            self.seqs.iter().any(|s| s.stream == stream)
+                || self.oneshots.iter().any(|o| o.stream == stream),
+        )
+    }
+
     fn admit(&mut self, r: Request<'_>) -> Result<(), Status> {
         if self.live() >= self.capacity() {
             return Err(Status::Busy);
