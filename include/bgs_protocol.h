@@ -148,7 +148,8 @@ BGS_STATIC_ASSERT((long long)BGS_OP_GENERATE_PARAM_MIN <= (long long)BGS_OP_GENE
 BGS_STATIC_ASSERT((BGS_OP_GENERATE_FLAGS & ~BGS_KNOWN_FLAGS) == 0u, "generate: flags");
 BGS_STATIC_ASSERT(BGS_OP_GENERATE_STREAMING == (BGS_OP_GENERATE_TOKEN_WORDS != 0u), "generate: stream");
 
-#if defined(__CUDACC__)
+/* __CUDACC__: NVRTC and nvcc; __CUDA__: clang -x cuda without the CUDA headers. */
+#if defined(__CUDACC__) || defined(__CUDA__)
 #define BGS_OP_FN static __device__ __forceinline__
 #elif defined(__bpf__) || defined(__BPF__)
 #define BGS_OP_FN static inline __attribute__((always_inline))

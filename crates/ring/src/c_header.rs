@@ -790,7 +790,8 @@ fn c_u32(v: u32) -> String {
 }
 
 /// Helper functions in the generated header: usable from BPF C, CUDA (device code) and C.
-const OP_FN_PRELUDE: &str = r#"#if defined(__CUDACC__)
+const OP_FN_PRELUDE: &str = r#"/* __CUDACC__: NVRTC and nvcc; __CUDA__: clang -x cuda without the CUDA headers. */
+#if defined(__CUDACC__) || defined(__CUDA__)
 #define BGS_OP_FN static __device__ __forceinline__
 #elif defined(__bpf__) || defined(__BPF__)
 #define BGS_OP_FN static inline __attribute__((always_inline))
