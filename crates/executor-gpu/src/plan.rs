@@ -77,7 +77,10 @@ pub fn plan(op: u16, param: u32, words: u32) -> Option<Plan> {
     if let Err(status) = ops::check(spec, words, param, 0) {
         return Some(none(status, 0));
     }
-    let out_words = spec.reply.final_words(words).min(bgs_ring::SLOT_WORDS as u32);
+    let out_words = spec
+        .reply
+        .final_words(words)
+        .min(bgs_ring::SLOT_WORDS as u32);
     Some(Plan {
         status: Status::Ok as u16,
         out_words,
