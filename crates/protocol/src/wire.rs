@@ -60,17 +60,17 @@ pub enum Status {
     BadMagic = 16,
     /// The version was not 1 (connection closed).
     BadVersion = 17,
-    /// The op is not served (connection stays open).
+    /// The op is unknown, or not served by this executor (connection stays open).
     UnknownOp = 18,
     /// More payload words than the server's limit (connection closed).
     PayloadTooLarge = 19,
-    /// The param or payload size is invalid for the op (connection stays open).
+    /// The param or payload size is outside the op's range (connection stays open).
     BadParam = 20,
     /// Admission refused: the request ring is full (connection stays open).
     Busy = 21,
     /// The server failed to execute the request.
     Internal = 22,
-    /// Flags were not 0 (connection closed).
+    /// A flag bit the op does not allow (connection closed).
     BadFlags = 23,
     /// The request was cancelled because its connection ended (EOF, reset or close) while
     /// it was queued or streaming; the final frame of such a request.
