@@ -76,6 +76,146 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 #define BGS_STATUS_BAD_FLAGS 23u                         /* closes the connection */
 #define BGS_STATUS_CANCELLED 24u
 
+/* Op table (crates/protocol/src/ops.rs). Per op: payload words min/max
+ * (BGS_WORDS_SERVER_LIMIT: up to the server's limit), param min/max and the value an
+ * executor uses for param 0, allowed request flag bits, words of the final reply frame
+ * (BGS_REPLY_WORDS_AS_REQUEST: the request's words), words of each token frame, and
+ * whether the reply is a stream. */
+#define BGS_NUM_OPS 4u                                   /* ops 0 .. BGS_NUM_OPS - 1 */
+#define BGS_WORDS_SERVER_LIMIT 0xffffffffu               /* words max: the server's --max-words */
+#define BGS_REPLY_WORDS_AS_REQUEST 0xffffffffu           /* reply words: as many as the request */
+#define BGS_FLAG_IGNORE_EOS 0x1u                         /* generate: do not stop at EOS */
+#define BGS_KNOWN_FLAGS 0x1u                             /* every flag bit some op allows */
+#define BGS_MAX_NEW_TOKENS 4096u                         /* generate: largest param */
+/* echo */
+#define BGS_OP_ECHO_WORDS_MIN 0u
+#define BGS_OP_ECHO_WORDS_MAX 0xffffffffu
+#define BGS_OP_ECHO_PARAM_MIN 0u                         /* ignored */
+#define BGS_OP_ECHO_PARAM_MAX 0xffffffffu
+#define BGS_OP_ECHO_PARAM_ZERO_MEANS 0u
+#define BGS_OP_ECHO_FLAGS 0x0u
+#define BGS_OP_ECHO_REPLY_WORDS BGS_REPLY_WORDS_AS_REQUEST /* final frame */
+#define BGS_OP_ECHO_TOKEN_WORDS 0u
+#define BGS_OP_ECHO_STREAMING 0u
+BGS_STATIC_ASSERT(BGS_OP_ECHO < BGS_NUM_OPS, "echo: op");
+BGS_STATIC_ASSERT((long long)BGS_OP_ECHO_WORDS_MIN <= (long long)BGS_OP_ECHO_WORDS_MAX, "echo: words");
+BGS_STATIC_ASSERT((long long)BGS_OP_ECHO_PARAM_MIN <= (long long)BGS_OP_ECHO_PARAM_MAX, "echo: param");
+BGS_STATIC_ASSERT((BGS_OP_ECHO_FLAGS & ~BGS_KNOWN_FLAGS) == 0u, "echo: flags");
+BGS_STATIC_ASSERT(BGS_OP_ECHO_STREAMING == (BGS_OP_ECHO_TOKEN_WORDS != 0u), "echo: stream");
+/* gemm8 */
+#define BGS_OP_GEMM8_WORDS_MIN 64u
+#define BGS_OP_GEMM8_WORDS_MAX 64u
+#define BGS_OP_GEMM8_PARAM_MIN 0u                        /* repeat count */
+#define BGS_OP_GEMM8_PARAM_MAX 256u
+#define BGS_OP_GEMM8_PARAM_ZERO_MEANS 1u
+#define BGS_OP_GEMM8_FLAGS 0x0u
+#define BGS_OP_GEMM8_REPLY_WORDS 64u                     /* final frame */
+#define BGS_OP_GEMM8_TOKEN_WORDS 0u
+#define BGS_OP_GEMM8_STREAMING 0u
+BGS_STATIC_ASSERT(BGS_OP_GEMM8 < BGS_NUM_OPS, "gemm8: op");
+BGS_STATIC_ASSERT((long long)BGS_OP_GEMM8_WORDS_MIN <= (long long)BGS_OP_GEMM8_WORDS_MAX, "gemm8: words");
+BGS_STATIC_ASSERT((long long)BGS_OP_GEMM8_PARAM_MIN <= (long long)BGS_OP_GEMM8_PARAM_MAX, "gemm8: param");
+BGS_STATIC_ASSERT((BGS_OP_GEMM8_FLAGS & ~BGS_KNOWN_FLAGS) == 0u, "gemm8: flags");
+BGS_STATIC_ASSERT(BGS_OP_GEMM8_STREAMING == (BGS_OP_GEMM8_TOKEN_WORDS != 0u), "gemm8: stream");
+/* fft32 */
+#define BGS_OP_FFT32_WORDS_MIN 64u
+#define BGS_OP_FFT32_WORDS_MAX 64u
+#define BGS_OP_FFT32_PARAM_MIN 0u                        /* repeat count */
+#define BGS_OP_FFT32_PARAM_MAX 256u
+#define BGS_OP_FFT32_PARAM_ZERO_MEANS 1u
+#define BGS_OP_FFT32_FLAGS 0x0u
+#define BGS_OP_FFT32_REPLY_WORDS 64u                     /* final frame */
+#define BGS_OP_FFT32_TOKEN_WORDS 0u
+#define BGS_OP_FFT32_STREAMING 0u
+BGS_STATIC_ASSERT(BGS_OP_FFT32 < BGS_NUM_OPS, "fft32: op");
+BGS_STATIC_ASSERT((long long)BGS_OP_FFT32_WORDS_MIN <= (long long)BGS_OP_FFT32_WORDS_MAX, "fft32: words");
+BGS_STATIC_ASSERT((long long)BGS_OP_FFT32_PARAM_MIN <= (long long)BGS_OP_FFT32_PARAM_MAX, "fft32: param");
+BGS_STATIC_ASSERT((BGS_OP_FFT32_FLAGS & ~BGS_KNOWN_FLAGS) == 0u, "fft32: flags");
+BGS_STATIC_ASSERT(BGS_OP_FFT32_STREAMING == (BGS_OP_FFT32_TOKEN_WORDS != 0u), "fft32: stream");
+/* generate */
+#define BGS_OP_GENERATE_WORDS_MIN 1u
+#define BGS_OP_GENERATE_WORDS_MAX 0xffffffffu
+#define BGS_OP_GENERATE_PARAM_MIN 1u                     /* max new tokens */
+#define BGS_OP_GENERATE_PARAM_MAX 4096u
+#define BGS_OP_GENERATE_PARAM_ZERO_MEANS 0u
+#define BGS_OP_GENERATE_FLAGS 0x1u
+#define BGS_OP_GENERATE_REPLY_WORDS 2u                   /* final frame */
+#define BGS_OP_GENERATE_TOKEN_WORDS 1u
+#define BGS_OP_GENERATE_STREAMING 1u
+BGS_STATIC_ASSERT(BGS_OP_GENERATE < BGS_NUM_OPS, "generate: op");
+BGS_STATIC_ASSERT((long long)BGS_OP_GENERATE_WORDS_MIN <= (long long)BGS_OP_GENERATE_WORDS_MAX, "generate: words");
+BGS_STATIC_ASSERT((long long)BGS_OP_GENERATE_PARAM_MIN <= (long long)BGS_OP_GENERATE_PARAM_MAX, "generate: param");
+BGS_STATIC_ASSERT((BGS_OP_GENERATE_FLAGS & ~BGS_KNOWN_FLAGS) == 0u, "generate: flags");
+BGS_STATIC_ASSERT(BGS_OP_GENERATE_STREAMING == (BGS_OP_GENERATE_TOKEN_WORDS != 0u), "generate: stream");
+
+/* __CUDACC__: NVRTC and nvcc; __CUDA__: clang -x cuda without the CUDA headers. */
+#if defined(__CUDACC__) || defined(__CUDA__)
+#define BGS_OP_FN static __device__ __forceinline__
+#elif defined(__bpf__) || defined(__BPF__)
+#define BGS_OP_FN static inline __attribute__((always_inline))
+#else
+#define BGS_OP_FN static inline
+#endif
+/* One op's payload and param rules (ops.rs `check`): 0 or BGS_STATUS_BAD_PARAM. */
+BGS_OP_FN bgs_u32 bgs_op_rule(bgs_u32 words, bgs_u32 param, bgs_u32 words_min,
+                              bgs_u32 words_max, bgs_u32 param_min, bgs_u32 param_max) {
+    if (words < words_min || words > words_max || param < param_min || param > param_max)
+        return BGS_STATUS_BAD_PARAM;
+    return 0u;
+}
+/* Request flag bits an op allows; none for an unknown op (ops.rs `allowed_flags`).
+ * Checked as soon as header bytes 20..24 arrive: status 23 when flags has another bit. */
+BGS_OP_FN bgs_u32 bgs_op_allowed_flags(bgs_u32 op) {
+    if (op == BGS_OP_ECHO) return BGS_OP_ECHO_FLAGS;
+    if (op == BGS_OP_GEMM8) return BGS_OP_GEMM8_FLAGS;
+    if (op == BGS_OP_FFT32) return BGS_OP_FFT32_FLAGS;
+    if (op == BGS_OP_GENERATE) return BGS_OP_GENERATE_FLAGS;
+    return 0u;
+}
+/* The semantic checks of a complete frame whose flags passed (ops.rs `check_request`):
+ * 0, BGS_STATUS_UNKNOWN_OP or BGS_STATUS_BAD_PARAM. */
+BGS_OP_FN bgs_u32 bgs_op_check(bgs_u32 op, bgs_u32 words, bgs_u32 param) {
+    if (op == BGS_OP_ECHO)
+        return bgs_op_rule(words, param, BGS_OP_ECHO_WORDS_MIN, BGS_OP_ECHO_WORDS_MAX,
+                           BGS_OP_ECHO_PARAM_MIN, BGS_OP_ECHO_PARAM_MAX);
+    if (op == BGS_OP_GEMM8)
+        return bgs_op_rule(words, param, BGS_OP_GEMM8_WORDS_MIN, BGS_OP_GEMM8_WORDS_MAX,
+                           BGS_OP_GEMM8_PARAM_MIN, BGS_OP_GEMM8_PARAM_MAX);
+    if (op == BGS_OP_FFT32)
+        return bgs_op_rule(words, param, BGS_OP_FFT32_WORDS_MIN, BGS_OP_FFT32_WORDS_MAX,
+                           BGS_OP_FFT32_PARAM_MIN, BGS_OP_FFT32_PARAM_MAX);
+    if (op == BGS_OP_GENERATE)
+        return bgs_op_rule(words, param, BGS_OP_GENERATE_WORDS_MIN, BGS_OP_GENERATE_WORDS_MAX,
+                           BGS_OP_GENERATE_PARAM_MIN, BGS_OP_GENERATE_PARAM_MAX);
+    return BGS_STATUS_UNKNOWN_OP;
+}
+/* The param an executor uses: param, or PARAM_ZERO_MEANS for 0 (ops.rs `param_value`). */
+BGS_OP_FN bgs_u32 bgs_op_param_value(bgs_u32 op, bgs_u32 param) {
+    if (param != 0u) return param;
+    if (op == BGS_OP_ECHO) return BGS_OP_ECHO_PARAM_ZERO_MEANS;
+    if (op == BGS_OP_GEMM8) return BGS_OP_GEMM8_PARAM_ZERO_MEANS;
+    if (op == BGS_OP_FFT32) return BGS_OP_FFT32_PARAM_ZERO_MEANS;
+    if (op == BGS_OP_GENERATE) return BGS_OP_GENERATE_PARAM_ZERO_MEANS;
+    return 0u;
+}
+/* Words of the final frame of a successful reply (ops.rs `Reply::final_words`). */
+BGS_OP_FN bgs_u32 bgs_op_reply_words(bgs_u32 op, bgs_u32 request_words) {
+    if (op == BGS_OP_ECHO) return request_words;
+    if (op == BGS_OP_GEMM8) return BGS_OP_GEMM8_REPLY_WORDS;
+    if (op == BGS_OP_FFT32) return BGS_OP_FFT32_REPLY_WORDS;
+    if (op == BGS_OP_GENERATE) return BGS_OP_GENERATE_REPLY_WORDS;
+    (void)request_words;
+    return 0u;
+}
+/* 1 when the op's reply is a stream of token frames and an end-of-stream frame. */
+BGS_OP_FN bgs_u32 bgs_op_streaming(bgs_u32 op) {
+    if (op == BGS_OP_ECHO) return BGS_OP_ECHO_STREAMING;
+    if (op == BGS_OP_GEMM8) return BGS_OP_GEMM8_STREAMING;
+    if (op == BGS_OP_FFT32) return BGS_OP_FFT32_STREAMING;
+    if (op == BGS_OP_GENERATE) return BGS_OP_GENERATE_STREAMING;
+    return 0u;
+}
+
 /* Request frame header on the wire (all fields little-endian). */
 struct bgs_wire_request_header {
     bgs_u32 magic;                           /*    0: BGS_REQUEST_MAGIC */
@@ -84,7 +224,7 @@ struct bgs_wire_request_header {
     bgs_u32 request_id;                      /*    8 */
     bgs_u32 words;                           /*   12: payload words that follow */
     bgs_u32 param;                           /*   16 */
-    bgs_u32 flags;                           /*   20: must be 0 */
+    bgs_u32 flags;                           /*   20: BGS_OP_*_FLAGS bits only */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_wire_request_header) == 24, "sizeof bgs_wire_request_header");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_wire_request_header, magic) == 0, "bgs_wire_request_header.magic");

@@ -13,7 +13,6 @@ fuzz_target!(|data: &[u8]| {
     let cfg = FramerConfig {
         max_words: 16,
         max_http_head: 512,
-        generate: split & 1 == 1,
     };
     let mut framer = Framer::new(cfg);
     let mut buf = Vec::new();

@@ -90,8 +90,6 @@ pub struct KernelRxConfig {
     pub max_words: u32,
     /// Largest HTTP head in bytes.
     pub max_http_head: u32,
-    /// Whether `generate` is served.
-    pub generate: bool,
     /// Connections tracked at once (sizes the sockhash and the state map, with slack for
     /// connections that are closing).
     pub max_connections: u32,
@@ -107,7 +105,6 @@ impl Default for KernelRxConfig {
             listen_port: 0,
             max_words: bgs_protocol::wire::DEFAULT_MAX_WORDS,
             max_http_head: 8192,
-            generate: false,
             max_connections: 4096,
             request_slots: DEFAULT_REQUEST_SLOTS,
             completion_slots: DEFAULT_COMPLETION_SLOTS,
@@ -480,7 +477,6 @@ impl KernelRx {
             ro.cfg_port = u32::from(cfg.listen_port);
             ro.cfg_max_words = cfg.max_words;
             ro.cfg_max_head = cfg.max_http_head;
-            ro.cfg_generate = u32::from(cfg.generate);
             ro.cfg_req_mask = u64::from(cfg.request_slots - 1);
             ro.cfg_comp_mask = u64::from(cfg.completion_slots - 1);
             ro.cfg_comp_off = comp_off as u64;

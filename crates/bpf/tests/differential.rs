@@ -22,6 +22,12 @@ fn frame(op: u16, id: u32, words: u32, param: u32) -> Vec<u8> {
     out
 }
 
+fn frame_flags(op: u16, id: u32, words: u32, param: u32, flags: u32) -> Vec<u8> {
+    let mut f = frame(op, id, words, param);
+    f[20..24].copy_from_slice(&flags.to_le_bytes());
+    f
+}
+
 fn frame_with(f: impl FnOnce(&mut RequestHeader), words: u32) -> Vec<u8> {
     let mut h = RequestHeader::new(Op::Echo, 7, words, 0);
     f(&mut h);
@@ -68,7 +74,19 @@ fn hand_cases() -> Vec<(&'static str, Vec<u8>)> {
         ("payload too large header only", frame(0, 4, 1000, 0)[..16].to_vec()),
         ("bad flags", frame_with(|h| h.flags = 1, 0)),
         ("unknown op", [frame(9, 5, 2, 0), echo.clone()].concat()),
-        ("generate not served", [frame(3, 6, 1, 10), echo.clone()].concat()),
+        ("generate", [frame(3, 6, 1, 10), echo.clone()].concat()),
+        ("generate ignore eos", [frame_flags(3, 6, 64, 4096, 1), echo.clone()].concat()),
+        ("generate no prompt", [frame(3, 6, 0, 10), echo.clone()].concat()),
+        ("generate 0 new tokens", [frame(3, 6, 2, 0), echo.clone()].concat()),
+        ("generate 4097 new tokens", [frame(3, 6, 2, 4097), echo.clone()].concat()),
+        ("generate flag bit 1", [frame_flags(3, 6, 2, 5, 2), echo.clone()].concat()),
+        ("generate flags before param", frame_flags(3, 6, 0, 0, 3)),
+        ("echo flag bit 0", [frame_flags(0, 6, 2, 5, 1), echo.clone()].concat()),
+        ("gemm8 flag bit 0", frame_flags(1, 6, 64, 1, 1)),
+        ("unknown op flag bit 0", frame_flags(9, 6, 1, 1, 1)),
+        ("http generate", [post(&frame_flags(3, 6, 3, 7, 1), ""), post(&echo, "")].concat()),
+        ("http generate bad param", [post(&frame(3, 6, 3, 0), ""), post(&echo, "")].concat()),
+        ("http generate bad flags", post(&frame_flags(3, 6, 3, 7, 8), "")),
         ("gemm8 wrong words", [frame(1, 7, 63, 1), echo.clone()].concat()),
         ("gemm8 repeat 257", [frame(1, 8, 64, 257), echo.clone()].concat()),
         ("partial frame at EOF", [echo.clone(), frame(0, 3, 10, 0)[..30].to_vec()].concat()),
@@ -190,6 +208,7 @@ enum Piece {
         id: u32,
         words: u32,
         param: u32,
+        flags: u32,
     },
 }
 
@@ -199,7 +218,8 @@ fn piece_strategy() -> impl Strategy<Value = Piece> {
             op: 0,
             id: w * 3,
             words: w,
-            param: 0
+            param: 0,
+            flags: 0,
         }),
         (
             1u16..=2,
@@ -211,16 +231,37 @@ fn piece_strategy() -> impl Strategy<Value = Piece> {
                 op,
                 id,
                 words,
-                param
+                param,
+                flags: 0,
             }),
-        (3u16..=8, any::<u32>(), 0u32..=8, any::<u32>()).prop_map(|(op, id, words, param)| {
-            Piece::Frame {
+        // generate around its bounds, with the allowed flag, a forbidden one, or none.
+        (
+            any::<u32>(),
+            0u32..=3,
+            prop_oneof![0u32..=2, 4095u32..=4097],
+            prop_oneof![Just(0u32), Just(1u32), 0u32..=4]
+        )
+            .prop_map(|(id, words, param, flags)| Piece::Frame {
+                op: 3,
+                id,
+                words,
+                param,
+                flags,
+            }),
+        (
+            0u16..=8,
+            any::<u32>(),
+            0u32..=8,
+            any::<u32>(),
+            prop_oneof![3 => Just(0u32), 1 => any::<u32>()]
+        )
+            .prop_map(|(op, id, words, param, flags)| Piece::Frame {
                 op,
                 id,
                 words,
                 param,
-            }
-        }),
+                flags,
+            }),
     ]
 }
 
@@ -241,8 +282,9 @@ fn stream_strategy() -> impl Strategy<Value = (Vec<u8>, Vec<usize>, bool)> {
                     id,
                     words,
                     param,
+                    flags,
                 } = *p;
-                let f = frame(op, id, words, param);
+                let f = frame_flags(op, id, words, param, flags);
                 if wrap {
                     let extra = match variants[i % variants.len()] {
                         0 => "",

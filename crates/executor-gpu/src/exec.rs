@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bgs_protocol::Status;
-use bgs_ring::{RequestEntry, RingRegion, SLOT_WORDS};
+use bgs_ring::{OP_CANCEL, RequestEntry, RingRegion, SLOT_WORDS};
 use cudarc::cublas::sys as cublas;
 use cudarc::cufft::sys as cufft;
 use cudarc::driver::sys as cu;
@@ -560,11 +560,17 @@ impl Shared {
     /// Answer one request with Internal (after a failure); false if the ring was empty.
     fn answer_internal(&self) -> bool {
         let mut meta = None;
-        self.region.requests().try_pop(|e| {
-            meta = Some((e.conn, e.conn_seq, e.request_id, e.route));
+        let popped = self.region.requests().try_pop(|e| {
+            // OP_CANCEL entries are never answered, not even after a failure.
+            if e.op != OP_CANCEL {
+                meta = Some((e.conn, e.conn_seq, e.request_id, e.route));
+            }
         });
-        let Some((conn, conn_seq, request_id, route)) = meta else {
+        if popped.is_none() {
             return false;
+        }
+        let Some((conn, conn_seq, request_id, route)) = meta else {
+            return true;
         };
         loop {
             let r = self.region.completions().try_push(|c| {
@@ -576,6 +582,7 @@ impl Shared {
                 c.words = 0;
                 c.stream_seq = 0;
                 c.route = route;
+                c.stream = 0;
             });
             if r.is_ok() || self.stopping.load(Ordering::Acquire) {
                 break;
@@ -1467,6 +1474,11 @@ fn host_dispatcher(sh: &Shared) {
             continue;
         };
         idle_since = Instant::now();
+        let Some(p) = p else {
+            // An OP_CANCEL entry, consumed and never answered (the slot stays free).
+            table.release(j);
+            continue;
+        };
         // SAFETY: as above; the device reads pos/busy only after the launches below.
         unsafe {
             std::ptr::addr_of_mut!((*d.slot_ctl_host.add(j)).pos).write_volatile(STAGED);

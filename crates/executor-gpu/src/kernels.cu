@@ -178,36 +178,34 @@ __device__ __forceinline__ void record_error(struct bgs_gpu_ctl *ctl, bgs_u32 er
     }
 }
 
-/* The reply plan of a request: the same rules as the CPU executor (crates/executor). Returns
- * the repeat count for gemm8/fft32 (1..=256), 0 when no compute runs. */
+/* The reply plan of a request (src/plan.rs `plan`): the op rules come from the generated op
+ * table (bgs_op_* in bgs_protocol.h). Returns the repeat count for gemm8/fft32 (1..=256), 0 when
+ * no compute runs. Never called for BGS_RING_OP_CANCEL entries: the dispatchers skip them. */
 __device__ __forceinline__ bgs_u32 plan(bgs_u32 op, bgs_u32 param, bgs_u32 words, bgs_u32 *status,
                                         bgs_u32 *out_words, bgs_u32 *from_out) {
     *from_out = 0;
+    *out_words = 0;
     if (op == BGS_RING_OP_REJECT) {
         bool known = param < 32 && ((BGS_VALID_STATUS_MASK >> param) & 1u);
         *status = known ? param : BGS_STATUS_INTERNAL;
-        *out_words = 0;
         return 0;
     }
-    if (op == BGS_OP_ECHO) {
-        *status = BGS_STATUS_OK;
-        *out_words = words;
+    /* The ops the GPU serves; generate needs a model, which this executor does not have. */
+    if (op != BGS_OP_ECHO && op != BGS_OP_GEMM8 && op != BGS_OP_FFT32) {
+        *status = BGS_STATUS_UNKNOWN_OP;
         return 0;
     }
-    if (op == BGS_OP_GEMM8 || op == BGS_OP_FFT32) {
-        if (words != BGS_ONE_SHOT_WORDS || param > BGS_MAX_REPEAT) {
-            *status = BGS_STATUS_BAD_PARAM;
-            *out_words = 0;
-            return 0;
-        }
-        *status = BGS_STATUS_OK;
-        *out_words = BGS_ONE_SHOT_WORDS;
-        *from_out = 1;
-        return param == 0 ? 1 : param;
+    /* The framer checked these; re-checked so that a producer bypassing it gets an error. */
+    const bgs_u32 bad = bgs_op_check(op, words, param);
+    if (bad != 0) {
+        *status = bad;
+        return 0;
     }
-    *status = BGS_STATUS_UNKNOWN_OP;
-    *out_words = 0;
-    return 0;
+    *status = BGS_STATUS_OK;
+    *out_words = bgs_op_reply_words(op, words);
+    if (op == BGS_OP_ECHO) return 0;
+    *from_out = 1;
+    return bgs_op_param_value(op, param);
 }
 
 /* ---- the resident scheduler: one warp, device-launched, tail-relaunches itself ----
@@ -218,7 +216,9 @@ __device__ __forceinline__ bgs_u32 plan(bgs_u32 op, bgs_u32 param, bgs_u32 words
  * work graph (start -> 2^k library calls -> publish) when the request needs no compute or a
  * power-of-two repeat count, else the slot's start graph, which tail-launches the exact
  * repeat chain and the publish graph. After an idle round only one seq is read (a batch of
- * one), so an idle scheduler does not poll 32 host lines. */
+ * one), so an idle scheduler does not poll 32 host lines. BGS_RING_OP_CANCEL entries (a
+ * connection ended) are claimed with the rest and freed without a slot or an answer: the GPU
+ * keeps no per-connection state, and a completion for them would be a stray reply. */
 #define FULL_MASK 0xffffffffu
 __device__ __forceinline__ bgs_u64 shfl64(bgs_u64 v, int src) {
     return __shfl_sync(FULL_MASK, v, src);
@@ -320,16 +320,26 @@ extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
             pos = old;
             continue;
         }
-        /* Lane i takes the i-th free slot at or after the round-robin cursor. */
+        /* Cancel entries: free their ring slots now (consumed, never answered). */
+        const bool cancel = lane < m && op == BGS_RING_OP_CANCEL;
+        const bool work = lane < m && !cancel;
+        const bgs_u32 workmask = __ballot_sync(FULL_MASK, work);
+        const bgs_u32 nwork = (bgs_u32)__popc(workmask);
+        if (cancel) {
+            st_release_sys(&request_slot(ring, pos + lane)->seq,
+                           pos + lane + (bgs_u64)h->request_capacity);
+        }
+        /* The i-th work lane takes the i-th free slot at or after the round-robin cursor. */
+        const bgs_u32 rank = (bgs_u32)__popc(workmask & ((1u << lane) - 1u));
         int slot = -1;
         bgs_u64 g = 0;
-        if (lane < m) {
+        if (work) {
             bgs_u32 c = 0;
             for (bgs_u32 k = 0; k < n; k++) {
                 bgs_u32 j = next + k;
                 if (j >= n) j -= n;
                 if ((freemask >> j) & 1ull) {
-                    if (c == lane) {
+                    if (c == rank) {
                         slot = (int)j;
                         break;
                     }
@@ -354,11 +364,12 @@ extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
         __syncwarp();
         cudaError_t err = cudaSuccess;
         if (lanes_launch) {
-            if (lane < m) err = launch_work(g, &retries);
+            if (work) err = launch_work(g, &retries);
         } else {
             for (bgs_u32 i = 0; i < m; i++) {
                 const bgs_u64 gi = shfl64(g, (int)i);
-                if (lane == 0 && err == cudaSuccess) err = launch_work(gi, &retries);
+                if (lane == 0 && ((workmask >> i) & 1u) && err == cudaSuccess)
+                    err = launch_work(gi, &retries);
             }
         }
         if (__any_sync(FULL_MASK, err != cudaSuccess)) {
@@ -369,12 +380,14 @@ extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
             if (lane == 0) s->next = next;
             return;
         }
-        const int last = __shfl_sync(FULL_MASK, slot, (int)m - 1);
-        next = (bgs_u32)last + 1;
-        if (next >= n) next = 0;
-        launches += m;
+        if (nwork != 0) {
+            const int last = __shfl_sync(FULL_MASK, slot, 31 - __clz((int)workmask));
+            next = (bgs_u32)last + 1;
+            if (next >= n) next = 0;
+        }
+        launches += nwork;
         batches++;
-        if (lane == 0) s->dispatched += m;
+        if (lane == 0) s->dispatched += nwork;
         pos += m;
         empty = false;
     }
@@ -664,7 +677,9 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             ce->words = n;
             ce->stream_seq = 0;
             ce->route = s->route;
-            for (int i = 0; i < 6; i++) ce->reserved[i] = 0;
+            ce->stream = 0; /* one-shot replies take no stream credit (ring layout v2) */
+            for (unsigned i = 0; i < sizeof(ce->reserved) / sizeof(ce->reserved[0]); i++)
+                ce->reserved[i] = 0;
         }
     }
     __syncthreads();

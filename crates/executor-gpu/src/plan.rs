@@ -1,9 +1,9 @@
 //! Host-side logic shared by both dispatchers and mirrored in the kernels: the reply plan of a
 //! request, the repeat decomposition, free-slot bookkeeping and the scheduler's launch budget.
 
-use bgs_protocol::wire::{MAX_REPEAT, ONE_SHOT_WORDS};
+use bgs_protocol::ops;
 use bgs_protocol::{Op, Status};
-use bgs_ring::OP_REJECT;
+use bgs_ring::{OP_CANCEL, OP_REJECT};
 
 use crate::layout::{FUSED_NONE, REPEAT_BITS};
 
@@ -42,39 +42,50 @@ pub struct Plan {
     pub compute: Option<(Compute, u32)>,
 }
 
-/// The reply plan for a request's op, param and payload words.
-pub fn plan(op: u16, param: u32, words: u32) -> Plan {
+/// The reply plan for a request-ring entry's op, param and payload words; `None` for an
+/// [`OP_CANCEL`] entry, which the dispatchers consume without answering (a completion for it
+/// would be a stray reply: it has no `conn_seq` of its own). The kernels' `plan` mirrors this.
+///
+/// The op rules come from the op table ([`bgs_protocol::ops`]); the GPU serves echo, gemm8 and
+/// fft32, and answers generate (it has no model) and unknown ops with `UnknownOp`.
+pub fn plan(op: u16, param: u32, words: u32) -> Option<Plan> {
     let none = |status: Status, out_words: u32| Plan {
         status: status as u16,
         out_words,
         compute: None,
     };
+    if op == OP_CANCEL {
+        return None;
+    }
     if op == OP_REJECT {
         let status = u16::try_from(param)
             .ok()
             .and_then(Status::from_u16)
             .unwrap_or(Status::Internal);
-        return none(status, 0);
+        return Some(none(status, 0));
     }
-    match Op::from_u16(op) {
-        Some(Op::Echo) => none(Status::Ok, words.min(bgs_ring::SLOT_WORDS as u32)),
-        Some(o @ (Op::Gemm8 | Op::Fft32)) => {
-            if words != ONE_SHOT_WORDS || param > MAX_REPEAT {
-                return none(Status::BadParam, 0);
-            }
-            let c = if o == Op::Gemm8 {
-                Compute::Gemm
-            } else {
-                Compute::Fft
-            };
-            Plan {
-                status: Status::Ok as u16,
-                out_words: ONE_SHOT_WORDS,
-                compute: Some((c, param.max(1))),
-            }
-        }
-        Some(Op::Generate) | None => none(Status::UnknownOp, 0),
+    let Some(spec) = ops::spec_of(op) else {
+        return Some(none(Status::UnknownOp, 0));
+    };
+    let compute = match spec.op {
+        Op::Echo => None,
+        Op::Gemm8 => Some(Compute::Gemm),
+        Op::Fft32 => Some(Compute::Fft),
+        Op::Generate => return Some(none(Status::UnknownOp, 0)),
+    };
+    // The framer checked these; re-checked so that a producer bypassing it gets an error frame.
+    if let Err(status) = ops::check(spec, words, param, 0) {
+        return Some(none(status, 0));
     }
+    let out_words = spec
+        .reply
+        .final_words(words)
+        .min(bgs_ring::SLOT_WORDS as u32);
+    Some(Plan {
+        status: Status::Ok as u16,
+        out_words,
+        compute: compute.map(|c| (c, spec.param_value(param))),
+    })
 }
 
 /// The graphs (powers of two, ascending) whose repeats add up to exactly `r`.
@@ -205,38 +216,84 @@ mod tests {
     use super::*;
     use crate::layout::FUSED;
 
+    fn p(op: u16, param: u32, words: u32) -> Plan {
+        plan(op, param, words).expect("answered")
+    }
+
     #[test]
     fn plans_match_the_cpu_executor() {
-        assert_eq!(plan(Op::Echo as u16, 7, 3).out_words, 3);
-        assert_eq!(plan(Op::Echo as u16, 7, 3).compute, None);
-        let g = plan(Op::Gemm8 as u16, 0, 64);
+        assert_eq!(p(Op::Echo as u16, 7, 3).out_words, 3);
+        assert_eq!(p(Op::Echo as u16, 7, 3).compute, None);
+        assert_eq!(p(Op::Echo as u16, 0, 0).out_words, 0);
+        let g = p(Op::Gemm8 as u16, 0, 64);
         assert_eq!(g.compute, Some((Compute::Gemm, 1)));
         assert_eq!(g.out_words, 64);
         assert_eq!(
-            plan(Op::Fft32 as u16, 256, 64).compute,
+            p(Op::Fft32 as u16, 256, 64).compute,
             Some((Compute::Fft, 256))
         );
+        assert_eq!(p(Op::Fft32 as u16, 257, 64).status, Status::BadParam as u16);
+        assert_eq!(p(Op::Gemm8 as u16, 1, 3).status, Status::BadParam as u16);
+        assert_eq!(p(99, 1, 0).status, Status::UnknownOp as u16);
         assert_eq!(
-            plan(Op::Fft32 as u16, 257, 64).status,
-            Status::BadParam as u16
-        );
-        assert_eq!(plan(Op::Gemm8 as u16, 1, 3).status, Status::BadParam as u16);
-        assert_eq!(
-            plan(Op::Generate as u16, 1, 0).status,
-            Status::UnknownOp as u16
-        );
-        assert_eq!(plan(99, 1, 0).status, Status::UnknownOp as u16);
-        assert_eq!(
-            plan(OP_REJECT, Status::Busy as u32, 0).status,
+            p(OP_REJECT, Status::Busy as u32, 0).status,
             Status::Busy as u16
         );
-        assert_eq!(plan(OP_REJECT, 999, 0).status, Status::Internal as u16);
-        assert_eq!(plan(OP_REJECT, 70_000, 0).status, Status::Internal as u16);
+        assert_eq!(p(OP_REJECT, 999, 0).status, Status::Internal as u16);
+        assert_eq!(p(OP_REJECT, 70_000, 0).status, Status::Internal as u16);
+    }
+
+    #[test]
+    fn generate_is_answered_unknown_op_without_compute() {
+        // Valid generate requests (as the framer now passes them) and invalid ones alike: the
+        // GPU has no model, so one final UnknownOp frame with no words.
+        for (param, words) in [(1, 1), (4096, 64), (0, 0), (5000, 3)] {
+            let g = p(Op::Generate as u16, param, words);
+            assert_eq!(g.status, Status::UnknownOp as u16);
+            assert_eq!((g.out_words, g.compute), (0, None));
+            assert_eq!(fused_index(&g), Some(FUSED_NONE));
+        }
+    }
+
+    #[test]
+    fn cancel_entries_are_never_answered() {
+        for (param, words) in [(0, 0), (1, 64), (u32::MAX, u32::MAX)] {
+            assert_eq!(plan(OP_CANCEL, param, words), None);
+        }
+        // Every other op value is answered with some known status.
+        for op in (0..=u16::MAX).filter(|&o| o != OP_CANCEL) {
+            let pl = plan(op, 1, 64).expect("answered");
+            assert!(Status::from_u16(pl.status).is_some(), "op {op}");
+        }
+    }
+
+    #[test]
+    fn plans_follow_the_op_table() {
+        // Every op the GPU serves: in-range requests succeed with the table's reply size,
+        // out-of-range ones are BadParam, exactly where the table's bounds are.
+        for spec in bgs_protocol::OPS.iter().filter(|s| s.op != Op::Generate) {
+            let op = spec.wire();
+            for words in [0, 1, 63, 64, 65, 256] {
+                for param in [0, 1, 255, 256, 257, u32::MAX] {
+                    let pl = p(op, param, words);
+                    match ops::check(spec, words, param, 0) {
+                        Ok(()) => {
+                            assert_eq!(pl.status, Status::Ok as u16);
+                            assert_eq!(pl.out_words, spec.reply.final_words(words));
+                            if let Some((_, r)) = pl.compute {
+                                assert_eq!(r, param.max(1));
+                            }
+                        }
+                        Err(s) => assert_eq!(pl.status, s as u16, "{op} {words} {param}"),
+                    }
+                }
+            }
+        }
     }
 
     #[test]
     fn repeat_chains_sum_exactly() {
-        for r in 1..=MAX_REPEAT {
+        for r in 1..=bgs_protocol::MAX_REPEAT {
             let s: u32 = repeat_chain(r).map(|k| 1u32 << k).sum();
             assert_eq!(s, r);
             assert!(repeat_chain(r).count() <= REPEAT_BITS);
@@ -250,10 +307,10 @@ mod tests {
     fn fused_graphs_cover_powers_of_two_and_no_compute() {
         let mut seen = std::collections::HashSet::new();
         for op in [Op::Gemm8, Op::Fft32] {
-            for r in 0..=MAX_REPEAT {
-                let p = plan(op as u16, r, ONE_SHOT_WORDS);
+            for r in 0..=bgs_protocol::MAX_REPEAT {
+                let pl = p(op as u16, r, bgs_protocol::wire::ONE_SHOT_WORDS);
                 let reps = r.max(1);
-                match fused_index(&p) {
+                match fused_index(&pl) {
                     Some(f) => {
                         assert!(reps.is_power_of_two(), "{r}");
                         assert!(f < FUSED && f != FUSED_NONE);
@@ -266,13 +323,13 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), FUSED - 1);
-        for p in [
-            plan(Op::Echo as u16, 0, 7),
-            plan(OP_REJECT, 1, 0),
-            plan(99, 0, 0),
-            plan(Op::Gemm8 as u16, 300, 64),
+        for pl in [
+            p(Op::Echo as u16, 0, 7),
+            p(OP_REJECT, 1, 0),
+            p(99, 0, 0),
+            p(Op::Gemm8 as u16, 300, 64),
         ] {
-            assert_eq!(fused_index(&p), Some(FUSED_NONE));
+            assert_eq!(fused_index(&pl), Some(FUSED_NONE));
         }
     }
 

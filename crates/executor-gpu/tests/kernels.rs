@@ -95,6 +95,7 @@ __device__ unsigned __ballot_sync(unsigned, int);
 __device__ int __any_sync(unsigned, int);
 template <typename T> __device__ T __shfl_sync(unsigned, T, int);
 __device__ int __popcll(unsigned long long);
+__device__ int __popc(unsigned);
 __device__ int __ffs(int);
 __device__ int __clz(int);
 __device__ unsigned atomicAdd(unsigned *, unsigned);

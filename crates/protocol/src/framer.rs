@@ -11,9 +11,8 @@
 //! order, so any split or coalescing of a stream yields the same sequence of results. The rules
 //! are listed in `docs/protocol.md` ("Framing rules"); the BPF framer implements the same list.
 
-use crate::wire::{
-    HEADER_LEN, MAX_REPEAT, ONE_SHOT_WORDS, Op, REQUEST_MAGIC, RequestHeader, Status, VERSION,
-};
+use crate::ops;
+use crate::wire::{HEADER_LEN, REQUEST_MAGIC, RequestHeader, Status, VERSION};
 
 /// Limits and switches of a framer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,8 +21,6 @@ pub struct FramerConfig {
     pub max_words: u32,
     /// Largest HTTP request head (request line, headers and the blank line), in bytes.
     pub max_http_head: usize,
-    /// Whether `generate` is served; when false it is answered with `UnknownOp`.
-    pub generate: bool,
 }
 
 impl Default for FramerConfig {
@@ -31,7 +28,6 @@ impl Default for FramerConfig {
         FramerConfig {
             max_words: crate::wire::DEFAULT_MAX_WORDS,
             max_http_head: 8192,
-            generate: false,
         }
     }
 }
@@ -317,27 +313,18 @@ fn check_frame(cfg: &FramerConfig, b: &[u8], mode: Mode, close_http: bool) -> Fr
         return FrameCheck::NeedMore;
     }
     let h = RequestHeader::decode(b);
-    if h.flags != 0 {
+    // The op (bytes 6..8) is known by now, so "flags this op allows" is a wire-order check.
+    if h.flags & !ops::allowed_flags(h.op) != 0 {
         return reject(Status::BadFlags, request_id);
     }
     let len = HEADER_LEN + words as usize * 4;
     if b.len() < len {
         return FrameCheck::NeedMore;
     }
-    // Semantic checks: the frame is consumed and the connection stays open.
-    let semantic = match Op::from_u16(h.op) {
-        None => Some(Status::UnknownOp),
-        Some(Op::Generate) if !cfg.generate => Some(Status::UnknownOp),
-        Some(Op::Gemm8 | Op::Fft32) if words != ONE_SHOT_WORDS || h.param > MAX_REPEAT => {
-            Some(Status::BadParam)
-        }
-        Some(_) => None,
-    };
-    match semantic {
-        Some(status) => {
-            FrameCheck::Reject(len, Reject::frame(mode, status, request_id, close_http))
-        }
-        None => FrameCheck::Request(h, len),
+    // Semantic checks (the op table): the frame is consumed and the connection stays open.
+    match ops::check_request(h.op, words, h.param, h.flags) {
+        Ok(_) => FrameCheck::Request(h, len),
+        Err(status) => FrameCheck::Reject(len, Reject::frame(mode, status, request_id, close_http)),
     }
 }
 

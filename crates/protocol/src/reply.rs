@@ -1,4 +1,5 @@
-//! Encoders for reply frames, request frames (clients) and HTTP responses.
+//! Encoders for reply frames, request frames (clients) and HTTP responses, and the reply
+//! encoders every transport uses ([`encode_frame`], [`encode_reject`]).
 //!
 //! They append to a caller's buffer and never allocate on their own (integers are formatted
 //! with `write!` into the buffer), so a server can encode replies without per-reply heap
@@ -6,6 +7,7 @@
 
 use std::io::Write as _;
 
+use crate::framer::{Framing, Reject};
 use crate::wire::{HEADER_LEN, ReplyHeader, RequestHeader, Status};
 
 /// Append one reply frame (header + words) to `out`.
@@ -92,6 +94,78 @@ pub fn http_last_chunk(out: &mut Vec<u8>) {
     out.extend_from_slice(b"0\r\n\r\n");
 }
 
+/// One reply frame to encode.
+#[derive(Debug, Clone, Copy)]
+pub struct FrameOut<'a> {
+    /// Frame status.
+    pub status: Status,
+    /// Whether this frame ends its request.
+    pub final_: bool,
+    /// Token index (streamed frames), else 0.
+    pub stream_seq: u32,
+    /// The request's id.
+    pub request_id: u32,
+    /// Payload words.
+    pub words: &'a [u32],
+}
+
+/// Append one reply frame for an item that arrived with `framing`. In HTTP mode a lone final
+/// frame becomes a Content-Length response; a stream opens a chunked response at its first
+/// frame (`http_started` records that) and closes it at its final frame.
+pub fn encode_frame(
+    out: &mut Vec<u8>,
+    framing: Framing,
+    http_started: &mut bool,
+    f: &FrameOut<'_>,
+) {
+    match framing {
+        Framing::Binary => encode_reply(out, f.status, f.request_id, f.stream_seq, f.words),
+        Framing::Http { keep_alive } => {
+            // The frame goes straight into `out` after its HTTP framing, whose length fields
+            // are known in advance: no temporary buffer per reply.
+            let close = !keep_alive;
+            let frame_len = HEADER_LEN + f.words.len() * 4;
+            if f.final_ && !*http_started {
+                http_response_head(out, f.status.http_status(), Some(frame_len), close);
+                encode_reply(out, f.status, f.request_id, f.stream_seq, f.words);
+            } else {
+                if !*http_started {
+                    http_response_head(out, 200, None, close);
+                }
+                http_chunk_head(out, frame_len);
+                encode_reply(out, f.status, f.request_id, f.stream_seq, f.words);
+                out.extend_from_slice(b"\r\n");
+                if f.final_ {
+                    http_last_chunk(out);
+                }
+            }
+            *http_started = true;
+        }
+    }
+}
+
+/// Append the reply to a rejected item: a bare error frame, or an HTTP error response whose
+/// body is the error frame where a frame status applies.
+pub fn encode_reject(out: &mut Vec<u8>, reject: &Reject) {
+    match reject.http_status {
+        None => {
+            let status = reject.status.unwrap_or(Status::Internal);
+            encode_reply(out, status, reject.request_id, 0, &[]);
+        }
+        Some(code) => {
+            let body = if reject.status.is_some() {
+                HEADER_LEN
+            } else {
+                0
+            };
+            http_response_head(out, code, Some(body), reject.close);
+            if let Some(status) = reject.status {
+                encode_reply(out, status, reject.request_id, 0, &[]);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,5 +192,50 @@ mod tests {
         assert_eq!(v.len(), 32);
         assert_eq!(&v[0..4], b"BGR1");
         assert_eq!(u32::from_le_bytes(v[24..28].try_into().unwrap()), 1);
+    }
+
+    #[test]
+    fn http_stream_is_chunked_and_lone_final_frames_are_not() {
+        let tok = FrameOut {
+            status: Status::Token,
+            final_: false,
+            stream_seq: 0,
+            request_id: 5,
+            words: &[42],
+        };
+        let end = FrameOut {
+            status: Status::EndOfStream,
+            final_: true,
+            stream_seq: 1,
+            request_id: 5,
+            words: &[1, 1],
+        };
+        let mut v = Vec::new();
+        let mut started = false;
+        let http = Framing::Http { keep_alive: true };
+        encode_frame(&mut v, http, &mut started, &tok);
+        encode_frame(&mut v, http, &mut started, &end);
+        let s = String::from_utf8_lossy(&v);
+        assert!(s.starts_with("HTTP/1.1 200 OK\r\n"));
+        assert!(s.contains("Transfer-Encoding: chunked\r\n"));
+        assert!(s.contains("\r\n1c\r\n"), "token chunk of 28 bytes");
+        assert!(s.ends_with("0\r\n\r\n"));
+        let mut v = Vec::new();
+        let mut started = false;
+        encode_frame(&mut v, Framing::Binary, &mut started, &end);
+        assert_eq!(ReplyHeader::decode(&v).seq, 1);
+        assert_eq!(v.len(), HEADER_LEN + 8);
+        let mut v = Vec::new();
+        let r = Reject {
+            request_id: 3,
+            status: Some(Status::BadFlags),
+            http_status: Some(400),
+            close: true,
+        };
+        encode_reject(&mut v, &r);
+        let s = String::from_utf8_lossy(&v);
+        assert!(s.starts_with("HTTP/1.1 400 Bad Request\r\n"));
+        assert!(s.contains("Connection: close\r\n"));
+        assert!(s.contains("Content-Length: 24\r\n"));
     }
 }

@@ -25,30 +25,24 @@ pub enum Op {
     Gemm8 = 1,
     /// 32-point complex64 forward DFT (unnormalized), `param` times.
     Fft32 = 2,
-    /// LLM generation (specified separately).
+    /// LLM generation: prompt token ids in, a stream of token frames out.
     Generate = 3,
 }
 
 impl Op {
-    /// The op for a wire value, if it is known.
+    /// The op for a wire value, if it is known (an entry of [`crate::ops::OPS`]).
     pub fn from_u16(v: u16) -> Option<Op> {
-        Some(match v {
-            0 => Op::Echo,
-            1 => Op::Gemm8,
-            2 => Op::Fft32,
-            3 => Op::Generate,
-            _ => return None,
-        })
+        crate::ops::spec_of(v).map(|s| s.op)
     }
 
     /// Lower-case name used by the CLI and reports.
     pub fn name(self) -> &'static str {
-        match self {
-            Op::Echo => "echo",
-            Op::Gemm8 => "gemm8",
-            Op::Fft32 => "fft32",
-            Op::Generate => "generate",
-        }
+        self.spec().name
+    }
+
+    /// This op's rules (its entry of [`crate::ops::OPS`]).
+    pub fn spec(self) -> &'static crate::ops::OpSpec {
+        &crate::ops::OPS[self as usize]
     }
 }
 
@@ -66,17 +60,17 @@ pub enum Status {
     BadMagic = 16,
     /// The version was not 1 (connection closed).
     BadVersion = 17,
-    /// The op is not served (connection stays open).
+    /// The op is unknown, or not served by this executor (connection stays open).
     UnknownOp = 18,
     /// More payload words than the server's limit (connection closed).
     PayloadTooLarge = 19,
-    /// The param or payload size is invalid for the op (connection stays open).
+    /// The param or payload size is outside the op's range (connection stays open).
     BadParam = 20,
     /// Admission refused: the request ring is full (connection stays open).
     Busy = 21,
     /// The server failed to execute the request.
     Internal = 22,
-    /// Flags were not 0 (connection closed).
+    /// A flag bit the op does not allow (connection closed).
     BadFlags = 23,
     /// The request was cancelled because its connection ended (EOF, reset or close) while
     /// it was queued or streaming; the final frame of such a request.
@@ -157,7 +151,7 @@ pub struct RequestHeader {
     pub words: u32,
     /// Repeat count (gemm8/fft32) or max new tokens (generate).
     pub param: u32,
-    /// Must be 0 in version 1.
+    /// Request flags: only the bits the op allows (`OpSpec::flags`).
     pub flags: u32,
 }
 
@@ -201,9 +195,10 @@ impl RequestHeader {
         b
     }
 
-    /// The repeat count a gemm8/fft32 request asks for (0 means 1).
+    /// The param an executor uses: for gemm8/fft32 the repeat count (0 means 1), see
+    /// [`crate::ops::OpSpec::param_value`]; the raw param for an unknown op.
     pub fn repeat(&self) -> u32 {
-        self.param.max(1)
+        crate::ops::spec_of(self.op).map_or(self.param, |s| s.param_value(self.param))
     }
 }
 

@@ -151,24 +151,146 @@ fn framing_errors_close_and_report() {
 fn semantic_errors_keep_connection() {
     let w = vec![0u32; 64];
     let mut s = frame(9, 1, 0, &[1]);
-    s.extend(frame(3, 2, 4, &[1])); // generate: not served yet
+    s.extend(frame(3, 2, 4, &[1])); // generate: valid at the framer (the executor may say 18)
     s.extend(frame(1, 3, 257, &w)); // repeat over the limit
     s.extend(frame(1, 4, 0, &[1, 2])); // gemm8 needs 64 words
     s.extend(frame(2, 5, 0, &w)); // repeat 0 means 1: valid
+    s.extend(frame(3, 6, 0, &[1])); // generate: max new tokens 0
+    s.extend(frame(3, 7, 4097, &[1])); // generate: max new tokens over 4096
+    s.extend(frame(3, 8, 1, &[])); // generate: an empty prompt
     let items = whole(cfg(), &s);
     assert_eq!(items[0], rej(1, Some(Status::UnknownOp), None, false));
-    assert_eq!(items[1], rej(2, Some(Status::UnknownOp), None, false));
+    assert!(matches!(items[1], Item::Req { .. }));
     assert_eq!(items[2], rej(3, Some(Status::BadParam), None, false));
     assert_eq!(items[3], rej(4, Some(Status::BadParam), None, false));
     assert!(matches!(items[4], Item::Req { .. }));
-    let g = FramerConfig {
-        generate: true,
-        ..cfg()
-    };
-    assert!(matches!(
-        whole(g, &frame(3, 2, 4, &[1]))[0],
-        Item::Req { .. }
-    ));
+    assert_eq!(items[5], rej(6, Some(Status::BadParam), None, false));
+    assert_eq!(items[6], rej(7, Some(Status::BadParam), None, false));
+    assert_eq!(items[7], rej(8, Some(Status::BadParam), None, false));
+    assert_eq!(items.len(), 8);
+}
+
+fn frame_flags(op: u16, id: u32, param: u32, flags: u32, words: &[u32]) -> Vec<u8> {
+    let mut f = frame(op, id, param, words);
+    f[20..24].copy_from_slice(&flags.to_le_bytes());
+    f
+}
+
+/// What the framer answers for one frame, fed byte by byte (so every check runs as soon as its
+/// bytes arrive), as a status (0 for a request) and whether the connection closes.
+fn verdict(f: &[u8]) -> (u16, bool) {
+    let a = whole(cfg(), f);
+    assert_eq!(a, run(cfg(), f, &[1]), "split changed the verdict");
+    match a.as_slice() {
+        [Item::Req { .. }] => (0, false),
+        [Item::Rej { status, close, .. }] => (status.map_or(0, |s| s as u16), *close),
+        other => panic!("one item expected, got {other:?}"),
+    }
+}
+
+/// Every op's rules from the table, at and around each bound, through the framer.
+#[test]
+fn every_op_rule_through_the_framer() {
+    use bgs_protocol::ops::{KNOWN_FLAGS, OPS, Reply, WORDS_SERVER_LIMIT};
+    let max_words = cfg().max_words;
+    let ok = (0, false);
+    let bad_param = (Status::BadParam as u16, false);
+    let bad_flags = (Status::BadFlags as u16, true);
+    for spec in &OPS {
+        let op = spec.wire();
+        let wmax = if spec.words.max == WORDS_SERVER_LIMIT {
+            max_words
+        } else {
+            spec.words.max
+        };
+        let pmin = spec.param.min;
+        let payload = |n: u32| vec![5u32; n as usize];
+        let name = spec.name;
+        // Payload words: min and max pass, one outside either bound is status 20.
+        for (n, want) in [(spec.words.min, ok), (wmax, ok)] {
+            assert_eq!(
+                verdict(&frame(op, 1, pmin, &payload(n))),
+                want,
+                "{name} words {n}"
+            );
+        }
+        if spec.words.min > 0 {
+            let n = spec.words.min - 1;
+            assert_eq!(
+                verdict(&frame(op, 1, pmin, &payload(n))),
+                bad_param,
+                "{name} words {n}"
+            );
+        }
+        if wmax < max_words {
+            let n = wmax + 1;
+            assert_eq!(
+                verdict(&frame(op, 1, pmin, &payload(n))),
+                bad_param,
+                "{name} words {n}"
+            );
+        }
+        // Param: min and max pass, one outside either bound is status 20.
+        let w = payload(spec.words.min.max(1).min(wmax));
+        for p in [spec.param.min, spec.param.max] {
+            assert_eq!(verdict(&frame(op, 2, p, &w)), ok, "{name} param {p}");
+        }
+        if spec.param.min > 0 {
+            let p = spec.param.min - 1;
+            assert_eq!(verdict(&frame(op, 2, p, &w)), bad_param, "{name} param {p}");
+        }
+        if spec.param.max < u32::MAX {
+            let p = spec.param.max + 1;
+            assert_eq!(verdict(&frame(op, 2, p, &w)), bad_param, "{name} param {p}");
+        }
+        // Flags: each allowed bit passes; every other bit closes with 23, also on a frame
+        // whose payload and param would be rejected later (flags come first on the wire).
+        for bit in 0..32 {
+            let flag = 1u32 << bit;
+            let want = if spec.flags & flag != 0 {
+                ok
+            } else {
+                bad_flags
+            };
+            assert_eq!(
+                verdict(&frame_flags(op, 3, pmin, flag, &w)),
+                want,
+                "{name} flag bit {bit}"
+            );
+        }
+        assert_eq!(
+            verdict(&frame_flags(op, 3, pmin, spec.flags, &w)),
+            ok,
+            "{name} all flags"
+        );
+        assert_eq!(
+            verdict(&frame_flags(op, 3, u32::MAX, !spec.flags, &[])),
+            bad_flags,
+            "{name} flags before param"
+        );
+        // The table's reply shape is one of the documented ones.
+        match spec.reply {
+            Reply::Fixed(n) => assert_eq!(n, 64),
+            Reply::AsRequest => assert_eq!(spec.op, Op::Echo),
+            Reply::Stream {
+                token_words,
+                final_words,
+            } => assert_eq!((token_words, final_words), (1, 2)),
+        }
+    }
+    // An unknown op allows no flag; with flags 0 it is status 18 (connection stays open).
+    assert_eq!(
+        verdict(&frame(OPS.len() as u16, 4, 0, &[1])),
+        (Status::UnknownOp as u16, false)
+    );
+    assert_eq!(
+        verdict(&frame_flags(OPS.len() as u16, 4, 0, KNOWN_FLAGS, &[1])),
+        bad_flags
+    );
+    // The decisions, spelled out: generate takes 1..=max words, 1..=4096 new tokens and flag 1.
+    let gen_ok = frame_flags(3, 9, 4096, bgs_protocol::FLAG_IGNORE_EOS, &[1; 64]);
+    assert_eq!(verdict(&gen_ok), ok);
+    assert_eq!(verdict(&frame_flags(1, 9, 1, 1, &[0; 64])), bad_flags);
 }
 
 #[test]
@@ -257,17 +379,22 @@ fn http_requests_and_errors() {
 
 fn arb_frame() -> impl Strategy<Value = Vec<u8>> {
     (
-        0u16..4,
+        0u16..5,
         any::<u32>(),
-        0u32..300,
+        prop_oneof![0u32..300, 4090u32..4100],
         prop::collection::vec(any::<u32>(), 0..70),
         any::<bool>(),
+        prop_oneof![Just(0u32), 0u32..4],
     )
-        .prop_map(|(op, id, param, mut words, one_shot)| {
+        .prop_map(|(op, id, param, mut words, one_shot, flags)| {
             if one_shot {
                 words.resize(64, 7);
             }
-            frame(op % 3, id, param, &words)
+            // Ops 0..=3 and an unknown one; flags mostly 0, sometimes bit 0 (generate only)
+            // or a bit no op allows.
+            let mut f = frame(op, id, param, &words);
+            f[20..24].copy_from_slice(&flags.to_le_bytes());
+            f
         })
 }
 

@@ -13,6 +13,7 @@
 use core::fmt::Write as _;
 use core::mem::{offset_of, size_of};
 
+use bgs_protocol::ops::{self, OPS, OpSpec, Reply};
 use bgs_protocol::wire::{self, Op, ReplyHeader, RequestHeader, Status};
 
 use crate::layout::{
@@ -720,7 +721,12 @@ fn wire_structs() -> Vec<StructDesc> {
             "payload words that follow",
         ),
         f("param", U32, req(|h| h.param = M32, &m32), ""),
-        f("flags", U32, req(|h| h.flags = M32, &m32), "must be 0"),
+        f(
+            "flags",
+            U32,
+            req(|h| h.flags = M32, &m32),
+            "BGS_OP_*_FLAGS bits only",
+        ),
     ];
     let mut reply = vec![
         f(
@@ -767,6 +773,197 @@ fn wire_structs() -> Vec<StructDesc> {
             fields: reply,
         },
     ]
+}
+
+/// The C name of an op's constants: `BGS_OP_GEMM8`.
+fn op_c_name(spec: &OpSpec) -> String {
+    format!("BGS_OP_{}", upper_snake(&format!("{:?}", spec.op)))
+}
+
+/// `u32::MAX` as the C sentinel it stands for, other values as decimal.
+fn c_u32(v: u32) -> String {
+    if v == u32::MAX {
+        "0xffffffffu".into()
+    } else {
+        format!("{v}u")
+    }
+}
+
+/// Helper functions in the generated header: usable from BPF C, CUDA (device code) and C.
+const OP_FN_PRELUDE: &str = r#"/* __CUDACC__: NVRTC and nvcc; __CUDA__: clang -x cuda without the CUDA headers. */
+#if defined(__CUDACC__) || defined(__CUDA__)
+#define BGS_OP_FN static __device__ __forceinline__
+#elif defined(__bpf__) || defined(__BPF__)
+#define BGS_OP_FN static inline __attribute__((always_inline))
+#else
+#define BGS_OP_FN static inline
+#endif
+"#;
+
+/// The op table of `bgs_protocol::ops` as constants per op, compile-time checks of each
+/// entry, and the `bgs_op_*` functions the BPF framer and the GPU kernels call, so neither
+/// holds a hand-written copy of an op rule.
+fn render_op_table(out: &mut String) {
+    out.push_str(
+        "\n/* Op table (crates/protocol/src/ops.rs). Per op: payload words min/max\n \
+         * (BGS_WORDS_SERVER_LIMIT: up to the server's limit), param min/max and the value an\n \
+         * executor uses for param 0, allowed request flag bits, words of the final reply frame\n \
+         * (BGS_REPLY_WORDS_AS_REQUEST: the request's words), words of each token frame, and\n \
+         * whether the reply is a stream. */\n",
+    );
+    define(
+        out,
+        "BGS_NUM_OPS",
+        format!("{}u", OPS.len()),
+        "ops 0 .. BGS_NUM_OPS - 1",
+    );
+    define(
+        out,
+        "BGS_WORDS_SERVER_LIMIT",
+        c_u32(ops::WORDS_SERVER_LIMIT),
+        "words max: the server's --max-words",
+    );
+    define(
+        out,
+        "BGS_REPLY_WORDS_AS_REQUEST",
+        c_u32(u32::MAX),
+        "reply words: as many as the request",
+    );
+    define(
+        out,
+        "BGS_FLAG_IGNORE_EOS",
+        format!("{:#x}u", ops::FLAG_IGNORE_EOS),
+        "generate: do not stop at EOS",
+    );
+    define(
+        out,
+        "BGS_KNOWN_FLAGS",
+        format!("{:#x}u", ops::KNOWN_FLAGS),
+        "every flag bit some op allows",
+    );
+    define(
+        out,
+        "BGS_MAX_NEW_TOKENS",
+        format!("{}u", ops::MAX_NEW_TOKENS),
+        "generate: largest param",
+    );
+    for spec in &OPS {
+        let n = op_c_name(spec);
+        let (reply, token, streaming) = match spec.reply {
+            Reply::Fixed(w) => (c_u32(w), 0, false),
+            Reply::AsRequest => ("BGS_REPLY_WORDS_AS_REQUEST".into(), 0, false),
+            Reply::Stream {
+                token_words,
+                final_words,
+            } => (c_u32(final_words), token_words, true),
+        };
+        let _ = writeln!(out, "/* {} */", spec.name);
+        define(out, &format!("{n}_WORDS_MIN"), c_u32(spec.words.min), "");
+        define(out, &format!("{n}_WORDS_MAX"), c_u32(spec.words.max), "");
+        define(
+            out,
+            &format!("{n}_PARAM_MIN"),
+            c_u32(spec.param.min),
+            spec.param.meaning,
+        );
+        define(out, &format!("{n}_PARAM_MAX"), c_u32(spec.param.max), "");
+        define(
+            out,
+            &format!("{n}_PARAM_ZERO_MEANS"),
+            c_u32(spec.param.zero_means),
+            "",
+        );
+        define(
+            out,
+            &format!("{n}_FLAGS"),
+            format!("{:#x}u", spec.flags),
+            "",
+        );
+        define(out, &format!("{n}_REPLY_WORDS"), reply, "final frame");
+        define(out, &format!("{n}_TOKEN_WORDS"), format!("{token}u"), "");
+        define(
+            out,
+            &format!("{n}_STREAMING"),
+            format!("{}u", u32::from(streaming)),
+            "",
+        );
+        let name = spec.name;
+        // Signed compares: an unsigned `0u <= x` would trip -Wtype-limits.
+        let _ = writeln!(
+            out,
+            "BGS_STATIC_ASSERT({n} < BGS_NUM_OPS, \"{name}: op\");\n\
+             BGS_STATIC_ASSERT((long long){n}_WORDS_MIN <= (long long){n}_WORDS_MAX, \"{name}: words\");\n\
+             BGS_STATIC_ASSERT((long long){n}_PARAM_MIN <= (long long){n}_PARAM_MAX, \"{name}: param\");\n\
+             BGS_STATIC_ASSERT(({n}_FLAGS & ~BGS_KNOWN_FLAGS) == 0u, \"{name}: flags\");\n\
+             BGS_STATIC_ASSERT({n}_STREAMING == ({n}_TOKEN_WORDS != 0u), \"{name}: stream\");"
+        );
+    }
+    out.push('\n');
+    out.push_str(OP_FN_PRELUDE);
+    out.push_str(
+        "/* One op's payload and param rules (ops.rs `check`): 0 or BGS_STATUS_BAD_PARAM. */\n\
+         BGS_OP_FN bgs_u32 bgs_op_rule(bgs_u32 words, bgs_u32 param, bgs_u32 words_min,\n\
+         \x20                             bgs_u32 words_max, bgs_u32 param_min, bgs_u32 param_max) {\n\
+         \x20   if (words < words_min || words > words_max || param < param_min || param > param_max)\n\
+         \x20       return BGS_STATUS_BAD_PARAM;\n\
+         \x20   return 0u;\n\
+         }\n",
+    );
+    let per_op =
+        |out: &mut String, head: &str, line: &dyn Fn(&OpSpec, &str) -> String, tail: &str| {
+            out.push_str(head);
+            for spec in &OPS {
+                let n = op_c_name(spec);
+                let _ = writeln!(out, "    if (op == {n}){}", line(spec, &n));
+            }
+            out.push_str(tail);
+        };
+    per_op(
+        out,
+        "/* Request flag bits an op allows; none for an unknown op (ops.rs `allowed_flags`).\n \
+         * Checked as soon as header bytes 20..24 arrive: status 23 when flags has another bit. */\n\
+         BGS_OP_FN bgs_u32 bgs_op_allowed_flags(bgs_u32 op) {\n",
+        &|_, n| format!(" return {n}_FLAGS;"),
+        "    return 0u;\n}\n",
+    );
+    per_op(
+        out,
+        "/* The semantic checks of a complete frame whose flags passed (ops.rs `check_request`):\n \
+         * 0, BGS_STATUS_UNKNOWN_OP or BGS_STATUS_BAD_PARAM. */\n\
+         BGS_OP_FN bgs_u32 bgs_op_check(bgs_u32 op, bgs_u32 words, bgs_u32 param) {\n",
+        &|_, n| {
+            format!(
+                "\n        return bgs_op_rule(words, param, {n}_WORDS_MIN, {n}_WORDS_MAX,\n\
+                 \x20                          {n}_PARAM_MIN, {n}_PARAM_MAX);"
+            )
+        },
+        "    return BGS_STATUS_UNKNOWN_OP;\n}\n",
+    );
+    per_op(
+        out,
+        "/* The param an executor uses: param, or PARAM_ZERO_MEANS for 0 (ops.rs `param_value`). */\n\
+         BGS_OP_FN bgs_u32 bgs_op_param_value(bgs_u32 op, bgs_u32 param) {\n\
+         \x20   if (param != 0u) return param;\n",
+        &|_, n| format!(" return {n}_PARAM_ZERO_MEANS;"),
+        "    return 0u;\n}\n",
+    );
+    per_op(
+        out,
+        "/* Words of the final frame of a successful reply (ops.rs `Reply::final_words`). */\n\
+         BGS_OP_FN bgs_u32 bgs_op_reply_words(bgs_u32 op, bgs_u32 request_words) {\n",
+        &|spec, n| match spec.reply {
+            Reply::AsRequest => " return request_words;".into(),
+            _ => format!(" return {n}_REPLY_WORDS;"),
+        },
+        "    (void)request_words;\n    return 0u;\n}\n",
+    );
+    per_op(
+        out,
+        "/* 1 when the op's reply is a stream of token frames and an end-of-stream frame. */\n\
+         BGS_OP_FN bgs_u32 bgs_op_streaming(bgs_u32 op) {\n",
+        &|_, n| format!(" return {n}_STREAMING;"),
+        "    return 0u;\n}\n",
+    );
 }
 
 /// The text of `include/bgs_protocol.h`.
@@ -849,6 +1046,8 @@ pub fn render_protocol() -> String {
             );
         }
     }
+    // After the statuses: the op functions return them.
+    render_op_table(&mut out);
     out.push('\n');
     for s in wire_structs() {
         emit_struct(&mut out, &s);
@@ -889,6 +1088,11 @@ mod tests {
             "BGS_REQUEST_MAGIC 0x31534742u",
             "BGS_OFFSETOF(struct bgs_wire_request_header, flags) == 20",
             "BGS_OFFSETOF(struct bgs_wire_reply_header, seq) == 16",
+            "#define BGS_OP_GENERATE_FLAGS 0x1u",
+            "#define BGS_OP_GENERATE_PARAM_MAX 4096u",
+            "#define BGS_OP_GEMM8_PARAM_ZERO_MEANS 1u",
+            "#define BGS_OP_ECHO_REPLY_WORDS BGS_REPLY_WORDS_AS_REQUEST",
+            "BGS_OP_FN bgs_u32 bgs_op_check(bgs_u32 op, bgs_u32 words, bgs_u32 param)",
         ] {
             assert!(proto.contains(needle), "missing {needle:?}");
         }

@@ -51,7 +51,10 @@ BGS_STATIC_ASSERT(sizeof(struct bgs_ring_header) == BGS_RING_HEADER_SIZE, "heade
 BGS_STATIC_ASSERT(sizeof(struct bgs_wire_request_header) == BGS_HEADER_LEN, "wire");
 
 bgs_u32 bgs_probe(const struct bgs_request_slot *s, const struct bgs_ring_header *h) {
-    return s->entry.payload[BGS_RING_SLOT_WORDS - 1] + (bgs_u32)h->request_capacity + BGS_OP_ECHO;
+    return s->entry.payload[BGS_RING_SLOT_WORDS - 1] + (bgs_u32)h->request_capacity + BGS_OP_ECHO +
+           bgs_op_check(s->entry.op, s->entry.words, s->entry.param) +
+           bgs_op_allowed_flags(s->entry.op) + bgs_op_param_value(s->entry.op, s->entry.param) +
+           bgs_op_reply_words(s->entry.op, s->entry.words) + bgs_op_streaming(s->entry.op);
 }
 "#;
 
@@ -124,4 +127,95 @@ fn compile_with_include(
             None
         }
     }
+}
+
+/// The op functions of the generated header, compiled and run, agree with `bgs_protocol::ops`
+/// on a grid of ops, payload sizes and params around every bound of the table.
+#[test]
+fn generated_op_functions_agree_with_the_op_table() {
+    use bgs_protocol::ops;
+    const OPS_TRIED: [u16; 8] = [0, 1, 2, 3, 4, 5, 0xfffe, 0xffff];
+    const VALUES: [u32; 11] = [0, 1, 2, 63, 64, 65, 256, 257, 4096, 4097, u32::MAX];
+    let dir = std::env::temp_dir().join(format!("bgs-ring-op-table-{}", std::process::id()));
+    let inc = dir.join("include");
+    std::fs::create_dir_all(&inc).unwrap();
+    std::fs::write(
+        inc.join(c_header::PROTOCOL_HEADER_NAME),
+        c_header::render_protocol(),
+    )
+    .unwrap();
+    let list = |v: &[u32]| {
+        v.iter()
+            .map(|x| format!("{x}u"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let ops_list = OPS_TRIED.map(u32::from);
+    let prog = format!(
+        r#"#include <stdio.h>
+#include "bgs_protocol.h"
+static const bgs_u32 ops[] = {{{}}};
+static const bgs_u32 vals[] = {{{}}};
+int main(void) {{
+    for (unsigned o = 0; o < sizeof ops / sizeof ops[0]; o++)
+        for (unsigned w = 0; w < sizeof vals / sizeof vals[0]; w++)
+            for (unsigned p = 0; p < sizeof vals / sizeof vals[0]; p++) {{
+                bgs_u32 op = ops[o], words = vals[w], param = vals[p];
+                printf("%u %u %u %u %u %u %u %u\n", op, words, param,
+                       bgs_op_check(op, words, param), bgs_op_allowed_flags(op),
+                       bgs_op_param_value(op, param), bgs_op_reply_words(op, words),
+                       bgs_op_streaming(op));
+            }}
+    return 0;
+}}
+"#,
+        list(&ops_list),
+        list(&VALUES)
+    );
+    let src = dir.join("ops.c");
+    let exe = dir.join("ops");
+    std::fs::write(&src, prog).unwrap();
+    let built = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg("-I")
+        .arg(&inc)
+        .arg(&src)
+        .output();
+    let built = match built {
+        Ok(o) => o,
+        Err(e) => {
+            println!("NOTICE: skipping the op-table check: cannot run cc ({e})");
+            return;
+        }
+    };
+    assert!(
+        built.status.success(),
+        "cc rejected the op functions:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let out = Command::new(&exe).output().expect("run the op-table probe");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines = text.lines();
+    for op in OPS_TRIED {
+        let spec = ops::spec_of(op);
+        for words in VALUES {
+            for param in VALUES {
+                let check = match ops::check_request(op, words, param, 0) {
+                    Ok(_) => 0,
+                    Err(s) => s as u32,
+                };
+                let want = format!(
+                    "{op} {words} {param} {check} {} {} {} {}",
+                    ops::allowed_flags(op),
+                    spec.map_or(param, |s| s.param_value(param)),
+                    spec.map_or(0, |s| s.reply.final_words(words)),
+                    u32::from(spec.is_some_and(|s| s.reply.streaming())),
+                );
+                assert_eq!(lines.next(), Some(want.as_str()));
+            }
+        }
+    }
+    assert_eq!(lines.next(), None);
+    let _ = std::fs::remove_dir_all(&dir);
 }

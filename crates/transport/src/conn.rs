@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 
-use bgs_protocol::reply::{encode_reply, http_chunk_head, http_last_chunk, http_response_head};
+use bgs_protocol::reply::{encode_reply, http_response_head};
 use bgs_protocol::{Decoded, Framer, FramerConfig, Framing, HEADER_LEN, Reject, Request, Status};
 
 use crate::stats::TransportStats;
@@ -51,77 +51,9 @@ impl Default for ConnLimits {
     }
 }
 
-/// One reply frame to encode.
-#[derive(Debug, Clone, Copy)]
-pub struct FrameOut<'a> {
-    /// Frame status.
-    pub status: Status,
-    /// Whether this frame ends its request.
-    pub final_: bool,
-    /// Token index (streamed frames), else 0.
-    pub stream_seq: u32,
-    /// The request's id.
-    pub request_id: u32,
-    /// Payload words.
-    pub words: &'a [u32],
-}
-
-/// Append one reply frame for an item that arrived with `framing`. In HTTP mode a lone final
-/// frame becomes a Content-Length response; a stream opens a chunked response at its first
-/// frame (`http_started` records that) and closes it at its final frame.
-pub fn encode_frame(
-    out: &mut Vec<u8>,
-    framing: Framing,
-    http_started: &mut bool,
-    f: &FrameOut<'_>,
-) {
-    match framing {
-        Framing::Binary => encode_reply(out, f.status, f.request_id, f.stream_seq, f.words),
-        Framing::Http { keep_alive } => {
-            // The frame goes straight into `out` after its HTTP framing, whose length fields
-            // are known in advance: no temporary buffer per reply.
-            let close = !keep_alive;
-            let frame_len = HEADER_LEN + f.words.len() * 4;
-            if f.final_ && !*http_started {
-                http_response_head(out, f.status.http_status(), Some(frame_len), close);
-                encode_reply(out, f.status, f.request_id, f.stream_seq, f.words);
-            } else {
-                if !*http_started {
-                    http_response_head(out, 200, None, close);
-                }
-                http_chunk_head(out, frame_len);
-                encode_reply(out, f.status, f.request_id, f.stream_seq, f.words);
-                out.extend_from_slice(b"\r\n");
-                if f.final_ {
-                    http_last_chunk(out);
-                }
-            }
-            *http_started = true;
-        }
-    }
-}
-
-/// Append the reply to a rejected item: a bare error frame, or an HTTP error response whose
-/// body is the error frame where a frame status applies.
-pub fn encode_reject(out: &mut Vec<u8>, reject: &Reject) {
-    match reject.http_status {
-        None => {
-            let status = reject.status.unwrap_or(Status::Internal);
-            encode_reply(out, status, reject.request_id, 0, &[]);
-        }
-        Some(code) => {
-            let body = if reject.status.is_some() {
-                HEADER_LEN
-            } else {
-                0
-            };
-            http_response_head(out, code, Some(body), reject.close);
-            if let Some(status) = reject.status {
-                encode_reply(out, status, reject.request_id, 0, &[]);
-            }
-        }
-    }
-}
+// The reply encoders live in the protocol crate (the kernel transport and the executors
+// share them); re-exported here so existing `conn::` paths keep working.
+pub use bgs_protocol::reply::{FrameOut, encode_frame, encode_reject};
 
 #[derive(Debug)]
 struct Pending {

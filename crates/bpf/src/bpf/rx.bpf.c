@@ -39,7 +39,6 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 const volatile __u32 cfg_port = 0;          /* service port, host byte order */
 const volatile __u32 cfg_max_words = BGS_DEFAULT_MAX_WORDS;
 const volatile __u32 cfg_max_head = 8192;
-const volatile __u32 cfg_generate = 0;
 const volatile __u64 cfg_req_mask = 1;      /* request capacity - 1 */
 const volatile __u64 cfg_comp_mask = 1;     /* side region: completion capacity - 1 */
 const volatile __u64 cfg_comp_off = 8192;   /* side region: completion_slots_offset */
@@ -554,7 +553,8 @@ static __always_inline __u32 frame_byte(struct conn *st, __u8 b)
 			return BGS_STATUS_PAYLOAD_TOO_LARGE;
 		}
 	} else if (i == 23) {
-		if (st->hdr.h.flags != 0) {
+		/* The op (bytes 6..8) is known: only the flag bits it allows (generated op table). */
+		if (st->hdr.h.flags & ~bgs_op_allowed_flags(st->hdr.h.op)) {
 			st->ferr_id = st->hdr.h.request_id;
 			return BGS_STATUS_BAD_FLAGS;
 		}
@@ -562,20 +562,11 @@ static __always_inline __u32 frame_byte(struct conn *st, __u8 b)
 	return 0;
 }
 
-/* Semantic checks of a complete frame; 0 when it is a valid request. */
+/* Semantic checks of a complete frame; 0 when it is a valid request. The rules are the op
+ * table of crates/protocol/src/ops.rs, rendered into bgs_protocol.h. */
 static __always_inline __u32 frame_semantic(struct conn *st)
 {
-	__u32 op = st->hdr.h.op;
-	if (op == BGS_OP_ECHO)
-		return 0;
-	if (op == BGS_OP_GEMM8 || op == BGS_OP_FFT32) {
-		if (st->hdr.h.words != BGS_ONE_SHOT_WORDS || st->hdr.h.param > BGS_MAX_REPEAT)
-			return BGS_STATUS_BAD_PARAM;
-		return 0;
-	}
-	if (op == BGS_OP_GENERATE && cfg_generate)
-		return 0;
-	return BGS_STATUS_UNKNOWN_OP;
+	return bgs_op_check(st->hdr.h.op, st->hdr.h.words, st->hdr.h.param);
 }
 
 /* A complete binary frame: a request or a (non-closing) semantic rejection. */

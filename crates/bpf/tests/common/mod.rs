@@ -144,7 +144,6 @@ impl Harness {
             framer: FramerConfig {
                 max_words: cfg.max_words,
                 max_http_head: cfg.max_http_head as usize,
-                generate: cfg.generate,
             },
             stash: BTreeMap::new(),
         }

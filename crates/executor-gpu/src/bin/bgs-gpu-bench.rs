@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use bgs_adapters::OneShotCpu;
 use bgs_executor_gpu::{Dispatcher, GpuExecutor, GpuExecutorConfig};
 use bgs_protocol::{Op, Status};
-use bgs_ring::{OP_REJECT, RingConfig, RingRegion};
+use bgs_ring::{OP_CANCEL, OP_REJECT, RingConfig, RingRegion};
 
 struct Args {
     mode: String,
@@ -124,7 +124,30 @@ struct Done {
     status: u16,
     final_: u16,
     route: u32,
+    stream: u32,
     payload: Vec<u32>,
+}
+
+/// Request ids of the OP_CANCEL entries `check` interleaves with its requests.
+const CANCEL_ID: u32 = 0xCA00_0000;
+
+/// Push an OP_CANCEL entry (a connection ended): the executor must consume it silently.
+fn push_cancel(region: &RingRegion, k: u32) -> bool {
+    region
+        .requests()
+        .try_push(|e| {
+            e.conn = 0xC0FFEE;
+            e.conn_seq = 0;
+            e.op = OP_CANCEL;
+            e.version = 1;
+            e.request_id = CANCEL_ID + k;
+            e.words = 0;
+            e.param = 0;
+            e.flags = 0;
+            e.publish_ns = 0;
+            e.route = 0;
+        })
+        .is_ok()
 }
 
 fn pop(region: &RingRegion) -> Option<Done> {
@@ -133,6 +156,7 @@ fn pop(region: &RingRegion) -> Option<Done> {
         status: c.status,
         final_: c.final_,
         route: c.route,
+        stream: c.stream,
         payload: c.payload[..c.words as usize].to_vec(),
     })
 }
@@ -167,7 +191,10 @@ fn start(a: &Args, region: &Arc<RingRegion>) -> GpuExecutor {
 fn expected(cpu: &mut OneShotCpu, r: &Req) -> (u16, Vec<u32>) {
     let p = payload(r.seed);
     let n = r.words.min(64) as usize;
-    let pl = bgs_executor_gpu::plan::plan(r.op, r.param, r.words);
+    // The bench never sends OP_CANCEL entries (the only ones without a plan).
+    let Some(pl) = bgs_executor_gpu::plan::plan(r.op, r.param, r.words) else {
+        return (Status::Internal as u16, vec![]);
+    };
     if pl.status != Status::Ok as u16 {
         return (pl.status, vec![]);
     }
@@ -225,6 +252,13 @@ fn check(a: &Args) -> i32 {
         words: 0,
         seed: 1,
     });
+    // A generate request the framer accepts: the GPU has no model, so status 18.
+    reqs.push(Req {
+        op: Op::Generate as u16,
+        param: 16,
+        words: 3,
+        seed: 1,
+    });
     reqs.push(Req {
         op: 77,
         param: 1,
@@ -251,11 +285,31 @@ fn check(a: &Args) -> i32 {
     });
     let mut got: HashMap<u32, Done> = HashMap::new();
     let t0 = Instant::now();
-    let mut next = 0usize;
+    // Every 7th push is an OP_CANCEL entry (also several in a row, so that a scheduler batch
+    // holds cancels at its first, middle and last lanes).
+    let is_cancel = |k: usize| k % 7 == 3 || (40..44).contains(&k);
+    let mut pushed_reqs = 0usize;
+    let mut cancels = 0u32;
+    let mut k = 0usize;
     while got.len() < reqs.len() && t0.elapsed() < Duration::from_secs(60) {
-        if next < reqs.len() && push(&region, next as u32, &reqs[next]) {
-            next += 1;
+        if pushed_reqs < reqs.len() {
+            if is_cancel(k) {
+                if push_cancel(&region, cancels) {
+                    cancels += 1;
+                    k += 1;
+                }
+            } else if push(&region, pushed_reqs as u32, &reqs[pushed_reqs]) {
+                pushed_reqs += 1;
+                k += 1;
+            }
         }
+        while let Some(d) = pop(&region) {
+            got.insert(d.id, d);
+        }
+    }
+    // A stray answer to a cancel would come about as fast as the others: drain a little longer.
+    let t1 = Instant::now();
+    while t1.elapsed() < Duration::from_millis(200) {
         while let Some(d) = pop(&region) {
             got.insert(d.id, d);
         }
@@ -270,6 +324,15 @@ fn check(a: &Args) -> i32 {
             digest = digest.wrapping_mul(0x0000_0100_0000_01b3);
         }
     };
+    let strays = got.keys().filter(|&&id| id >= CANCEL_ID).count();
+    if strays > 0 {
+        failures.push(format!(
+            "{strays} of {cancels} OP_CANCEL entries were answered"
+        ));
+    }
+    for d in got.values().filter(|d| d.stream != 0) {
+        failures.push(format!("reply {}: stream {} (want 0)", d.id, d.stream));
+    }
     for (i, r) in reqs.iter().enumerate() {
         let Some(d) = got.get(&(i as u32)) else {
             failures.push(format!(
@@ -339,6 +402,7 @@ fn check(a: &Args) -> i32 {
             "schedulers": a.schedulers,
             "requests": reqs.len(),
             "answered": got.len(),
+            "cancels_pushed": cancels,
             "failures": failures.len(),
             "first_failures": failures.iter().take(10).collect::<Vec<_>>(),
             "max_rel_err_vs_cpu": max_err,

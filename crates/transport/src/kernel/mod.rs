@@ -561,7 +561,6 @@ impl KernelTransport {
             listen_port: local_addr.port(),
             max_words: cfg.framer.max_words,
             max_http_head: cfg.framer.max_http_head as u32,
-            generate: cfg.framer.generate,
             max_connections: cfg.max_connections,
             request_slots: cfg.request_slots,
             completion_slots: cfg.completion_slots,
