@@ -644,7 +644,13 @@ impl GgufWriter {
             out.extend_from_slice(&v.type_id().to_le_bytes());
             value(&mut out, v);
         }
-        let align = DEFAULT_ALIGNMENT as usize;
+        let align = self
+            .metadata
+            .iter()
+            .find(|(k, _)| k == "general.alignment")
+            .and_then(|(_, v)| v.as_u64())
+            .filter(|&a| a > 0)
+            .unwrap_or(DEFAULT_ALIGNMENT) as usize;
         let mut offset = 0usize;
         for (name, dims, ty, data) in &self.tensors {
             string(&mut out, name);
