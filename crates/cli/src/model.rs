@@ -69,8 +69,15 @@ fn inspect(a: &InspectArgs) -> Result<()> {
     let mut params = w.embed.len() + w.final_norm.len() + w.lm_head.as_ref().map_or(0, |t| t.len());
     for l in &w.layers {
         params += [
-            &l.input_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.post_norm, &l.gate_proj,
-            &l.up_proj, &l.down_proj,
+            &l.input_norm,
+            &l.q_proj,
+            &l.k_proj,
+            &l.v_proj,
+            &l.o_proj,
+            &l.post_norm,
+            &l.gate_proj,
+            &l.up_proj,
+            &l.down_proj,
         ]
         .iter()
         .map(|t| t.len())
@@ -81,22 +88,55 @@ fn inspect(a: &InspectArgs) -> Result<()> {
             .sum::<usize>();
     }
     println!("name:            {}", ck.name);
-    println!("arch:            {} ({})", c.arch.hf_name(), c.arch.gguf_name());
+    println!(
+        "arch:            {} ({})",
+        c.arch.hf_name(),
+        c.arch.gguf_name()
+    );
     println!(
         "shape:           {} layers, hidden {}, intermediate {}, heads {} (kv {}), head_dim {}",
         c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
     );
-    println!("embedding:       {:?}, lm_head {}", w.embed.shape, if c.tie_word_embeddings { "tied" } else { "separate" });
+    println!(
+        "embedding:       {:?}, lm_head {}",
+        w.embed.shape,
+        if c.tie_word_embeddings {
+            "tied"
+        } else {
+            "separate"
+        }
+    );
     println!("attention bias:  {}", c.attention_bias);
-    println!("rope theta:      {}, rms eps {}", c.rope_theta, c.rms_norm_eps);
+    println!(
+        "rope theta:      {}, rms eps {}",
+        c.rope_theta, c.rms_norm_eps
+    );
     println!("max positions:   {}", c.max_position_embeddings);
     println!("parameters:      {params} ({:.1} M)", params as f64 / 1e6);
-    println!("vocab:           model {}, tokenizer {}", c.vocab_size, ck.tokenizer.vocab_size());
+    println!(
+        "vocab:           model {}, tokenizer {}",
+        c.vocab_size,
+        ck.tokenizer.vocab_size()
+    );
     let name = |id: u32| ck.tokenizer.id_token(id).unwrap_or_else(|| "?".into());
-    println!("bos:             {:?}", c.bos_token_id.map(|id| format!("{id} {}", name(id))));
-    let eos: Vec<String> = c.eos_token_ids.iter().map(|&id| format!("{id} {}", name(id))).collect();
+    println!(
+        "bos:             {:?}",
+        c.bos_token_id.map(|id| format!("{id} {}", name(id)))
+    );
+    let eos: Vec<String> = c
+        .eos_token_ids
+        .iter()
+        .map(|&id| format!("{id} {}", name(id)))
+        .collect();
     println!("eos:             {}", eos.join(", "));
-    println!("chat template:   {}", if ck.chat_template.is_some() { "yes" } else { "no" });
+    println!(
+        "chat template:   {}",
+        if ck.chat_template.is_some() {
+            "yes"
+        } else {
+            "no"
+        }
+    );
     println!("loaded in        {:.2} s", t.elapsed().as_secs_f64());
     Ok(())
 }

@@ -60,7 +60,11 @@ const FIXED_DATE: &str = "26 Jul 2024";
 impl ChatTemplate {
     /// Compile `source`; `bos_token`/`eos_token` are the strings templates see under those
     /// names (empty when the model has none).
-    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, ChatTemplateError> {
+    pub fn new(
+        source: &str,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<ChatTemplate, ChatTemplateError> {
         let mut env = minijinja::Environment::new();
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
@@ -69,9 +73,15 @@ impl ChatTemplate {
             .map_err(|e| ChatTemplateError(e.to_string()))?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env.add_function("strftime_now", |format: String| -> String {
             // Only the common date formats are translated; anything else gets the fixed date.
             match format.as_str() {
@@ -95,7 +105,11 @@ impl ChatTemplate {
     }
 
     /// Render a conversation; `add_generation_prompt` appends the assistant turn's opening.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
         let t = self
             .env
             .get_template("chat")
@@ -139,9 +153,7 @@ mod tests {
     #[test]
     fn chatml_renders() {
         let t = ChatTemplate::new(CHATML_TEMPLATE, "", "<|im_end|>").unwrap();
-        let s = t
-            .render(&[ChatMessage::new("user", "Hi")], true)
-            .unwrap();
+        let s = t.render(&[ChatMessage::new("user", "Hi")], true).unwrap();
         assert_eq!(s, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
     }
 
@@ -149,9 +161,16 @@ mod tests {
     fn hf_features() {
         let src = "{%- for m in messages %}{%- if m.role == 'bad' %}{{ raise_exception('bad role') }}{%- endif %}\n  {%- if loop.index0 > 5 %}{% break %}{% endif %}[{{ m.content.strip() | upper }}]{{ m | tojson }}{% endfor %}{{ bos_token }}{{ strftime_now('%d %b %Y') }}";
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
-        let s = t.render(&[ChatMessage::new("user", "  hi  ")], false).unwrap();
-        assert_eq!(s, "[HI]{\"role\": \"user\", \"content\": \"  hi  \"}<s>26 Jul 2024");
-        let e = t.render(&[ChatMessage::new("bad", "x")], false).unwrap_err();
+        let s = t
+            .render(&[ChatMessage::new("user", "  hi  ")], false)
+            .unwrap();
+        assert_eq!(
+            s,
+            "[HI]{\"role\": \"user\", \"content\": \"  hi  \"}<s>26 Jul 2024"
+        );
+        let e = t
+            .render(&[ChatMessage::new("bad", "x")], false)
+            .unwrap_err();
         assert!(e.to_string().contains("bad role"), "{e}");
     }
 

@@ -102,8 +102,14 @@ impl DType {
 
     fn encode(self, data: &[f32]) -> Vec<u8> {
         match self {
-            DType::Bf16 => data.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
-            DType::F16 => data.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
+            DType::Bf16 => data
+                .iter()
+                .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            DType::F16 => data
+                .iter()
+                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                .collect(),
             DType::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
@@ -116,7 +122,9 @@ impl std::str::FromStr for DType {
             "bf16" | "bfloat16" => Ok(DType::Bf16),
             "fp16" | "f16" | "float16" => Ok(DType::F16),
             "f32" | "fp32" | "float32" => Ok(DType::F32),
-            _ => Err(SynthError(format!("unknown dtype {s:?} (known: bf16, fp16, f32)"))),
+            _ => Err(SynthError(format!(
+                "unknown dtype {s:?} (known: bf16, fp16, f32)"
+            ))),
         }
     }
 }
@@ -128,14 +136,31 @@ pub struct SynthError(pub String);
 
 /// Tiny models' special tokens (the last ids of the 512-entry vocabulary, so ids below 256
 /// are byte tokens).
-const TINY_SPECIALS: [(u32, &str); 3] = [(509, "<|endoftext|>"), (510, "<|im_start|>"), (511, "<|im_end|>")];
+const TINY_SPECIALS: [(u32, &str); 3] = [
+    (509, "<|endoftext|>"),
+    (510, "<|im_start|>"),
+    (511, "<|im_end|>"),
+];
 
 /// SmolLM2's special tokens, at the ids the real tokenizer gives them.
 const SMOLLM2_SPECIALS: [&str; 17] = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>",
-    "<filename>", "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>",
-    "<jupyter_start>", "<jupyter_text>", "<jupyter_code>", "<jupyter_output>",
-    "<jupyter_script>", "<empty_output>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<repo_name>",
+    "<reponame>",
+    "<file_sep>",
+    "<filename>",
+    "<gh_stars>",
+    "<issue_start>",
+    "<issue_comment>",
+    "<issue_closed>",
+    "<jupyter_start>",
+    "<jupyter_text>",
+    "<jupyter_code>",
+    "<jupyter_output>",
+    "<jupyter_script>",
+    "<empty_output>",
 ];
 
 /// The hyper-parameters of a synthetic shape.
@@ -229,14 +254,25 @@ impl SplitMix64 {
 }
 
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// One tensor: `mean + std * normal`, rounded to `dtype`.
-fn random_tensor(name: &str, shape: &[usize], seed: u64, mean: f32, std: f32, dtype: DType) -> Tensor {
+fn random_tensor(
+    name: &str,
+    shape: &[usize],
+    seed: u64,
+    mean: f32,
+    std: f32,
+    dtype: DType,
+) -> Tensor {
     let mut rng = SplitMix64::new(seed ^ fnv1a(name));
     let n: usize = shape.iter().product();
-    let data = (0..n).map(|_| dtype.round(mean + std * rng.normal())).collect();
+    let data = (0..n)
+        .map(|_| dtype.round(mean + std * rng.normal()))
+        .collect();
     Tensor {
         shape: shape.to_vec(),
         data,
@@ -250,7 +286,14 @@ pub fn synth_weights(arch: SynthArch, seed: u64, dtype: DType) -> (ModelConfig, 
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let (q, kv) = (c.num_heads * c.head_dim, c.kv_dim());
     let mat = |name: &str, rows: usize, cols: usize| {
-        random_tensor(name, &[rows, cols], seed, 0.0, 1.0 / (cols as f32).sqrt(), dtype)
+        random_tensor(
+            name,
+            &[rows, cols],
+            seed,
+            0.0,
+            1.0 / (cols as f32).sqrt(),
+            dtype,
+        )
     };
     let norm = |name: &str| random_tensor(name, &[h], seed, 1.0, 0.1, dtype);
     let bias = |name: &str, len: usize| random_tensor(name, &[len], seed, 0.0, 0.1, dtype);
@@ -263,9 +306,15 @@ pub fn synth_weights(arch: SynthArch, seed: u64, dtype: DType) -> (ModelConfig, 
             q_proj: mat(&p("self_attn.q_proj.weight"), q, h),
             k_proj: mat(&p("self_attn.k_proj.weight"), kv, h),
             v_proj: mat(&p("self_attn.v_proj.weight"), kv, h),
-            q_bias: c.attention_bias.then(|| bias(&p("self_attn.q_proj.bias"), q)),
-            k_bias: c.attention_bias.then(|| bias(&p("self_attn.k_proj.bias"), kv)),
-            v_bias: c.attention_bias.then(|| bias(&p("self_attn.v_proj.bias"), kv)),
+            q_bias: c
+                .attention_bias
+                .then(|| bias(&p("self_attn.q_proj.bias"), q)),
+            k_bias: c
+                .attention_bias
+                .then(|| bias(&p("self_attn.k_proj.bias"), kv)),
+            v_bias: c
+                .attention_bias
+                .then(|| bias(&p("self_attn.v_proj.bias"), kv)),
             o_proj: mat(&p("self_attn.o_proj.weight"), h, q),
             post_norm: norm(&p("post_attention_layernorm.weight")),
             gate_proj: mat(&p("mlp.gate_proj.weight"), i, h),
@@ -377,8 +426,16 @@ pub fn qwen25_tokenizer_json() -> Result<String, SynthError> {
         .and_then(Value::as_array_mut)
         .ok_or_else(|| SynthError("Qwen tokenizer.json has no added_tokens".into()))?;
     added.truncate(22);
-    let ok = added.first().and_then(|t| t.get("id")).and_then(Value::as_u64) == Some(151_643)
-        && added.last().and_then(|t| t.get("id")).and_then(Value::as_u64) == Some(151_664);
+    let ok = added
+        .first()
+        .and_then(|t| t.get("id"))
+        .and_then(Value::as_u64)
+        == Some(151_643)
+        && added
+            .last()
+            .and_then(|t| t.get("id"))
+            .and_then(Value::as_u64)
+            == Some(151_664);
     if !ok {
         return Err(SynthError(
             "Qwen tokenizer.json: added tokens are not ids 151643..=151664".into(),
@@ -388,20 +445,34 @@ pub fn qwen25_tokenizer_json() -> Result<String, SynthError> {
 }
 
 /// `tokenizer.json`, chat template and (bos, eos) token strings for `arch`.
-fn tokenizer_files(arch: SynthArch) -> Result<(String, &'static str, &'static str, &'static str), SynthError> {
+fn tokenizer_files(
+    arch: SynthArch,
+) -> Result<(String, &'static str, &'static str, &'static str), SynthError> {
     let bpe = |vocab_size: usize, specials: &[(u32, &str)], pre| {
         let (vocab, merges) = synthetic_bpe(vocab_size, specials);
         let added: Vec<AddedToken> = specials
             .iter()
-            .map(|&(id, s)| AddedToken { id, content: s.to_string(), special: true })
+            .map(|&(id, s)| AddedToken {
+                id,
+                content: s.to_string(),
+                special: true,
+            })
             .collect();
         byte_level_bpe_json(&vocab, &merges, &added, pre, None).to_string()
     };
     Ok(match arch {
-        SynthArch::Qwen25_05b => (qwen25_tokenizer_json()?, QWEN25_CHAT_TEMPLATE, "", "<|im_end|>"),
+        SynthArch::Qwen25_05b => (
+            qwen25_tokenizer_json()?,
+            QWEN25_CHAT_TEMPLATE,
+            "",
+            "<|im_end|>",
+        ),
         SynthArch::Smollm2_135m => {
-            let specials: Vec<(u32, &str)> =
-                SMOLLM2_SPECIALS.iter().enumerate().map(|(i, s)| (i as u32, *s)).collect();
+            let specials: Vec<(u32, &str)> = SMOLLM2_SPECIALS
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (i as u32, *s))
+                .collect();
             (
                 bpe(49_152, &specials, PreTokenizer::SmolLm),
                 SMOLLM2_CHAT_TEMPLATE,
@@ -409,7 +480,12 @@ fn tokenizer_files(arch: SynthArch) -> Result<(String, &'static str, &'static st
                 "<|im_end|>",
             )
         }
-        SynthArch::TinyQwen2 => (bpe(512, &TINY_SPECIALS, PreTokenizer::Qwen2), CHATML_TEMPLATE, "", "<|im_end|>"),
+        SynthArch::TinyQwen2 => (
+            bpe(512, &TINY_SPECIALS, PreTokenizer::Qwen2),
+            CHATML_TEMPLATE,
+            "",
+            "<|im_end|>",
+        ),
         SynthArch::TinyLlama => (
             bpe(512, &TINY_SPECIALS, PreTokenizer::Gpt2),
             CHATML_TEMPLATE,
@@ -500,7 +576,11 @@ mod tests {
         let rms = |v: &[f32]| (v.iter().map(|a| a * a).sum::<f32>() / v.len() as f32).sqrt();
         let q = &w.layers[0].gate_proj;
         let y: Vec<f32> = (0..q.shape[0])
-            .map(|r| (0..q.shape[1]).map(|k| q.data[r * q.shape[1] + k] * x[k]).sum())
+            .map(|r| {
+                (0..q.shape[1])
+                    .map(|k| q.data[r * q.shape[1] + k] * x[k])
+                    .sum()
+            })
             .collect();
         let ratio = rms(&y) / rms(&x);
         assert!((0.5..2.0).contains(&ratio), "ratio {ratio}");

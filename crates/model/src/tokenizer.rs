@@ -108,7 +108,9 @@ impl<'t> StreamDecoder<'t> {
         let before = self
             .tok
             .decode(&self.ids[self.prefix..self.read], self.skip_special)?;
-        let after = self.tok.decode(&self.ids[self.prefix..], self.skip_special)?;
+        let after = self
+            .tok
+            .decode(&self.ids[self.prefix..], self.skip_special)?;
         if after.len() > before.len() && !after.ends_with('\u{fffd}') {
             // The window normally extends its prefix; if a decoder rewrote earlier text,
             // emit from the first differing character instead of slicing mid-character.
@@ -177,9 +179,7 @@ impl PreTokenizer {
     }
 
     fn json(self) -> Value {
-        let byte_level = |regex: bool| {
-            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex})
-        };
+        let byte_level = |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex});
         match self {
             PreTokenizer::Gpt2 => byte_level(true),
             PreTokenizer::SmolLm => json!({"type": "Sequence", "pretokenizers": [
@@ -315,7 +315,10 @@ pub fn synthetic_bpe(vocab_size: usize, specials: &[(u32, &str)]) -> (Vec<String
         next_frontier.push(tok.clone());
         *slot = Some(tok);
     }
-    (vocab.into_iter().map(Option::unwrap_or_default).collect(), merges)
+    (
+        vocab.into_iter().map(Option::unwrap_or_default).collect(),
+        merges,
+    )
 }
 
 #[cfg(test)]
@@ -323,11 +326,19 @@ mod tests {
     use super::*;
 
     fn tiny() -> Tokenizer {
-        let specials = [(509, "<|endoftext|>"), (510, "<|im_start|>"), (511, "<|im_end|>")];
+        let specials = [
+            (509, "<|endoftext|>"),
+            (510, "<|im_start|>"),
+            (511, "<|im_end|>"),
+        ];
         let (vocab, merges) = synthetic_bpe(512, &specials);
         let added: Vec<AddedToken> = specials
             .iter()
-            .map(|&(id, s)| AddedToken { id, content: s.into(), special: true })
+            .map(|&(id, s)| AddedToken {
+                id,
+                content: s.into(),
+                special: true,
+            })
             .collect();
         let j = byte_level_bpe_json(&vocab, &merges, &added, PreTokenizer::Gpt2, None);
         Tokenizer::from_json(&j.to_string()).unwrap()
@@ -354,7 +365,10 @@ mod tests {
         // Merges apply: " a" is one token, fewer ids than bytes.
         assert!(ids.len() < text.len());
         assert_eq!(t.encode(" a", false).unwrap().len(), 1);
-        assert_eq!(t.decode(&ids, true).unwrap(), "hello wörld, user\nabc 123 ünïcode 😀");
+        assert_eq!(
+            t.decode(&ids, true).unwrap(),
+            "hello wörld, user\nabc 123 ünïcode 😀"
+        );
     }
 
     #[test]
@@ -379,7 +393,11 @@ mod tests {
     #[test]
     fn bos_post_processor() {
         let (vocab, merges) = synthetic_bpe(300, &[(0, "<s>")]);
-        let added = [AddedToken { id: 0, content: "<s>".into(), special: true }];
+        let added = [AddedToken {
+            id: 0,
+            content: "<s>".into(),
+            special: true,
+        }];
         let j = byte_level_bpe_json(&vocab, &merges, &added, PreTokenizer::SmolLm, Some(0));
         let t = Tokenizer::from_json(&j.to_string()).unwrap();
         let ids = t.encode("a1", true).unwrap();

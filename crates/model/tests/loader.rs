@@ -61,7 +61,10 @@ fn round_trip(arch: SynthArch, dtype: DType, seed: u64) {
     assert!(s.contains("<|im_start|>user\nHi<|im_end|>\n"), "{s}");
     assert!(s.ends_with("<|im_start|>assistant\n"), "{s}");
     for &eos in &ck.config.eos_token_ids {
-        assert!(ck.tokenizer.id_token(eos).is_some(), "eos {eos} not in the tokenizer");
+        assert!(
+            ck.tokenizer.id_token(eos).is_some(),
+            "eos {eos} not in the tokenizer"
+        );
     }
 }
 
@@ -112,7 +115,11 @@ fn qwen25_tokenizer_keeps_qwen25_specials() {
     assert_eq!(t.vocab_size(), 151_665);
     assert_eq!(t.token_id("<|endoftext|>"), Some(151_643));
     assert_eq!(t.token_id("<|im_end|>"), Some(151_645));
-    assert_eq!(t.token_id("<think>"), None, "Qwen3's extra tokens are dropped");
+    assert_eq!(
+        t.token_id("<think>"),
+        None,
+        "Qwen3's extra tokens are dropped"
+    );
     let text = "<|im_start|>user\nWhat is 12+30? Ünïcode ok.<|im_end|>";
     let ids = t.encode(text, false).unwrap();
     assert_eq!(ids[0], 151_644);
@@ -132,7 +139,11 @@ fn sharded_directory_loads() {
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = part
             .iter()
             .map(|(n, t)| {
-                (n.clone(), t.shape.clone(), t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+                (
+                    n.clone(),
+                    t.shape.clone(),
+                    t.data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                )
             })
             .collect();
         let views: Vec<_> = bytes
@@ -149,7 +160,11 @@ fn sharded_directory_loads() {
     }
     std::fs::remove_file(dir.0.join("model.safetensors")).unwrap();
     let index = serde_json::json!({"metadata": {}, "weight_map": map});
-    std::fs::write(dir.0.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(
+        dir.0.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
     assert!(load(&dir.0).unwrap().weights == w);
 }
 
@@ -199,22 +214,51 @@ fn tiny_gguf(arch: SynthArch, quantize_embed: bool) -> (GgufWriter, Weights) {
         .meta("general.name", MetaValue::Str("tiny gguf".into()))
         .meta("general.alignment", MetaValue::U32(64))
         .meta(&format!("{name}.embedding_length"), u32v(c.hidden_size))
-        .meta(&format!("{name}.feed_forward_length"), u32v(c.intermediate_size))
+        .meta(
+            &format!("{name}.feed_forward_length"),
+            u32v(c.intermediate_size),
+        )
         .meta(&format!("{name}.block_count"), u32v(c.num_layers))
         .meta(&format!("{name}.attention.head_count"), u32v(c.num_heads))
-        .meta(&format!("{name}.attention.head_count_kv"), u32v(c.num_kv_heads))
-        .meta(&format!("{name}.rope.freq_base"), MetaValue::F32(c.rope_theta as f32))
-        .meta(&format!("{name}.attention.layer_norm_rms_epsilon"), MetaValue::F32(c.rms_norm_eps as f32))
-        .meta(&format!("{name}.context_length"), u32v(c.max_position_embeddings))
+        .meta(
+            &format!("{name}.attention.head_count_kv"),
+            u32v(c.num_kv_heads),
+        )
+        .meta(
+            &format!("{name}.rope.freq_base"),
+            MetaValue::F32(c.rope_theta as f32),
+        )
+        .meta(
+            &format!("{name}.attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(c.rms_norm_eps as f32),
+        )
+        .meta(
+            &format!("{name}.context_length"),
+            u32v(c.max_position_embeddings),
+        )
         .meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
         .meta("tokenizer.ggml.pre", MetaValue::Str("qwen2".into()))
-        .meta("tokenizer.ggml.tokens", MetaValue::Array(vocab.into_iter().map(MetaValue::Str).collect()))
-        .meta("tokenizer.ggml.merges", MetaValue::Array(merges.into_iter().map(MetaValue::Str).collect()))
+        .meta(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(vocab.into_iter().map(MetaValue::Str).collect()),
+        )
+        .meta(
+            "tokenizer.ggml.merges",
+            MetaValue::Array(merges.into_iter().map(MetaValue::Str).collect()),
+        )
         .meta("tokenizer.ggml.token_type", MetaValue::Array(types))
         .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(511))
-        .meta("tokenizer.chat_template", MetaValue::Str(bgs_model::chat::CHATML_TEMPLATE.into()));
+        .meta(
+            "tokenizer.chat_template",
+            MetaValue::Str(bgs_model::chat::CHATML_TEMPLATE.into()),
+        );
     if quantize_embed {
-        g.tensor("token_embd.weight", &[c.hidden_size as u64, c.vocab_size as u64], GgmlType::Q8_0.id(), q8_0(&w.embed.data));
+        g.tensor(
+            "token_embd.weight",
+            &[c.hidden_size as u64, c.vocab_size as u64],
+            GgmlType::Q8_0.id(),
+            q8_0(&w.embed.data),
+        );
     } else {
         g.tensor_f32("token_embd.weight", &w.embed);
     }
@@ -223,7 +267,10 @@ fn tiny_gguf(arch: SynthArch, quantize_embed: bool) -> (GgufWriter, Weights) {
         let p = |s: &str| format!("blk.{n}.{s}");
         let perm = |t: &Tensor, heads: usize| {
             if llama {
-                Tensor { shape: t.shape.clone(), data: permute_rows(&t.data, heads, t.shape[1]) }
+                Tensor {
+                    shape: t.shape.clone(),
+                    data: permute_rows(&t.data, heads, t.shape[1]),
+                }
             } else {
                 t.clone()
             }
@@ -237,7 +284,11 @@ fn tiny_gguf(arch: SynthArch, quantize_embed: bool) -> (GgufWriter, Weights) {
             .tensor_f32(&p("ffn_gate.weight"), &l.gate_proj)
             .tensor_f32(&p("ffn_up.weight"), &l.up_proj)
             .tensor_f32(&p("ffn_down.weight"), &l.down_proj);
-        for (s, b) in [("attn_q.bias", &l.q_bias), ("attn_k.bias", &l.k_bias), ("attn_v.bias", &l.v_bias)] {
+        for (s, b) in [
+            ("attn_q.bias", &l.q_bias),
+            ("attn_k.bias", &l.k_bias),
+            ("attn_v.bias", &l.v_bias),
+        ] {
             if let Some(b) = b {
                 g.tensor(&p(s), &[b.len() as u64], GgmlType::F32.id(), f32_bytes(b));
             }
@@ -284,7 +335,8 @@ fn err_of(path: &Path) -> String {
 }
 
 fn edit_json(path: &Path, f: impl FnOnce(&mut serde_json::Value)) {
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     f(&mut v);
     std::fs::write(path, v.to_string()).unwrap();
 }
@@ -298,9 +350,14 @@ fn tiny_dir(tag: &str) -> Scratch {
 #[test]
 fn error_unsupported_architecture() {
     let d = tiny_dir("e-arch");
-    edit_json(&d.0.join("config.json"), |v| v["architectures"] = serde_json::json!(["MistralForCausalLM"]));
+    edit_json(&d.0.join("config.json"), |v| {
+        v["architectures"] = serde_json::json!(["MistralForCausalLM"])
+    });
     let e = err_of(&d.0);
-    assert!(e.contains("unsupported architecture \"MistralForCausalLM\""), "{e}");
+    assert!(
+        e.contains("unsupported architecture \"MistralForCausalLM\""),
+        "{e}"
+    );
     assert!(e.contains("config.json"), "{e}");
 
     let d = Scratch::new("e-arch-gguf");
@@ -319,11 +376,17 @@ fn error_unsupported_tensor_type() {
     let mut bytes = g.to_bytes();
     // The loader reads the first tensor of a name; rename the original so the Q5_0 one wins.
     let needle = b"blk.0.attn_norm.weight";
-    let pos = bytes.windows(needle.len()).position(|w| w == needle).unwrap();
+    let pos = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap();
     bytes[pos] = b'x';
     std::fs::write(d.0.join("m.gguf"), bytes).unwrap();
     let e = err_of(&d.0.join("m.gguf"));
-    assert!(e.contains("tensor blk.0.attn_norm.weight has unsupported type Q5_0"), "{e}");
+    assert!(
+        e.contains("tensor blk.0.attn_norm.weight has unsupported type Q5_0"),
+        "{e}"
+    );
 
     let d = tiny_dir("e-type-hf");
     let (_, w) = synth_weights(SynthArch::TinyLlama, 1, DType::Bf16);
@@ -332,19 +395,37 @@ fn error_unsupported_tensor_type() {
         .iter()
         .map(|(n, t)| {
             if n == "model.norm.weight" {
-                (n.clone(), t.shape.clone(), vec![0u8; t.len() * 4], safetensors::Dtype::I32)
+                (
+                    n.clone(),
+                    t.shape.clone(),
+                    vec![0u8; t.len() * 4],
+                    safetensors::Dtype::I32,
+                )
             } else {
-                (n.clone(), t.shape.clone(), f32_bytes(t), safetensors::Dtype::F32)
+                (
+                    n.clone(),
+                    t.shape.clone(),
+                    f32_bytes(t),
+                    safetensors::Dtype::F32,
+                )
             }
         })
         .collect();
     let views: Vec<_> = bytes
         .iter()
-        .map(|(n, s, b, dt)| (n.clone(), safetensors::tensor::TensorView::new(*dt, s.clone(), b).unwrap()))
+        .map(|(n, s, b, dt)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*dt, s.clone(), b).unwrap(),
+            )
+        })
         .collect();
     safetensors::tensor::serialize_to_file(views, None, &d.0.join("model.safetensors")).unwrap();
     let e = err_of(&d.0);
-    assert!(e.contains("tensor model.norm.weight has unsupported type I32"), "{e}");
+    assert!(
+        e.contains("tensor model.norm.weight has unsupported type I32"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -356,21 +437,35 @@ fn error_missing_tensor() {
         .into_iter()
         .filter(|(n, _)| n != "model.layers.1.mlp.up_proj.weight")
         .collect();
-    let bytes: Vec<_> = named.iter().map(|(n, t)| (n.clone(), t.shape.clone(), f32_bytes(t))).collect();
+    let bytes: Vec<_> = named
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shape.clone(), f32_bytes(t)))
+        .collect();
     let views: Vec<_> = bytes
         .iter()
-        .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap(),
+            )
+        })
         .collect();
     safetensors::tensor::serialize_to_file(views, None, &d.0.join("model.safetensors")).unwrap();
     let e = err_of(&d.0);
-    assert!(e.contains("missing tensor model.layers.1.mlp.up_proj.weight"), "{e}");
+    assert!(
+        e.contains("missing tensor model.layers.1.mlp.up_proj.weight"),
+        "{e}"
+    );
     assert!(matches!(load(&d.0), Err(LoadError::MissingTensor { .. })));
 }
 
 #[test]
 fn error_shape_mismatch() {
     let d = tiny_dir("e-shape");
-    edit_json(&d.0.join("config.json"), |v| v["intermediate_size"] = serde_json::json!(96));
+    edit_json(&d.0.join("config.json"), |v| {
+        v["intermediate_size"] = serde_json::json!(96)
+    });
     let e = err_of(&d.0);
     assert!(
         e.contains("shape mismatch for model.layers.0.mlp.gate_proj.weight: checkpoint has [128, 64], config needs [96, 64]"),
@@ -387,7 +482,13 @@ fn error_truncated_files() {
     f.set_len(len - 100).unwrap();
     let e = err_of(&d.0);
     assert!(e.contains("model.safetensors: truncated:"), "{e}");
-    assert!(e.contains(&format!("{len} bytes (header and tensor data), file has {} bytes", len - 100)), "{e}");
+    assert!(
+        e.contains(&format!(
+            "{len} bytes (header and tensor data), file has {} bytes",
+            len - 100
+        )),
+        "{e}"
+    );
 
     let d = Scratch::new("e-trunc-gguf");
     let (g, _) = tiny_gguf(SynthArch::TinyQwen2, false);
@@ -395,11 +496,17 @@ fn error_truncated_files() {
     bytes.truncate(bytes.len() - 64 * 4);
     std::fs::write(d.0.join("m.gguf"), &bytes).unwrap();
     let e = err_of(&d.0.join("m.gguf"));
-    assert!(e.contains("m.gguf: truncated: tensor output_norm.weight needs bytes"), "{e}");
+    assert!(
+        e.contains("m.gguf: truncated: tensor output_norm.weight needs bytes"),
+        "{e}"
+    );
     bytes.truncate(100);
     std::fs::write(d.0.join("m.gguf"), &bytes).unwrap();
     let e = err_of(&d.0.join("m.gguf"));
-    assert!(e.contains("m.gguf: truncated:") && e.contains("file has 100 bytes"), "{e}");
+    assert!(
+        e.contains("m.gguf: truncated:") && e.contains("file has 100 bytes"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -407,7 +514,10 @@ fn error_bad_json() {
     let d = tiny_dir("e-json");
     std::fs::write(d.0.join("config.json"), "{\"hidden_size\": 64,").unwrap();
     let e = err_of(&d.0);
-    assert!(e.contains("config.json: bad JSON: EOF while parsing"), "{e}");
+    assert!(
+        e.contains("config.json: bad JSON: EOF while parsing"),
+        "{e}"
+    );
     let d = tiny_dir("e-json-tok");
     std::fs::write(d.0.join("tokenizer.json"), "not json").unwrap();
     let e = err_of(&d.0);
@@ -424,8 +534,14 @@ fn real_smollm2_gguf() {
     eprintln!("SmolLM2 GGUF loaded in {:.2} s", t.elapsed().as_secs_f64());
     let c = &ck.config;
     assert_eq!(c.arch, bgs_model::Arch::Llama);
-    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads), (30, 576, 9, 3));
-    assert_eq!((c.vocab_size, c.intermediate_size, c.head_dim), (49_152, 1536, 64));
+    assert_eq!(
+        (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads),
+        (30, 576, 9, 3)
+    );
+    assert_eq!(
+        (c.vocab_size, c.intermediate_size, c.head_dim),
+        (49_152, 1536, 64)
+    );
     assert!(c.tie_word_embeddings);
     assert!(ck.weights.lm_head.is_none());
     assert!(!c.eos_token_ids.is_empty());
@@ -434,14 +550,39 @@ fn real_smollm2_gguf() {
     assert!(ids.len() >= 5 && ids.len() < text.len(), "{ids:?}");
     assert_eq!(ck.tokenizer.decode(&ids, false).unwrap(), text);
     // Byte-level BPE with whole-word merges: " capital" is one token.
-    assert!(ck.tokenizer.token_id("Ġcapital").is_some_and(|id| ids.contains(&id)), "{ids:?}");
-    let tmpl = ck.chat_template.as_ref().expect("SmolLM2 ships a chat template");
-    let s = tmpl.render(&[ChatMessage::new("user", text)], true).unwrap();
-    assert!(s.contains("<|im_start|>user\nThe capital of France is<|im_end|>"), "{s}");
+    assert!(
+        ck.tokenizer
+            .token_id("Ġcapital")
+            .is_some_and(|id| ids.contains(&id)),
+        "{ids:?}"
+    );
+    let tmpl = ck
+        .chat_template
+        .as_ref()
+        .expect("SmolLM2 ships a chat template");
+    let s = tmpl
+        .render(&[ChatMessage::new("user", text)], true)
+        .unwrap();
+    assert!(
+        s.contains("<|im_start|>user\nThe capital of France is<|im_end|>"),
+        "{s}"
+    );
     assert!(s.ends_with("<|im_start|>assistant\n"), "{s}");
     let chat_ids = ck.tokenizer.encode(&s, false).unwrap();
-    assert_eq!(chat_ids.iter().filter(|&&i| Some(i) == ck.tokenizer.token_id("<|im_start|>")).count(), 3);
+    assert_eq!(
+        chat_ids
+            .iter()
+            .filter(|&&i| Some(i) == ck.tokenizer.token_id("<|im_start|>"))
+            .count(),
+        3
+    );
     // Norm weights are finite and not all equal (the F32 tensors decoded correctly).
     assert!(ck.weights.final_norm.data.iter().all(|x| x.is_finite()));
-    assert!(ck.weights.embed.data.iter().any(|&x| x != ck.weights.embed.data[0]));
+    assert!(
+        ck.weights
+            .embed
+            .data
+            .iter()
+            .any(|&x| x != ck.weights.embed.data[0])
+    );
 }

@@ -192,7 +192,12 @@ mod tests {
         let v = dequantize(GgmlType::Q4_0, &b, 32);
         for k in 0..16 {
             assert_eq!(v[k], (k as f32 - 8.0) * 2.0, "element {k}");
-            assert_eq!(v[16 + k], ((15 - k) as f32 - 8.0) * 2.0, "element {}", 16 + k);
+            assert_eq!(
+                v[16 + k],
+                ((15 - k) as f32 - 8.0) * 2.0,
+                "element {}",
+                16 + k
+            );
         }
         // Hand-computed corners: element 0 = (0-8)*2, element 16 = (15-8)*2.
         assert_eq!(v[0], -16.0);
@@ -217,12 +222,18 @@ mod tests {
 
     #[test]
     fn float_types() {
-        let f: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         assert_eq!(dequantize(GgmlType::F32, &f, 2), vec![1.5, -2.0]);
         let f: Vec<u8> = [h(0.5), h(-3.0)].concat();
         assert_eq!(dequantize(GgmlType::F16, &f, 2), vec![0.5, -3.0]);
-        let f: Vec<u8> = [bf16::from_f32(0.75).to_le_bytes(), bf16::from_f32(8.0).to_le_bytes()]
-            .concat();
+        let f: Vec<u8> = [
+            bf16::from_f32(0.75).to_le_bytes(),
+            bf16::from_f32(8.0).to_le_bytes(),
+        ]
+        .concat();
         assert_eq!(dequantize(GgmlType::BF16, &f, 2), vec![0.75, 8.0]);
     }
 

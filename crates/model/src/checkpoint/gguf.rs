@@ -79,7 +79,9 @@ impl MetaValue {
     /// A float value (integers convert).
     pub fn as_f64(&self) -> Option<f64> {
         match *self {
-            MetaValue::F32(v) => Some(v.into()),
+            // The shortest decimal that round-trips the f32 (1e-5 rather than
+            // 9.99999974e-6): the value the converter was given, as `config.json` has it.
+            MetaValue::F32(v) => v.to_string().parse().ok(),
             MetaValue::F64(v) => Some(v),
             _ => self.as_i64().map(|v| v as f64),
         }
@@ -214,7 +216,10 @@ impl<'a> Reader<'a> {
         if n > left {
             return Err(LoadError::Truncated {
                 file: self.file.display().to_string(),
-                expected: format!("{what}: {n} elements at offset {}, only {left} bytes left", self.pos),
+                expected: format!(
+                    "{what}: {n} elements at offset {}, only {left} bytes left",
+                    self.pos
+                ),
             });
         }
         Ok(n as usize)
@@ -296,7 +301,9 @@ pub fn parse_header(b: &[u8], file: &Path) -> Result<GgufHeader, LoadError> {
                 format!("tensor {name} has {nd} dimensions (at most 4)"),
             ));
         }
-        let dims = (0..nd).map(|_| r.u64(&name)).collect::<Result<Vec<_>, _>>()?;
+        let dims = (0..nd)
+            .map(|_| r.u64(&name))
+            .collect::<Result<Vec<_>, _>>()?;
         let ty = r.u32(&name)?;
         let offset = r.u64(&name)?;
         tensors.push(TensorInfo {
@@ -308,10 +315,9 @@ pub fn parse_header(b: &[u8], file: &Path) -> Result<GgufHeader, LoadError> {
     }
     let align = match metadata.get("general.alignment") {
         None => DEFAULT_ALIGNMENT,
-        Some(v) => v
-            .as_u64()
-            .filter(|a| *a > 0)
-            .ok_or_else(|| LoadError::invalid(file, "general.alignment is not a positive integer"))?,
+        Some(v) => v.as_u64().filter(|a| *a > 0).ok_or_else(|| {
+            LoadError::invalid(file, "general.alignment is not a positive integer")
+        })?,
     };
     let data_offset = (r.pos as u64).div_ceil(align) * align;
     Ok(GgufHeader {
@@ -342,11 +348,15 @@ pub fn load_file(path: &Path) -> Result<Checkpoint, LoadError> {
                     .unwrap_or_default()
             };
             Some(
-                ChatTemplate::new(src, &tok("tokenizer.ggml.bos_token_id"), &tok("tokenizer.ggml.eos_token_id"))
-                    .map_err(|e| LoadError::ChatTemplate {
-                        file: path.display().to_string(),
-                        message: e.0,
-                    })?,
+                ChatTemplate::new(
+                    src,
+                    &tok("tokenizer.ggml.bos_token_id"),
+                    &tok("tokenizer.ggml.eos_token_id"),
+                )
+                .map_err(|e| LoadError::ChatTemplate {
+                    file: path.display().to_string(),
+                    message: e.0,
+                })?,
             )
         }
         None => None,
@@ -401,7 +411,9 @@ fn config_from(h: &GgufHeader, file: &Path) -> Result<ModelConfig, LoadError> {
         let full = key(k);
         match h.get(&full).and_then(MetaValue::as_f64) {
             Some(v) => Ok(v),
-            None => default.ok_or_else(|| LoadError::invalid(file, format!("missing metadata {full}"))),
+            None => {
+                default.ok_or_else(|| LoadError::invalid(file, format!("missing metadata {full}")))
+            }
         }
     };
     let vocab_size = match h.get("tokenizer.ggml.tokens").and_then(MetaValue::as_array) {
@@ -474,7 +486,12 @@ fn read_tensor(h: &GgufHeader, b: &[u8], file: &Path, name: &str) -> Result<Tens
     Ok(Tensor { shape, data })
 }
 
-fn weights_from(h: &GgufHeader, b: &[u8], file: &Path, cfg: &ModelConfig) -> Result<Weights, LoadError> {
+fn weights_from(
+    h: &GgufHeader,
+    b: &[u8],
+    file: &Path,
+    cfg: &ModelConfig,
+) -> Result<Weights, LoadError> {
     let t = |name: &str| read_tensor(h, b, file, name);
     // Undo llama.cpp's q/k permutation; only when the shape is the expected one (otherwise
     // the shape check reports the mismatch).
@@ -546,7 +563,10 @@ fn tokenizer_from(h: &GgufHeader, file: &Path) -> Result<Tokenizer, LoadError> {
     let merges = strings("tokenizer.ggml.merges")?;
     // Token types: 3 = control (special), 4 = user-defined (matched whole, not special).
     let mut added = Vec::new();
-    if let Some(types) = h.get("tokenizer.ggml.token_type").and_then(MetaValue::as_array) {
+    if let Some(types) = h
+        .get("tokenizer.ggml.token_type")
+        .and_then(MetaValue::as_array)
+    {
         for (id, (ty, s)) in types.iter().zip(&vocab).enumerate() {
             match ty.as_i64() {
                 Some(3) | Some(4) => added.push(AddedToken {
@@ -593,7 +613,8 @@ impl GgufWriter {
 
     /// Add a tensor: `dims` innermost first, `data` already in `ty`'s encoding.
     pub fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> &mut Self {
-        self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
+        self.tensors
+            .push((name.to_string(), dims.to_vec(), ty, data));
         self
     }
 

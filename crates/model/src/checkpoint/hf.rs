@@ -35,13 +35,20 @@ fn read_json_opt(path: &Path) -> Result<Option<Value>, LoadError> {
 fn ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
         _ => Vec::new(),
     }
 }
 
 /// Parse `config.json` (plus `generation_config.json`, whose EOS ids take precedence).
-pub fn parse_config(cfg: &Value, gen_cfg: Option<&Value>, file: &Path) -> Result<ModelConfig, LoadError> {
+pub fn parse_config(
+    cfg: &Value,
+    gen_cfg: Option<&Value>,
+    file: &Path,
+) -> Result<ModelConfig, LoadError> {
     let arch_name = cfg
         .get("architectures")
         .and_then(|a| a.get(0))
@@ -80,7 +87,10 @@ pub fn parse_config(cfg: &Value, gen_cfg: Option<&Value>, file: &Path) -> Result
         .and_then(Value::as_f64)
         .ok_or_else(|| LoadError::invalid(file, "missing number \"rms_norm_eps\""))?;
     let mut eos = ids(cfg.get("eos_token_id"));
-    let mut bos = cfg.get("bos_token_id").and_then(Value::as_u64).map(|v| v as u32);
+    let mut bos = cfg
+        .get("bos_token_id")
+        .and_then(Value::as_u64)
+        .map(|v| v as u32);
     if let Some(g) = gen_cfg {
         let geos = ids(g.get("eos_token_id"));
         if !geos.is_empty() {
@@ -110,7 +120,10 @@ pub fn parse_config(cfg: &Value, gen_cfg: Option<&Value>, file: &Path) -> Result
             .unwrap_or(false),
         attention_bias: match arch {
             Arch::Qwen2 => true,
-            Arch::Llama => cfg.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
+            Arch::Llama => cfg
+                .get("attention_bias")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
         },
         max_position_embeddings: int("max_position_embeddings")?,
         bos_token_id: bos,
@@ -163,17 +176,24 @@ fn check_complete(path: &Path, b: &[u8]) -> Result<(), LoadError> {
         expected,
     };
     if b.len() < 8 {
-        return Err(trunc(format!("8-byte header length, file has {} bytes", b.len())));
+        return Err(trunc(format!(
+            "8-byte header length, file has {} bytes",
+            b.len()
+        )));
     }
     let n = u64::from_le_bytes(b[..8].try_into().unwrap_or_default());
     let hdr_end = 8u64.saturating_add(n);
     if (b.len() as u64) < hdr_end {
-        return Err(trunc(format!("{n}-byte JSON header, file has {} bytes", b.len())));
+        return Err(trunc(format!(
+            "{n}-byte JSON header, file has {} bytes",
+            b.len()
+        )));
     }
-    let header: Value = serde_json::from_slice(&b[8..hdr_end as usize]).map_err(|e| LoadError::BadJson {
-        file: format!("{} (safetensors header)", path.display()),
-        message: e.to_string(),
-    })?;
+    let header: Value =
+        serde_json::from_slice(&b[8..hdr_end as usize]).map_err(|e| LoadError::BadJson {
+            file: format!("{} (safetensors header)", path.display()),
+            message: e.to_string(),
+        })?;
     let data_end = header
         .as_object()
         .map(|m| {
@@ -203,9 +223,8 @@ impl Shards {
             // rewritten while it loads is outside what this loader defends against.
             let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| LoadError::io(&path, e))?;
             check_complete(&path, &map)?;
-            let st = SafeTensors::deserialize(&map).map_err(|e| {
-                LoadError::invalid(&path, format!("bad safetensors file: {e}"))
-            })?;
+            let st = SafeTensors::deserialize(&map)
+                .map_err(|e| LoadError::invalid(&path, format!("bad safetensors file: {e}")))?;
             for name in st.names() {
                 index.insert(name.to_string(), maps.len());
             }
@@ -219,10 +238,13 @@ impl Shards {
     }
 
     fn get(&self, dir: &Path, name: &str) -> Result<Tensor, LoadError> {
-        let &i = self.index.get(name).ok_or_else(|| LoadError::MissingTensor {
-            file: dir.display().to_string(),
-            name: name.to_string(),
-        })?;
+        let &i = self
+            .index
+            .get(name)
+            .ok_or_else(|| LoadError::MissingTensor {
+                file: dir.display().to_string(),
+                name: name.to_string(),
+            })?;
         let (path, map) = &self.maps[i];
         let st = SafeTensors::deserialize(map)
             .map_err(|e| LoadError::invalid(path, format!("bad safetensors file: {e}")))?;
@@ -333,17 +355,21 @@ pub fn load_dir(dir: &Path) -> Result<Checkpoint, LoadError> {
                 let special = |k: &str| -> String {
                     match tc.get(k) {
                         Some(Value::String(s)) => s.clone(),
-                        Some(v) => v.get("content").and_then(Value::as_str).unwrap_or("").to_string(),
+                        Some(v) => v
+                            .get("content")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_string(),
                         None => String::new(),
                     }
                 };
                 Some(
-                    ChatTemplate::new(&src, &special("bos_token"), &special("eos_token")).map_err(|e| {
-                        LoadError::ChatTemplate {
+                    ChatTemplate::new(&src, &special("bos_token"), &special("eos_token")).map_err(
+                        |e| LoadError::ChatTemplate {
                             file: tc_path.display().to_string(),
                             message: e.0,
-                        }
-                    })?,
+                        },
+                    )?,
                 )
             }
             None => None,
@@ -357,10 +383,12 @@ pub fn load_dir(dir: &Path) -> Result<Checkpoint, LoadError> {
             let jinja = dir.join("chat_template.jinja");
             if jinja.exists() {
                 let src = std::fs::read_to_string(&jinja).map_err(|e| LoadError::io(&jinja, e))?;
-                Some(ChatTemplate::new(&src, "", "").map_err(|e| LoadError::ChatTemplate {
-                    file: jinja.display().to_string(),
-                    message: e.0,
-                })?)
+                Some(
+                    ChatTemplate::new(&src, "", "").map_err(|e| LoadError::ChatTemplate {
+                        file: jinja.display().to_string(),
+                        message: e.0,
+                    })?,
+                )
             } else {
                 None
             }

@@ -199,7 +199,8 @@ fn permute_impl(data: &[f32], heads: usize, cols: usize, to_gguf: bool) -> Vec<f
                 } else {
                     (gguf_row, hf_row)
                 };
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
