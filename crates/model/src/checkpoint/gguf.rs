@@ -244,11 +244,8 @@ impl<'a> Reader<'a> {
             7 => MetaValue::Bool(self.arr::<1>(key)?[0] != 0),
             8 => MetaValue::Str(self.string(key)?),
             9 => {
+                // Nested arrays (element type 9) recurse like any other element type.
                 let et = self.u32(key)?;
-                if et == 9 {
-                    // Nested arrays are legal in the format but unused by the keys read here;
-                    // they are still parsed so that later keys can be read.
-                }
                 let n = self.len(key)?;
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {

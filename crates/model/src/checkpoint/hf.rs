@@ -233,10 +233,6 @@ impl Shards {
         Ok(Shards { maps, index })
     }
 
-    fn has(&self, name: &str) -> bool {
-        self.index.contains_key(name)
-    }
-
     fn get(&self, dir: &Path, name: &str) -> Result<Tensor, LoadError> {
         let &i = self
             .index
@@ -316,7 +312,6 @@ fn read_weights(dir: &Path, cfg: &ModelConfig) -> Result<Weights, LoadError> {
     } else {
         Some(t("lm_head.weight")?)
     };
-    let _ = s.has("lm_head.weight");
     Ok(Weights {
         embed: t("model.embed_tokens.weight")?,
         layers,
