@@ -3,6 +3,7 @@
 mod affinity;
 mod demo;
 mod meta;
+mod model;
 mod serve;
 
 use std::net::SocketAddr;
@@ -31,6 +32,9 @@ enum Command {
     Load(LoadArgs),
     /// Start a CPU-executor server on loopback, load it briefly, print a table.
     Demo(demo::DemoArgs),
+    /// Synthesize or inspect model checkpoints.
+    #[command(subcommand)]
+    Model(model::ModelCommand),
 }
 
 /// Request kinds the load generator sends.
@@ -203,6 +207,7 @@ fn main() {
         Command::Serve(args) => serve::run(&args),
         Command::Load(args) => load(&args),
         Command::Demo(args) => demo::run(&args),
+        Command::Model(cmd) => model::run(&cmd),
     };
     if let Err(e) = result {
         eprintln!("bgs: error: {e:#}");

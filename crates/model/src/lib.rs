@@ -11,3 +11,13 @@ pub mod weights;
 
 pub use config::{Arch, ModelConfig};
 pub use weights::{LayerWeights, Tensor, Weights};
+
+pub mod chat;
+pub mod checkpoint;
+pub mod synth;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use checkpoint::{Checkpoint, LoadError, load};
+pub use synth::{DType, SynthArch, synth};
+pub use tokenizer::{StreamDecoder, Tokenizer};
