@@ -33,6 +33,9 @@ pub struct EngineConfig {
     /// Token budget of one step (decode tokens + prefill chunk tokens); at least `slots`, so
     /// that every ready decoder gets its token in every step.
     pub max_batched_tokens: usize,
+    /// Generate past EOS for every request (`bgs serve --ignore-eos`), as if each set
+    /// [`FLAG_IGNORE_EOS`].
+    pub ignore_eos: bool,
 }
 
 impl EngineConfig {
@@ -43,6 +46,7 @@ impl EngineConfig {
             slots,
             max_waiting: slots,
             max_batched_tokens: slots.max(512),
+            ignore_eos: false,
         }
     }
 }
@@ -380,7 +384,7 @@ impl<M: StepModel> GenerationEngine<M> {
             processed: 0,
             generated: 0,
             max_gen,
-            ignore_eos: r.flags & FLAG_IGNORE_EOS != 0,
+            ignore_eos: self.config.ignore_eos || r.flags & FLAG_IGNORE_EOS != 0,
             blocks: Vec::new(),
             running: false,
             emitted: 0,

@@ -214,6 +214,7 @@ fn engine(
             slots,
             max_waiting: waiting,
             max_batched_tokens: budget,
+            ignore_eos: false,
         },
     )
     .unwrap()
