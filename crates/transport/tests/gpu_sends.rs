@@ -6,7 +6,7 @@
 //! finishes them in a shuffled order, puts a reply on the wire itself (reply in the entry's
 //! send buffer, SEND SQE in its ring, SQ tail published) when the connection is registered and
 //! the turn names the reply, else pushes the completion for the host's reply stage and, if
-//! the stage sleeps, queues a shared FUTEX_WAKE on the completion ring's doorbell; its reaper
+//! the stage sleeps, queues a private FUTEX_WAKE on the completion ring's doorbell; its reaper
 //! consumes its ring's CQ and passes the turn on every SEND completion.
 
 use std::collections::HashMap;
