@@ -1,8 +1,9 @@
 //! The kernel-owned transport: eBPF frames and admits requests; replies leave through
 //! io_uring. See docs/kernel.md.
 //!
-//! Start-up (userspace): bind the listening socket, load the BPF object for its port (the
-//! request and completion rings live in its mmapable map), set up io_uring with a multishot
+//! Start-up (userspace): bind the socket, load and attach the BPF object for its port (the
+//! request and completion rings live in its mmapable map), only then listen (so that no
+//! connection is established before the programs see it), set up io_uring with a multishot
 //! accept on the listener. Steady state:
 //! - receive: the `sock_ops` program puts each new connection into the sockhash at handshake
 //!   time; the verdict program frames every byte and publishes requests (and rejections, in
@@ -546,8 +547,30 @@ fn kick_verdict(fd: std::os::fd::BorrowedFd<'_>) {
     }
 }
 
+/// The listening socket's backlog (the kernel caps it at `net.core.somaxconn`).
+const LISTEN_BACKLOG: i32 = 4096;
+
+/// A TCP socket bound to `addr` (with `SO_REUSEADDR`, as `TcpListener::bind` sets it) but not
+/// yet listening, and the address it got (the port, when `addr` asked for port 0).
+fn bind_unlistened(addr: SocketAddr) -> io::Result<(OwnedFd, SocketAddr)> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let family = if addr.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    };
+    let socket = rustix::net::socket_with(family, SocketType::STREAM, SocketFlags::CLOEXEC, None)?;
+    rustix::net::sockopt::set_socket_reuseaddr(&socket, true)?;
+    rustix::net::bind(&socket, &addr)?;
+    let local = SocketAddr::try_from(rustix::net::getsockname(&socket)?)
+        .map_err(|_| io::Error::other("getsockname returned a non-IP address"))?;
+    Ok((socket, local))
+}
+
 impl KernelTransport {
-    /// Bind, load the BPF programs for the port, set up io_uring.
+    /// Bind, load and attach the BPF programs for the port, listen, set up io_uring. No
+    /// connection can complete its handshake before the programs are attached (see
+    /// `bind_unlistened`).
     pub fn bind(cfg: KernelConfig) -> io::Result<Self> {
         if cfg.gpu_sends && !matches!(cfg.reply, ReplyMode::ExecutorSqe { .. }) {
             return Err(io::Error::new(
@@ -555,8 +578,15 @@ impl KernelTransport {
                 "GPU-written SENDs need the executor-sqe reply path (--reply executor-sqe)",
             ));
         }
-        let listener = TcpListener::bind(cfg.listen)?;
-        let local_addr = listener.local_addr()?;
+        // Bind without listening, attach the BPF programs for the bound port, then listen.
+        // The sock_ops program puts connections into the sockhash at handshake time
+        // (PASSIVE_ESTABLISHED), so it must be attached before the first handshake can
+        // complete: until `listen` the kernel answers SYNs with RST (the client sees "refused"
+        // and may retry), and from then on every connection passes through the attached
+        // program. Binding and listening in one step and loading afterwards left a window in
+        // which a connection was accepted but never entered the sockhash, so its requests
+        // were never framed and it hung.
+        let (socket, local_addr) = bind_unlistened(cfg.listen)?;
         let rx = KernelRx::load(&KernelRxConfig {
             listen_port: local_addr.port(),
             max_words: cfg.framer.max_words,
@@ -567,6 +597,8 @@ impl KernelTransport {
             completion_slots: cfg.completion_slots,
         })
         .map_err(|e| io::Error::other(format!("loading the BPF receive path: {e}")))?;
+        rustix::net::listen(&socket, LISTEN_BACKLOG)?;
+        let listener = TcpListener::from(socket);
         let opts = match cfg.reply {
             ReplyMode::Loop { .. } => RingOptions {
                 entries: 4096,
