@@ -261,6 +261,37 @@ impl GpuTx {
     }
 }
 
+/// See [`KernelTransport::monitor`].
+#[derive(Clone)]
+pub struct KernelMonitor {
+    rx: Arc<KernelRx>,
+}
+
+impl std::fmt::Debug for KernelMonitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelMonitor")
+            .field("port", &self.rx.config().listen_port)
+            .finish()
+    }
+}
+
+impl KernelMonitor {
+    /// Entries now in the sockhash (connections BPF frames).
+    pub fn sockhash_entries(&self) -> usize {
+        self.rx.sockhash_len()
+    }
+
+    /// BPF per-connection states now (removed when a socket reaches TCP_CLOSE).
+    pub fn conn_states(&self) -> usize {
+        self.rx.conn_states_len()
+    }
+
+    /// The BPF counters now.
+    pub fn counters(&self) -> bgs_bpf::KernelCounters {
+        self.rx.counters()
+    }
+}
+
 /// The kernel transport, bound and loaded.
 pub struct KernelTransport {
     cfg: KernelConfig,
@@ -406,6 +437,59 @@ impl StageDriver {
         {
             did = true;
         }
+        did |= self.reap_cqes(uring);
+        if !self.accept_armed && io.push(&bgs_uring::accept_multishot(self.listener_fd, UD_ACCEPT))
+        {
+            self.accept_armed = true;
+        }
+        if let Some(b) = &mut self.bell
+            && !b.armed
+        {
+            // SAFETY: the buffer is boxed and owned by the driver, which outlives the ring's
+            // use of it (the driver is dropped after the loop, the ring after that).
+            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_DOORBELL) };
+            b.armed = io.push(&sqe);
+        }
+        if let Some((fd, armed)) = &mut self.watch
+            && !*armed
+        {
+            *armed = io.push(&bgs_uring::poll_readable(*fd, UD_WATCH));
+        }
+        if let Some(b) = &mut self.stop
+            && !b.armed
+        {
+            // SAFETY: as for the doorbell buffer above.
+            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_SHUTDOWN) };
+            b.armed = io.push(&sqe);
+        }
+        self.stage.flush(io);
+        did
+    }
+
+    /// At shutdown: reap the completions of CLOSE operations already issued (queueing
+    /// nothing new), so that the counters printed at shutdown count every connection whose
+    /// descriptor is gone. A CLOSE removes the descriptor before its completion is posted, and
+    /// a stop can come in between; without this the printed `closed` lagged behind the
+    /// descriptors actually closed. Bounded: an operation that never completes is left alone.
+    fn finish(&mut self, uring: &Uring) {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        loop {
+            self.reap_cqes(uring);
+            if self.stage.closes_in_flight() == 0 || Instant::now() >= deadline {
+                break;
+            }
+            // The CLOSE may still sit in the submission queue: the loop stopped before its
+            // `io_uring_enter`, or the SQPOLL thread sleeps and the watchdog has stopped
+            // (`enter` sets SQ_WAKEUP then).
+            let _ = uring.enter(uring.sq().pending(), 0, None);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Take the io_uring completions: accepts, the loop's own reads, the stage's operations.
+    /// Returns true if there were any.
+    fn reap_cqes(&mut self, uring: &Uring) -> bool {
+        let mut did = false;
         while let Some(cqe) = uring.cq().pop() {
             did = true;
             match cqe.user_data {
@@ -449,31 +533,6 @@ impl StageDriver {
                 ud => self.stage.on_cqe(ud, cqe.res),
             }
         }
-        if !self.accept_armed && io.push(&bgs_uring::accept_multishot(self.listener_fd, UD_ACCEPT))
-        {
-            self.accept_armed = true;
-        }
-        if let Some(b) = &mut self.bell
-            && !b.armed
-        {
-            // SAFETY: the buffer is boxed and owned by the driver, which outlives the ring's
-            // use of it (the driver is dropped after the loop, the ring after that).
-            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_DOORBELL) };
-            b.armed = io.push(&sqe);
-        }
-        if let Some((fd, armed)) = &mut self.watch
-            && !*armed
-        {
-            *armed = io.push(&bgs_uring::poll_readable(*fd, UD_WATCH));
-        }
-        if let Some(b) = &mut self.stop
-            && !b.armed
-        {
-            // SAFETY: as for the doorbell buffer above.
-            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_SHUTDOWN) };
-            b.armed = io.push(&sqe);
-        }
-        self.stage.flush(io);
         did
     }
 }
@@ -688,6 +747,16 @@ impl KernelTransport {
         self.gpu.clone()
     }
 
+    /// A read-only view of the BPF maps that stays usable while [`Self::run`] serves and
+    /// after it returned (tests wait on it for connection state to settle; health checks can
+    /// read it). It keeps the BPF programs loaded and attached until it is dropped, so drop it
+    /// once the transport has stopped.
+    pub fn monitor(&self) -> KernelMonitor {
+        KernelMonitor {
+            rx: self.rx.clone(),
+        }
+    }
+
     /// The rings (they live in the BPF map).
     pub fn region(&self) -> Arc<RingRegion> {
         self.rx.region()
@@ -780,6 +849,7 @@ impl KernelTransport {
             };
             driver.pass(&self.uring, &mut io);
             if driver.stop_requested {
+                driver.finish(&self.uring);
                 break;
             }
             if std::mem::take(&mut driver.watch_fired) {
@@ -902,6 +972,7 @@ impl KernelTransport {
                         driver.region.completions().wait_nonempty(t);
                     }
                 }
+                driver.finish(&uring);
                 driver
             })?;
         let region = self.rx.region();
