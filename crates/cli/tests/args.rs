@@ -188,3 +188,39 @@ fn serve_listens_on_host_names_and_bare_ports() {
         );
     }
 }
+
+#[test]
+fn logs_to_a_pipe_carry_no_colour_codes() {
+    use std::io::{BufRead, BufReader, Read};
+    // `--executor auto` logs its choice at info level, whatever it finds.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bgs"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--executor",
+            "auto",
+            "--slots",
+            "1",
+        ])
+        .env("BGS_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _ = child.kill();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let _ = child.wait();
+    assert!(err.contains("executor auto"), "{err:?}");
+    assert!(!err.contains('\x1b'), "colour codes in piped logs: {err:?}");
+}
