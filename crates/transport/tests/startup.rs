@@ -164,3 +164,75 @@ fn connections_made_while_the_server_starts_are_served() {
         );
     }
 }
+
+/// A connection BPF refuses at its handshake (its sockhash and state map are full) is reset
+/// at accept, not left open with nobody reading it: every client gets its reply or a reset.
+#[test]
+fn connections_bpf_refuses_are_reset_not_left_hanging() {
+    // max_connections 1: the maps hold 2 * 1 + 256 = 258 connections.
+    const CLIENTS: u32 = 300;
+    let transport = KernelTransport::bind(KernelConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        reply: ReplyMode::Loop {
+            timer: Duration::from_micros(60),
+        },
+        framer: FramerConfig::default(),
+        max_connections: 1,
+        executor_wakes: false,
+        stats_every: None,
+        request_slots: 1024,
+        completion_slots: 4096,
+        gpu_sends: false,
+    })
+    .expect("kernel transport (root)");
+    let addr = transport.local_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    let responder = {
+        let (region, stop) = (transport.region(), stop.clone());
+        std::thread::spawn(move || responder(region, stop))
+    };
+    let handle = transport.shutdown_handle();
+    let server = std::thread::spawn(move || transport.run().unwrap());
+    // All connections stay open until every one has its answer, so the maps stay full.
+    let mut conns = Vec::new();
+    for id in 0..CLIENTS {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let mut req = Vec::new();
+        bgs_protocol::encode_request(&mut req, &RequestHeader::new(Op::Echo, id, 1, 0), &[id]);
+        s.write_all(&req).unwrap();
+        conns.push(s);
+    }
+    let (mut served, mut reset) = (0u64, 0u64);
+    for (id, s) in (0..CLIENTS).zip(conns.iter_mut()) {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut h = [0u8; 28];
+        match s.read_exact(&mut h) {
+            Ok(()) => {
+                let head: [u8; 24] = h[..24].try_into().unwrap();
+                let r = ReplyHeader::decode(&head);
+                assert_eq!((r.status, r.request_id), (0, id));
+                served += 1;
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::ConnectionReset | ErrorKind::UnexpectedEof
+                ) =>
+            {
+                reset += 1
+            }
+            Err(e) => panic!("connection {id}: neither served nor refused ({e})"),
+        }
+    }
+    drop(conns);
+    handle.shutdown();
+    let stats = server.join().unwrap();
+    stop.store(true, Ordering::Release);
+    responder.join().unwrap();
+    eprintln!("{served} served, {reset} reset\n{stats}");
+    assert_eq!(served + reset, u64::from(CLIENTS));
+    assert!(served >= 200, "{served} served");
+    assert!(reset > 0, "the maps never filled");
+    assert_eq!(stats.untracked, reset, "{stats}");
+    assert_eq!(stats.bpf.conns_refused, reset, "{stats}");
+}

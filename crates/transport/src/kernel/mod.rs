@@ -104,6 +104,9 @@ pub struct KernelStats {
     pub wakeups: u64,
     /// Accepts seen.
     pub accepts: u64,
+    /// Of those, connections BPF had refused at their handshake (its maps were full): reset
+    /// at once instead of being left open with nobody reading their bytes.
+    pub untracked: u64,
     /// Sockhash entries when the transport stopped (before closing what was still open).
     pub sockhash_entries: usize,
     /// BPF per-connection states at the same moment.
@@ -183,7 +186,11 @@ impl std::fmt::Display for KernelStats {
                 r.resets_forced
             )?;
         }
-        writeln!(f, "wake-ups: {}; accepts: {}", self.wakeups, self.accepts)?;
+        writeln!(
+            f,
+            "wake-ups: {}; accepts: {} ({} reset: refused by BPF)",
+            self.wakeups, self.accepts, self.untracked
+        )?;
         write!(
             f,
             "bpf maps at stop: sockhash {} entries, {} connection states",
@@ -363,6 +370,9 @@ struct StageDriver {
     /// compare-and-swap target without host-native atomics).
     side: Arc<RingRegion>,
     accepts: u64,
+    /// Accepted connections BPF does not track (reset at once).
+    untracked: u64,
+    rx: Arc<KernelRx>,
     /// Final completions taken from the executor's completion ring. Every request-ring entry
     /// (request or rejection) ends in exactly one, so `requests().produced() - finals` is the
     /// work still in the executor.
@@ -388,17 +398,18 @@ struct Bell {
 
 impl StageDriver {
     fn new(
-        region: Arc<RingRegion>,
-        side: Arc<RingRegion>,
+        rx: Arc<KernelRx>,
         listener_fd: RawFd,
         bell_fd: Option<RawFd>,
         stop_fd: Option<RawFd>,
     ) -> Self {
         StageDriver {
             stage: ReplyStage::new(),
-            region,
-            side,
+            region: rx.region(),
+            side: rx.side_region(),
             accepts: 0,
+            untracked: 0,
+            rx,
             finals: 0,
             listener_fd,
             accept_armed: false,
@@ -501,6 +512,23 @@ impl StageDriver {
                         // ends before anything can close it.
                         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
                         match bgs_bpf::socket_cookie(borrowed) {
+                            Ok(cookie) if !self.rx.tracks(cookie) && tcp_open(borrowed) => {
+                                // BPF refused it at the handshake (maps full): nobody would
+                                // ever read its bytes. Reset it so the client sees a refusal
+                                // instead of waiting forever. (Checked in this order: BPF
+                                // drops a connection's state only at TCP_CLOSE, which is
+                                // final, so an open socket without state never had any.)
+                                self.untracked += 1;
+                                tracing::warn!(
+                                    "connection refused by BPF (sockhash or state map full): reset"
+                                );
+                                let _ = rustix::net::sockopt::set_socket_linger(
+                                    borrowed,
+                                    Some(Duration::ZERO),
+                                );
+                                // SAFETY: the accept CQE handed us ownership of `fd`.
+                                drop(unsafe { OwnedFd::from_raw_fd(fd) });
+                            }
                             Ok(cookie) => {
                                 kick_verdict(borrowed);
                                 self.stage.on_accept(fd, cookie);
@@ -548,6 +576,7 @@ fn collect_stats(
         reply: driver.stage.stats().clone(),
         wakeups,
         accepts: driver.accepts,
+        untracked: driver.untracked,
         sockhash_entries: rx.sockhash_len(),
         conn_states: rx.conn_states_len(),
         gpu: gpu.map(|g| g.table.counters().into()),
@@ -577,6 +606,26 @@ impl StatsTimer {
             _ => false,
         }
     }
+}
+
+/// Whether the socket has not reached TCP_CLOSE (`TCP_INFO`'s state; an error counts as
+/// closed).
+fn tcp_open(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    // SAFETY: tcp_info is plain old data; all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `info`, a live tcp_info.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    const TCP_CLOSE: u8 = 7;
+    rc == 0 && len >= 1 && info.tcpi_state != TCP_CLOSE
 }
 
 /// Bytes that arrived between the handshake and the accept sit in the socket's queue: the
@@ -829,8 +878,7 @@ impl KernelTransport {
     /// send completing, an accept, the executor's eventfd, BPF's doorbell) or the timer.
     fn run_loop(self, timer: Duration) -> io::Result<KernelStats> {
         let mut driver = StageDriver::new(
-            self.rx.region(),
-            self.rx.side_region(),
+            self.rx.clone(),
             self.listener.as_raw_fd(),
             Some(self.waker_fd.as_raw_fd()),
             Some(self.shutdown_rx.as_raw_fd()),
@@ -912,8 +960,6 @@ impl KernelTransport {
         let wakeups = Arc::new(AtomicU64::new(0));
         let uring = self.uring.clone();
         let rx = self.rx.clone();
-        let region = self.rx.region();
-        let side = self.rx.side_region();
         let listener_fd = self.listener.as_raw_fd();
         let stop2 = stop.clone();
         let wakeups2 = wakeups.clone();
@@ -922,7 +968,7 @@ impl KernelTransport {
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
-                let mut driver = StageDriver::new(region, side, listener_fd, None, None);
+                let mut driver = StageDriver::new(rx.clone(), listener_fd, None, None);
                 if let Some(g) = &gpu {
                     driver.stage = ReplyStage::with_turns(g.table.clone());
                 }
