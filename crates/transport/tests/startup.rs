@@ -193,17 +193,28 @@ fn connections_bpf_refuses_are_reset_not_left_hanging() {
     };
     let handle = transport.shutdown_handle();
     let server = std::thread::spawn(move || transport.run().unwrap());
+    let is_reset = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::UnexpectedEof
+        )
+    };
     // All connections stay open until every one has its answer, so the maps stay full.
+    let (mut served, mut reset) = (0u64, 0u64);
     let mut conns = Vec::new();
     for id in 0..CLIENTS {
         let mut s = TcpStream::connect(addr).unwrap();
         let mut req = Vec::new();
         bgs_protocol::encode_request(&mut req, &RequestHeader::new(Op::Echo, id, 1, 0), &[id]);
-        s.write_all(&req).unwrap();
-        conns.push(s);
+        match s.write_all(&req) {
+            Ok(()) => conns.push((id, s)),
+            // Refused and reset before the request went out.
+            Err(e) if is_reset(&e) => reset += 1,
+            Err(e) => panic!("connection {id}: {e}"),
+        }
     }
-    let (mut served, mut reset) = (0u64, 0u64);
-    for (id, s) in (0..CLIENTS).zip(conns.iter_mut()) {
+    for (id, s) in conns.iter_mut() {
+        let id = *id;
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut h = [0u8; 28];
         match s.read_exact(&mut h) {
@@ -213,14 +224,7 @@ fn connections_bpf_refuses_are_reset_not_left_hanging() {
                 assert_eq!((r.status, r.request_id), (0, id));
                 served += 1;
             }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::ConnectionReset | ErrorKind::UnexpectedEof
-                ) =>
-            {
-                reset += 1
-            }
+            Err(e) if is_reset(&e) => reset += 1,
             Err(e) => panic!("connection {id}: neither served nor refused ({e})"),
         }
     }
