@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs the system packages the build and tests need on Debian 12 / Ubuntu 24.04 (Rust
 # itself is expected from rustup). Safe to run repeatedly; uses sudo when not root.
-#   gcc make pkg-config               C parts of dependencies (vendored libbpf)
-#   clang-19 llvm-19                  BPF programs of the kernel transport
+#   gcc g++ make pkg-config           C parts of dependencies (vendored libbpf); the C and
+#                                     C++ layout checks of the generated ring headers
+#   clang-19 llvm-19                  BPF programs of the kernel transport; CUDA syntax check
 #   libelf-dev zlib1g-dev             vendored libbpf
+#   python3 python3-pip               test.sh installs the CUDA 13.0 NVRTC wheels with pip
 #   linux-perf (optional)             syscall counting in the steady-state test
 set -euo pipefail
-pkgs=(gcc make pkg-config clang-19 llvm-19 libelf-dev zlib1g-dev)
+pkgs=(gcc g++ make pkg-config clang-19 llvm-19 libelf-dev zlib1g-dev python3 python3-pip)
 optional=(linux-perf)
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -642,6 +642,18 @@ impl KernelRx {
         self.conn_states.keys().count()
     }
 
+    /// Whether BPF tracks connection `cookie`: it took it into the sockhash at its handshake
+    /// and it has neither reached TCP_CLOSE nor been forgotten. A connection that is still
+    /// open but not tracked was refused at its handshake (the maps were full): BPF will never
+    /// frame its bytes.
+    pub fn tracks(&self, cookie: u64) -> bool {
+        matches!(
+            self.conn_states
+                .lookup(&cookie.to_ne_bytes(), MapFlags::ANY),
+            Ok(Some(_))
+        )
+    }
+
     /// The server closed this connection: delete its state (idempotent). Call it before
     /// closing the socket, so that its TCP_CLOSE publishes no RESET marker.
     pub fn forget_connection(&self, cookie: u64) {

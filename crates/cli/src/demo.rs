@@ -11,21 +11,24 @@ use anyhow::{Context, Result, bail};
 use bgs_load::{LoadConfig, LoadReport};
 use bgs_protocol::Op;
 
+use crate::args;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
-    /// Offered rate of each run, requests per second.
-    #[arg(long, default_value_t = 2000.0)]
+    /// Offered rate of each run, requests per second, 0 < R <= 10000000.
+    #[arg(long, default_value_t = 2000.0, value_parser = args::positive(crate::MAX_RATE))]
     rate: f64,
-    /// Measured seconds of each run.
-    #[arg(long, default_value_t = 2.0)]
+    /// Measured seconds of each run, 0 < S <= 3600.
+    #[arg(long, default_value_t = 2.0, value_parser = args::positive(3600.0))]
     duration: f64,
-    /// Connections.
-    #[arg(long, default_value_t = 128)]
+    /// Connections, 1..=65536.
+    #[arg(long, default_value_t = 128,
+          value_parser = args::int(1usize, crate::serve::MAX_CONNECTIONS))]
     connections: usize,
-    /// Executor slots of the demo server.
-    #[arg(long, default_value_t = 2)]
+    /// Executor slots of the demo server, 1..=512.
+    #[arg(long, default_value_t = 2, value_parser = args::int(1usize, crate::serve::MAX_SLOTS))]
     slots: usize,
-    /// Write all reports as JSON.
+    /// Write all reports as JSON (the file is opened before the runs).
     #[arg(long)]
     json: Option<std::path::PathBuf>,
 }
@@ -71,6 +74,7 @@ impl Drop for ChildServer {
 }
 
 pub fn run(args: &DemoArgs) -> Result<()> {
+    let json = args.json.as_deref().map(crate::JsonOut::open).transpose()?;
     let runs: [(&str, Op, u32); 4] = [
         ("full", Op::Gemm8, 1),
         ("full", Op::Fft32, 1),
@@ -158,10 +162,10 @@ pub fn run(args: &DemoArgs) -> Result<()> {
         "\nsrv us/req: server process CPU per request (schedstat, all threads); host us/req: whole-host busy CPU per request, \
          client included (on loopback the receive softirq runs in the sender's context)."
     );
-    if let Some(path) = &args.json {
+    if let Some(json) = json {
         let all: Vec<_> = rows.iter().map(|(_, _, _, r)| r).collect();
         let doc = crate::meta::with_metadata(serde_json::to_value(all)?);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        json.write(&doc)?;
     }
     if failed > 0 {
         bail!("{failed} requests failed");

@@ -1,6 +1,7 @@
 //! `bgs`: serve, load and demo for bpf-gpu-server.
 
 mod affinity;
+mod args;
 mod demo;
 mod meta;
 mod model;
@@ -11,13 +12,17 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "bgs",
     version,
-    about = "bpf-gpu-server: small models and short GPU kernels over TCP"
+    about = "bpf-gpu-server: small models and short GPU kernels over TCP",
+    after_help = "Logging: BGS_LOG sets what is logged to stderr, in tracing-subscriber's \
+                  EnvFilter syntax (default `info`; e.g. BGS_LOG=warn, \
+                  BGS_LOG=debug, BGS_LOG=bgs_transport=debug). Colour codes only when \
+                  stderr is a terminal."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -62,58 +67,71 @@ impl LoadOp {
     }
 }
 
+/// Most offered load (requests per second) of `bgs load` and `bgs demo`.
+pub const MAX_RATE: f64 = 10_000_000.0;
+/// Longest measured duration or warm-up, seconds (one day).
+pub const MAX_SECONDS: f64 = 86_400.0;
+/// Most measured requests of one run.
+pub const MAX_REQUESTS: u64 = 1_000_000_000;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct LoadArgs {
-    /// Server address.
-    #[arg(long, default_value = "127.0.0.1:7700")]
+    /// Server address: IP:PORT, HOST:PORT (resolved, IPv4 preferred) or :PORT (this host).
+    #[arg(long, default_value = "127.0.0.1:7700", value_parser = args::target_addr)]
     target: SocketAddr,
     /// Request kind.
     #[arg(long, value_enum, default_value = "gemm8")]
     op: LoadOp,
-    /// Repeat count for gemm8/fft32 (1..=256).
-    #[arg(long, default_value_t = 1)]
+    /// Repeat count for gemm8/fft32, 1..=256 (not for echo).
+    #[arg(long, default_value_t = 1, value_parser = args::int(1u32, bgs_protocol::MAX_REPEAT))]
     repeat: u32,
-    /// Payload words for echo.
-    #[arg(long, default_value_t = 64)]
+    /// Payload words for echo, 0..=256 (echo only).
+    #[arg(long, default_value_t = 64,
+          value_parser = args::int(0u32, bgs_ring::SLOT_WORDS as u32))]
     words: u32,
-    /// Offered rate, requests per second over all connections.
-    #[arg(long, default_value_t = 1000.0)]
+    /// Offered rate, requests per second over all connections, 0 < R <= 10000000.
+    #[arg(long, default_value_t = 1000.0, value_parser = args::positive(MAX_RATE))]
     rate: f64,
-    /// Persistent connections.
-    #[arg(long, default_value_t = 128)]
+    /// Persistent connections, 1..=65536.
+    #[arg(long, default_value_t = 128,
+          value_parser = args::int(1usize, serve::MAX_CONNECTIONS))]
     connections: usize,
-    /// Measured duration in seconds (after warm-up).
-    #[arg(long)]
+    /// Measured duration in seconds (after warm-up), 0 < S <= 86400.
+    #[arg(long, value_parser = args::positive(MAX_SECONDS), conflicts_with = "requests")]
     duration: Option<f64>,
-    /// Measured request count (instead of, or as well as, a duration).
-    #[arg(long)]
+    /// Measured request count instead of a duration, 1..=1000000000.
+    #[arg(long, value_parser = args::int(1u64, MAX_REQUESTS))]
     requests: Option<u64>,
-    /// Warm-up seconds, excluded from latency and throughput statistics.
-    #[arg(long, default_value_t = 1.0)]
+    /// Warm-up seconds, excluded from latency and throughput statistics, 0..=86400.
+    #[arg(long, default_value_t = 1.0, value_parser = args::non_negative(MAX_SECONDS))]
     warmup: f64,
-    /// Most requests in flight per connection.
-    #[arg(long, default_value_t = 16)]
+    /// Most requests in flight per connection, 1..=4096.
+    #[arg(long, default_value_t = 16, value_parser = args::int(1usize, 4096))]
     pipeline: usize,
     /// Send requests as HTTP POSTs.
     #[arg(long)]
     http: bool,
-    /// Seconds after which an unanswered request counts as timed out.
-    #[arg(long, default_value_t = 10.0)]
+    /// Seconds after which an unanswered request counts as timed out, 0 < S <= 3600.
+    #[arg(long, default_value_t = 10.0, value_parser = args::positive(3600.0))]
     timeout: f64,
-    /// Distinct payloads, or prompts for generate (each checked against its golden reply).
-    #[arg(long, visible_alias = "prompts", default_value_t = 64)]
+    /// Distinct payloads, or prompts for generate (each checked against its golden reply),
+    /// 1..=65536.
+    #[arg(long, visible_alias = "prompts", default_value_t = 64,
+          value_parser = args::int(1usize, 65_536))]
     distinct: usize,
     /// Generate: prompt tokens per request (1..=256).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16,
+          value_parser = args::int(1u32, bgs_load::MAX_PROMPT_TOKENS))]
     prompt_tokens: u32,
     /// Generate: max new tokens per request (1..=4096).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = args::int(1u32, bgs_load::MAX_NEW_TOKENS))]
     max_tokens: u32,
     /// Generate: set flag bit 0, so generation runs to --max-tokens past EOS tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Generate: prompt token ids are drawn from 0..R (every served model has at least 256).
-    #[arg(long, default_value_t = 256)]
+    /// Generate: prompt token ids are drawn from 0..R (every served model has at least 256),
+    /// 1..=4294967295.
+    #[arg(long, default_value_t = 256, value_parser = args::int(1u32, u32::MAX))]
     token_range: u32,
     /// Seed for payload generation.
     #[arg(long, default_value_t = 1)]
@@ -121,10 +139,11 @@ pub struct LoadArgs {
     /// Server PID for CPU accounting (found from the listening socket if omitted).
     #[arg(long)]
     server_pid: Option<u32>,
-    /// Client I/O threads.
-    #[arg(long, default_value_t = 1)]
+    /// Client I/O threads, 1..=256 (at most one per connection is used).
+    #[arg(long, default_value_t = 1, value_parser = args::int(1usize, 256))]
     threads: usize,
-    /// Write the report as JSON (with date, machine, command and git revision).
+    /// Write the report as JSON (with date, machine, command and git revision). The file is
+    /// opened (created) before the run, so an unwritable path fails at once.
     #[arg(long)]
     json: Option<PathBuf>,
     /// Pin the load generator to these CPUs (e.g. `1` or `2-3`).
@@ -136,20 +155,35 @@ pub struct LoadArgs {
 }
 
 impl LoadArgs {
+    /// Refuse flags that do nothing with the op given, naming both (ranges are checked by
+    /// the parsers).
+    fn check_combinations(&self, m: &ArgMatches) -> Result<()> {
+        let op = self.op.op().name();
+        if self.op != LoadOp::Echo && args::given(m, "words") {
+            bail!("--words applies to --op echo; it does nothing with --op {op} (fixed size)");
+        }
+        if matches!(self.op, LoadOp::Echo | LoadOp::Generate) && args::given(m, "repeat") {
+            bail!("--repeat applies to gemm8 and fft32; it does nothing with --op {op}");
+        }
+        if self.op != LoadOp::Generate {
+            for flag in ["prompt_tokens", "max_tokens", "ignore_eos", "token_range"] {
+                if args::given(m, flag) {
+                    bail!(
+                        "--{} applies to --op generate; it does nothing with --op {op}",
+                        flag.replace('_', "-")
+                    );
+                }
+            }
+        }
+        if let Some(list) = &self.cpus {
+            affinity::parse_cpu_list(list).context("--cpus")?;
+        }
+        Ok(())
+    }
+
     fn config(&self, progress: bool) -> Result<bgs_load::LoadConfig> {
         if self.duration.is_none() && self.requests.is_none() {
             bail!("give --duration SECONDS or --requests N");
-        }
-        if !(self.rate.is_finite() && self.rate > 0.0) {
-            bail!("--rate must be a positive number of requests per second");
-        }
-        if matches!(self.op, LoadOp::Gemm8 | LoadOp::Fft32)
-            && !(1..=bgs_protocol::MAX_REPEAT).contains(&self.repeat)
-        {
-            bail!("--repeat must be 1..=256");
-        }
-        if self.connections == 0 || self.pipeline == 0 || self.threads == 0 {
-            bail!("--connections, --pipeline and --threads must be at least 1");
         }
         let generate = bgs_load::GenerateConfig {
             prompt_tokens: self.prompt_tokens,
@@ -157,20 +191,6 @@ impl LoadArgs {
             ignore_eos: self.ignore_eos,
             token_range: self.token_range,
         };
-        if self.op == LoadOp::Generate {
-            if !(1..=bgs_load::MAX_PROMPT_TOKENS).contains(&self.prompt_tokens) {
-                bail!(
-                    "--prompt-tokens must be 1..={}",
-                    bgs_load::MAX_PROMPT_TOKENS
-                );
-            }
-            if !(1..=bgs_load::MAX_NEW_TOKENS).contains(&self.max_tokens) {
-                bail!("--max-tokens must be 1..={}", bgs_load::MAX_NEW_TOKENS);
-            }
-            if self.token_range == 0 {
-                bail!("--token-range must be at least 1");
-            }
-        }
         Ok(bgs_load::LoadConfig {
             target: self.target,
             op: self.op.op(),
@@ -184,7 +204,7 @@ impl LoadArgs {
             pipeline: self.pipeline,
             http: self.http,
             timeout: Duration::from_secs_f64(self.timeout),
-            distinct_payloads: self.distinct.max(1),
+            distinct_payloads: self.distinct,
             seed: self.seed,
             server_pid: self.server_pid,
             progress,
@@ -195,17 +215,28 @@ impl LoadArgs {
 }
 
 fn main() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("BGS_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only on a terminal: logs redirected to a file or pipe stay plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // The subcommand's own matches tell flags given on the command line from defaults.
+    let sub = matches
+        .subcommand()
+        .map(|(_, m)| m.clone())
+        .unwrap_or_default();
     let result = match cli.command {
-        Command::Serve(args) => serve::run(&args),
-        Command::Load(args) => load(&args),
+        Command::Serve(args) => {
+            serve::check_combinations(&args, &sub).and_then(|()| serve::run(&args))
+        }
+        Command::Load(args) => args.check_combinations(&sub).and_then(|()| load(&args)),
         Command::Demo(args) => demo::run(&args),
         Command::Model(cmd) => model::run(&cmd),
     };
@@ -215,19 +246,70 @@ fn main() {
     }
 }
 
+/// `--json PATH`, opened before a run so that an unwritable path fails before the run, not
+/// after it. A file this created is removed again if the run fails.
+#[derive(Debug)]
+pub struct JsonOut {
+    path: PathBuf,
+    file: Option<std::fs::File>,
+    created: bool,
+}
+
+impl JsonOut {
+    pub fn open(path: &std::path::Path) -> Result<Self> {
+        let existed = path.exists();
+        // Append mode checks writability without truncating an existing file before the run
+        // has produced its replacement.
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .with_context(|| format!("--json {}: cannot write there", path.display()))?;
+        Ok(JsonOut {
+            path: path.to_owned(),
+            file: Some(file),
+            created: !existed,
+        })
+    }
+
+    /// Replace the file's contents with `doc`.
+    pub fn write(mut self, doc: &serde_json::Value) -> Result<()> {
+        use std::io::Write;
+        let mut f = self.file.take().context("JSON file already written")?;
+        f.set_len(0)
+            .and_then(|()| f.write_all((serde_json::to_string_pretty(doc)? + "\n").as_bytes()))
+            .with_context(|| format!("writing {}", self.path.display()))?;
+        self.created = false;
+        Ok(())
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for JsonOut {
+    fn drop(&mut self) {
+        if self.created {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
 fn load(args: &LoadArgs) -> Result<()> {
     use std::io::IsTerminal;
     let cfg = args.config(std::io::stdout().is_terminal())?;
+    let json = args.json.as_deref().map(JsonOut::open).transpose()?;
     if let Some(list) = &args.cpus {
         affinity::pin(list)?;
     }
     let report = bgs_load::run(&cfg).context("load run failed")?;
     println!("{report}");
-    if let Some(path) = &args.json {
+    if let Some(json) = json {
         let doc = meta::with_metadata(serde_json::to_value(&report)?);
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
+        let path = json.path().display().to_string();
+        json.write(&doc)?;
+        println!("wrote {path}");
     }
     if args.strict && report.failures > 0 {
         bail!("{} requests failed", report.failures);

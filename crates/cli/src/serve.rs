@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -11,7 +12,9 @@ use bgs_protocol::FramerConfig;
 use bgs_ring::{RingConfig, RingRegion, SLOT_WORDS};
 use bgs_transport::conn::ConnLimits;
 use bgs_transport::{NativeConfig, NativeTransport};
-use clap::ValueEnum;
+use clap::{ArgMatches, ValueEnum};
+
+use crate::args;
 
 /// Transports.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -57,10 +60,18 @@ enum Executor {
     Gpu(bgs_executor_gpu::GpuExecutor),
 }
 
+/// Most executor slots (`bgs_ring::MAX_STREAMS`; the GPU executor takes at most 64).
+pub const MAX_SLOTS: usize = bgs_ring::MAX_STREAMS;
+/// Most open connections.
+pub const MAX_CONNECTIONS: usize = 65_536;
+/// Most ring slots (request ring; completion ring: four times this).
+pub const MAX_RING_SLOTS: u32 = 65_536;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Address to listen on (port 0 picks a free port; the chosen address is printed).
-    #[arg(long, default_value = "127.0.0.1:7700")]
+    /// Address to listen on: IP:PORT, HOST:PORT (resolved, IPv4 preferred) or :PORT (all IPv4
+    /// interfaces, 0.0.0.0). Port 0 picks a free port; the chosen address is printed.
+    #[arg(long, default_value = "127.0.0.1:7700", value_parser = args::listen_addr)]
     pub listen: SocketAddr,
     /// Transport.
     #[arg(long, value_enum, default_value = "native")]
@@ -68,36 +79,42 @@ pub struct ServeArgs {
     /// Executor.
     #[arg(long, value_enum, default_value = "cpu")]
     pub executor: ExecutorKind,
-    /// Executor slots (requests executing at once). Default: CPU count for the CPU executor,
-    /// 16 for the GPU executor.
-    #[arg(long)]
+    /// Executor slots (requests executing at once), 1..=512 (the GPU executor: 1..=64).
+    /// Default: CPU count for the CPU executor, 16 for the GPU executor.
+    #[arg(long, value_parser = args::int(1usize, MAX_SLOTS))]
     pub slots: Option<usize>,
-    /// GPU dispatcher kind.
+    /// GPU dispatcher kind (GPU executor only: `--executor gpu` or `auto`).
     #[arg(long, value_enum, default_value = "device")]
     pub dispatcher: DispatcherKind,
-    /// Directory holding the CUDA libraries (else CUDA_HOME, /usr/local/cuda, the loader's path).
+    /// Directory holding the CUDA libraries (else CUDA_HOME, /usr/local/cuda, the loader's
+    /// path). GPU executor only.
     #[arg(long)]
     pub cuda_home: Option<std::path::PathBuf>,
     /// GPU executor, device dispatcher: resident scheduler warps, each owning a share of the
-    /// slots (0: one per 8 slots, at most 2).
-    #[arg(long, default_value_t = 0)]
+    /// slots, 0..=64 (0: one per 8 slots, at most 2; never more than the slots).
+    #[arg(long, default_value_t = 0, value_parser = args::int(0usize, 64))]
     pub gpu_schedulers: usize,
-    /// Floor mode: the transport answers echo itself, without ring or executor.
+    /// Floor mode: the native transport answers echo itself, without ring or executor (so it
+    /// takes no executor, ring or kernel-transport flags).
     #[arg(long)]
     pub floor: bool,
-    /// Largest payload in 32-bit words.
-    #[arg(long, default_value_t = bgs_protocol::wire::DEFAULT_MAX_WORDS)]
+    /// Largest payload in 32-bit words, 1..=256 (a ring slot's capacity).
+    #[arg(long, default_value_t = bgs_protocol::wire::DEFAULT_MAX_WORDS,
+          value_parser = args::int(1u32, SLOT_WORDS as u32))]
     pub max_words: u32,
-    /// Most open connections.
-    #[arg(long, default_value_t = 4096)]
+    /// Most open connections, 1..=65536.
+    #[arg(long, default_value_t = 4096, value_parser = args::int(1usize, MAX_CONNECTIONS))]
     pub max_connections: usize,
-    /// Most requests in flight per connection; reading pauses beyond it.
-    #[arg(long, default_value_t = 64)]
+    /// Native transport: most requests in flight per connection, 1..=65536; reading pauses
+    /// beyond it.
+    #[arg(long, default_value_t = 64, value_parser = args::int(1usize, 65_536))]
     pub max_inflight: usize,
-    /// Request ring slots (power of two); admission refuses with busy when it is full.
-    #[arg(long, default_value_t = 4096)]
+    /// Request ring slots, a power of two in 2..=65536; admission refuses with busy when it
+    /// is full.
+    #[arg(long, default_value_t = 4096, value_parser = args::pow2(2, MAX_RING_SLOTS))]
     pub ring_slots: u32,
-    /// Pin the server (all its threads) to these CPUs (e.g. `0` or `0-1`).
+    /// Pin the server (all its threads) to these CPUs (e.g. `0` or `0-1`; CPU numbers below
+    /// 1024).
     #[arg(long)]
     pub cpus: Option<String>,
     /// Kernel transport reply path. `loop`: a service thread reaps completions and submits
@@ -108,60 +125,125 @@ pub struct ServeArgs {
     /// busy replies, and replies that are not yet their connection's turn).
     #[arg(long, value_enum, default_value = "loop")]
     pub reply: ReplyKind,
-    /// Kernel transport, `--reply loop`: longest wait while replies are outstanding (us).
-    #[arg(long, default_value_t = 60)]
+    /// Kernel transport, `--reply loop`: longest wait while replies are outstanding (us),
+    /// 1..=1000000.
+    #[arg(long, default_value_t = 60, value_parser = args::int(1u64, 1_000_000))]
     pub reply_timer_us: u64,
     /// Kernel transport, `--reply executor-sqe`: how often the watchdog checks whether the
-    /// SQPOLL thread needs a wake-up (us).
-    #[arg(long, default_value_t = 50)]
+    /// SQPOLL thread needs a wake-up (us), 1..=1000000.
+    #[arg(long, default_value_t = 50, value_parser = args::int(1u64, 1_000_000))]
     pub watchdog_us: u64,
-    /// Kernel transport, `--reply executor-sqe`: SQPOLL idle time before it sleeps (ms).
-    /// The SQPOLL kernel thread spins while awake and its time counts as the server's.
-    #[arg(long, default_value_t = 10)]
+    /// Kernel transport, `--reply executor-sqe`: SQPOLL idle time before it sleeps (ms),
+    /// 1..=60000. The SQPOLL kernel thread spins while awake and its time counts as the
+    /// server's.
+    #[arg(long, default_value_t = 10, value_parser = args::int(1u32, 60_000))]
     pub sqpoll_idle_ms: u32,
-    /// Kernel transport, `--reply executor-sqe`: pin the SQPOLL thread to this CPU (give it
-    /// a core of its own: sharing one with the executor starves both).
-    #[arg(long)]
+    /// Kernel transport, `--reply executor-sqe`: pin the SQPOLL thread to this CPU, 0..=1023
+    /// (give it a core of its own: sharing one with the executor starves both).
+    #[arg(long, value_parser = args::int(0u32, 1023))]
     pub sqpoll_cpu: Option<u32>,
-    /// Completion ring slots (power of two). Default: twice the request ring (native), four
-    /// times it but at least 16384 (kernel: BPF answers busy into it in bursts).
-    #[arg(long)]
+    /// Completion ring slots, a power of two in 2..=262144. Default: twice the request ring
+    /// (native), four times it but at least 16384 (kernel: BPF answers busy into it in
+    /// bursts).
+    #[arg(long, value_parser = args::pow2(2, 4 * MAX_RING_SLOTS))]
     pub completion_slots: Option<u32>,
-    /// Print the transport's counters to stderr every this many seconds (they are always
-    /// printed at shutdown).
-    #[arg(long)]
+    /// Print the transport's counters to stderr every this many seconds, 0 < S <= 86400 (they
+    /// are always printed at shutdown).
+    #[arg(long, value_parser = args::positive(86_400.0))]
     pub stats_every: Option<f64>,
-    /// Longest epoll wait while requests are outstanding, in microseconds.
-    #[arg(long, default_value_t = 100)]
+    /// Native transport: longest epoll wait while requests are outstanding (us), 1..=1000000.
+    #[arg(long, default_value_t = 100, value_parser = args::int(1u64, 1_000_000))]
     pub poll_us: u64,
 }
 
-pub fn run(args: &ServeArgs) -> Result<()> {
-    if args.max_words as usize > SLOT_WORDS {
-        bail!(
-            "--max-words {} is above the ring slot capacity of {SLOT_WORDS} words",
-            args.max_words
-        );
+/// Refuse flags that do nothing in the combination given, naming both (ranges are checked by
+/// the parsers). `m` are the subcommand's matches, to tell given flags from defaults.
+pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
+    let any = |ids: &[&str]| args::first_given(m, ids);
+    if a.floor {
+        if a.transport == TransportKind::Kernel {
+            bail!(
+                "--floor is a mode of the native transport; it does nothing with --transport kernel"
+            );
+        }
+        if let Some(f) = any(&[
+            "executor",
+            "slots",
+            "dispatcher",
+            "cuda_home",
+            "gpu_schedulers",
+            "ring_slots",
+            "completion_slots",
+        ]) {
+            bail!("{f} does nothing with --floor (floor mode has no ring and no executor)");
+        }
     }
-    if !args.ring_slots.is_power_of_two() || args.ring_slots < 2 {
-        bail!(
-            "--ring-slots must be a power of two, at least 2 (got {})",
-            args.ring_slots
-        );
-    }
-    if let Some(n) = args.completion_slots
-        && (!n.is_power_of_two() || n < 2)
+    if a.executor == ExecutorKind::Cpu
+        && let Some(f) = any(&["dispatcher", "cuda_home", "gpu_schedulers"])
     {
-        bail!("--completion-slots must be a power of two, at least 2 (got {n})");
+        bail!("{f} applies to the GPU executor only; it does nothing with --executor cpu");
     }
-    if args.max_inflight == 0 || args.max_connections == 0 {
-        bail!("--max-inflight and --max-connections must be at least 1");
+    if a.dispatcher == DispatcherKind::Host && args::given(m, "gpu_schedulers") {
+        bail!(
+            "--gpu-schedulers applies to the device dispatcher; it does nothing with --dispatcher host"
+        );
     }
+    if a.executor == ExecutorKind::Gpu
+        && let Some(n) = a.slots
+        && n > bgs_executor_gpu::layout::MAX_SLOTS
+    {
+        bail!(
+            "--slots {n} is above the GPU executor's {} slots (--executor gpu)",
+            bgs_executor_gpu::layout::MAX_SLOTS
+        );
+    }
+    match a.transport {
+        TransportKind::Native => {
+            if let Some(f) = any(&[
+                "reply",
+                "reply_timer_us",
+                "watchdog_us",
+                "sqpoll_idle_ms",
+                "sqpoll_cpu",
+            ]) {
+                bail!(
+                    "{f} applies to the kernel transport; it does nothing with --transport native"
+                );
+            }
+        }
+        TransportKind::Kernel => {
+            if let Some(f) = any(&["poll_us", "max_inflight"]) {
+                bail!(
+                    "{f} applies to the native transport; it does nothing with --transport kernel"
+                );
+            }
+            match a.reply {
+                ReplyKind::Loop => {
+                    if let Some(f) = any(&["watchdog_us", "sqpoll_idle_ms", "sqpoll_cpu"]) {
+                        bail!(
+                            "{f} applies to --reply executor-sqe; it does nothing with --reply loop"
+                        );
+                    }
+                }
+                ReplyKind::ExecutorSqe => {
+                    if args::given(m, "reply_timer_us") {
+                        bail!(
+                            "--reply-timer-us applies to --reply loop; it does nothing with --reply executor-sqe"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if let Some(list) = &a.cpus {
+        crate::affinity::parse_cpu_list(list).context("--cpus")?;
+    }
+    Ok(())
+}
+
+pub fn run(args: &ServeArgs) -> Result<()> {
     if let Some(list) = &args.cpus {
         crate::affinity::pin(list)?;
-    }
-    if args.slots == Some(0) {
-        bail!("--slots must be at least 1");
     }
     let gpu_cfg = bgs_executor_gpu::GpuExecutorConfig {
         slots: args.slots.unwrap_or(16),
@@ -206,12 +288,28 @@ fn stats_every(args: &ServeArgs) -> Result<Option<Duration>> {
     }
 }
 
-fn install_signals(shutdown: &bgs_transport::ShutdownHandle) -> Result<()> {
+/// From here on SIGINT/SIGTERM stop the transport's `run` (through its pipe) instead of
+/// killing the process. The returned flag is set by the same signals, so that start-up steps
+/// after this point (starting the executor: GPU initialisation takes seconds) can see a stop
+/// that arrived before `run` and stop there.
+fn install_signals(shutdown: &bgs_transport::ShutdownHandle) -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::low_level::pipe::register(sig, shutdown.signal_pipe()?)
             .context("installing signal handlers")?;
+        signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
     }
-    Ok(())
+    Ok(stop)
+}
+
+/// A stop signal arrived during start-up: stop what was started and exit cleanly.
+fn stopped_during_startup(stop: &AtomicBool, executor: &mut Option<Executor>) -> Result<bool> {
+    if !stop.load(Ordering::Relaxed) {
+        return Ok(false);
+    }
+    stop_executor(executor.take())?;
+    eprintln!("bgs: stopped during start-up");
+    Ok(true)
 }
 
 fn start_executor(
@@ -269,7 +367,7 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
         Some(Executor::Cpu(e)) => {
             let es = e.stats().clone();
             e.shutdown();
-            let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
             eprintln!(
                 "bgs: executor: {} requests, {} completions, {} completion-ring stalls, {} sleeps",
                 n(&es.requests),
@@ -319,8 +417,8 @@ fn serve_native(
     };
     let transport = NativeTransport::bind(cfg, region.clone())
         .with_context(|| format!("binding {}", args.listen))?;
-    install_signals(&transport.shutdown_handle())?;
-    let executor = match &region {
+    let stop = install_signals(&transport.shutdown_handle())?;
+    let mut executor = match &region {
         Some(region) => Some(start_executor(
             args,
             executor_kind,
@@ -332,6 +430,9 @@ fn serve_native(
         )?),
         None => None,
     };
+    if stopped_during_startup(&stop, &mut executor)? {
+        return Ok(());
+    }
     announce(transport.local_addr(), "native", executor.as_ref())?;
     let stats = transport.run().context("transport failed")?;
     stop_executor(executor)?;
@@ -346,9 +447,6 @@ fn serve_kernel(
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
 ) -> Result<()> {
     use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
-    if args.floor {
-        bail!("--floor is a mode of the native transport");
-    }
     // The GPU writes SEND SQEs itself (docs/kernel.md, "GPU-written SENDs"). Both dispatchers
     // publish through the same publish kernel, so `--dispatcher host` sends the same way; and
     // an executor that never sends leaves every reply to the stage, which the turn allows.
@@ -379,20 +477,29 @@ fn serve_kernel(
             .unwrap_or_else(|| args.ring_slots.saturating_mul(4).max(16384)),
         gpu_sends,
     };
-    let transport = KernelTransport::bind(cfg).with_context(|| {
-        format!(
-            "starting the kernel transport on {} (it needs root, BPF and io_uring)",
-            args.listen
-        )
-    })?;
-    install_signals(&transport.shutdown_handle())?;
+    let transport = match KernelTransport::bind(cfg) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            bail!(
+                "binding {}: the address is already in use ({e})",
+                args.listen
+            )
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "starting the kernel transport on {} (it needs root, BPF and io_uring)",
+                args.listen
+            )));
+        }
+    };
+    let stop = install_signals(&transport.shutdown_handle())?;
     let region = transport.region();
     // The GPU holds raw addresses into the send table and its io_uring ring: they must live
     // until the executor has stopped, after `run` consumed the transport.
     let gpu_tx_owner = transport.gpu_tx_owner();
     let mut gpu_cfg = gpu_cfg.clone();
     gpu_cfg.tx = transport.gpu_tx();
-    let executor = start_executor(
+    let mut executor = Some(start_executor(
         args,
         executor_kind,
         &gpu_cfg,
@@ -400,7 +507,11 @@ fn serve_kernel(
         transport.waker(),
         Some(transport.executor_wait()?),
         transport.shutdown_handle(),
-    )?;
+    )?);
+    if stopped_during_startup(&stop, &mut executor)? {
+        return Ok(());
+    }
+    let executor = executor.context("the executor")?;
     let mode = match args.reply {
         ReplyKind::Loop => "kernel, reply loop",
         ReplyKind::ExecutorSqe if gpu_sends => "kernel, reply executor-sqe, GPU-written sends",

@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::fs::File;
+use std::io::{Read, Write};
 use std::process::Command;
 use std::time::Duration;
 
@@ -24,6 +26,57 @@ fn ensure_tracefs() {
     let _ = Command::new("mount")
         .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
         .status();
+}
+
+/// A FIFO opened read-write, so that opening it blocks on nobody (as `exec {fd}<>fifo`).
+fn fifo(path: &std::path::Path) -> File {
+    let _ = std::fs::remove_file(path);
+    let ok = Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "mkfifo {}", path.display());
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap()
+}
+
+/// Tell perf (started with `--delay=-1 --control fifo:CTL,ACK`) to enable its counters, and
+/// wait for its acknowledgement: from then on it is counting. A fixed sleep instead could end
+/// before perf had attached on a loaded machine, and then the test proved nothing.
+fn enable_perf(ctl: &mut File, ack: &mut File, perf: &mut std::process::Child) {
+    ctl.write_all(b"enable\n").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    // perf writes "ack\n" and the string's terminating NUL.
+    while !got.contains(&b'\n') {
+        assert!(
+            perf.try_wait().unwrap().is_none(),
+            "perf exited before it started counting"
+        );
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(!left.is_zero(), "perf did not acknowledge 'enable' in 30 s");
+        let mut fds = [rustix::event::PollFd::new(
+            &*ack,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 100_000_000,
+        };
+        if rustix::event::poll(&mut fds, Some(&ts)).unwrap() > 0 {
+            let mut b = [0u8; 16];
+            let n = ack.read(&mut b).unwrap();
+            got.extend_from_slice(&b[..n]);
+        }
+    }
+    assert!(
+        got.starts_with(b"ack\n"),
+        "perf's answer to 'enable': {:?}",
+        String::from_utf8_lossy(&got)
+    );
 }
 
 #[test]
@@ -47,14 +100,27 @@ fn executor_sqe_makes_no_socket_io_syscalls() {
         .collect();
     // Submissions are not system calls either: only the watchdog's SQPOLL wake-ups enter.
     events.push("syscalls:sys_enter_io_uring_enter".into());
-    let out = std::env::temp_dir().join(format!("bgs-perf-{}.csv", server.pid()));
+    // Every system call: proof that perf traced the server at all (the watchdog alone makes
+    // thousands a second), so that zeros above mean "none made", not "nothing seen".
+    events.push("raw_syscalls:sys_enter".into());
+    let tmp = std::env::temp_dir();
+    let out = tmp.join(format!("bgs-perf-{}.csv", server.pid()));
+    let ctl_path = tmp.join(format!("bgs-perf-{}.ctl", server.pid()));
+    let ack_path = tmp.join(format!("bgs-perf-{}.ack", server.pid()));
+    let (mut ctl, mut ack) = (fifo(&ctl_path), fifo(&ack_path));
     let mut perf = Command::new("perf")
-        .args(["stat", "-x", ",", "-o"])
+        .args(["stat", "-x", ",", "--delay=-1", "--control"])
+        .arg(format!(
+            "fifo:{},{}",
+            ctl_path.display(),
+            ack_path.display()
+        ))
+        .arg("-o")
         .arg(&out)
         .args(["-e", &events.join(","), "-p", &server.pid().to_string()])
         .spawn()
         .expect("start perf");
-    std::thread::sleep(Duration::from_millis(500));
+    enable_perf(&mut ctl, &mut ack, &mut perf);
 
     let mut cfg = load_config(server.addr, Op::Gemm8);
     cfg.requests = Some(12_000);
@@ -70,14 +136,21 @@ fn executor_sqe_makes_no_socket_io_syscalls() {
         .status();
     perf.wait().unwrap();
     let text = std::fs::read_to_string(&out).expect("perf output");
-    let _ = std::fs::remove_file(&out);
+    for p in [&out, &ctl_path, &ack_path] {
+        let _ = std::fs::remove_file(p);
+    }
     let mut seen = 0;
     let mut enters = None;
-    for line in text.lines().filter(|l| l.contains("syscalls:sys_enter_")) {
+    let mut all = None;
+    for line in text.lines().filter(|l| l.contains("sys_enter")) {
         let fields: Vec<&str> = line.split(',').collect();
         let count: u64 = fields[0].trim().parse().unwrap_or_else(|_| {
             panic!("perf could not count ({line}); is tracefs mounted and perf permitted?")
         });
+        if line.contains("raw_syscalls:sys_enter") {
+            all = Some(count);
+            continue;
+        }
         if line.contains("io_uring_enter") {
             enters = Some(count);
             continue;
@@ -86,6 +159,12 @@ fn executor_sqe_makes_no_socket_io_syscalls() {
         seen += 1;
     }
     assert_eq!(seen, SYSCALLS.len(), "perf output:\n{text}");
+    let all = all.expect("raw_syscalls:sys_enter count");
+    assert!(
+        all > 0,
+        "perf counted no system call of the server at all: it traced nothing\n{text}"
+    );
+    println!("system calls of the server while counted: {all}");
     let enters = enters.expect("io_uring_enter count");
     println!(
         "io_uring_enter calls during {} requests: {enters}",

@@ -6,14 +6,14 @@
 //! finishes them in a shuffled order, puts a reply on the wire itself (reply in the entry's
 //! send buffer, SEND SQE in its ring, SQ tail published) when the connection is registered and
 //! the turn names the reply, else pushes the completion for the host's reply stage and, if
-//! the stage sleeps, queues a shared FUTEX_WAKE on the completion ring's doorbell; its reaper
+//! the stage sleeps, queues a private FUTEX_WAKE on the completion ring's doorbell; its reaper
 //! consumes its ring's CQ and passes the turn on every SEND completion.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bgs_protocol::{FramerConfig, Op, ReplyHeader, RequestHeader, Status, encode_reply};
@@ -22,11 +22,17 @@ use bgs_ring::tx::{
     TxHeader, TxTable,
 };
 use bgs_ring::{RegionHeader, RingRegion, route};
-use bgs_transport::kernel::{GpuTx, KernelConfig, KernelStats, KernelTransport, ReplyMode};
+use bgs_transport::kernel::{
+    GpuTx, KernelConfig, KernelMonitor, KernelStats, KernelTransport, ReplyMode,
+};
 use bgs_uring::sys::SendFlags;
 use bgs_uring::{Sqe, futex_wake, send_with_flags};
 
 const MSG_WAITALL: u32 = 0x100;
+/// Request ids with this bit are always handed to the host's reply stage, as a GPU does with
+/// replies it may not send itself (HTTP, closing), whatever the turn: so the test does not
+/// depend on scheduling to exercise deferred replies and the FUTEX_WAKEs that go with them.
+const DEFER: u32 = 1 << 30;
 
 fn config(reply: ReplyMode) -> KernelConfig {
     KernelConfig {
@@ -76,13 +82,18 @@ struct Device {
     sends: u64,
     deferred: u64,
     wakes: u64,
-    /// Sleepers the FUTEX_WAKEs woke (their CQEs' results).
-    woken: u64,
+    /// Sleepers the FUTEX_WAKEs woke (their CQEs' results), readable while the device runs.
+    woken: Arc<AtomicU64>,
     errors: u64,
 }
 
 impl Device {
-    fn new(desc: TxDesc, table: Arc<TxTable>, region: Arc<RingRegion>) -> Self {
+    fn new(
+        desc: TxDesc,
+        table: Arc<TxTable>,
+        region: Arc<RingRegion>,
+        woken: Arc<AtomicU64>,
+    ) -> Self {
         // SAFETY: the header at the start of the table block; its geometry is written once
         // by the host before the descriptor is handed out.
         let h = unsafe { &*desc.table.cast::<TxHeader>() };
@@ -100,7 +111,7 @@ impl Device {
             sends: 0,
             deferred: 0,
             wakes: 0,
-            woken: 0,
+            woken,
             errors: 0,
         };
         d.sq_tail = d.word(desc.sq_tail).load(Ordering::Acquire);
@@ -159,6 +170,7 @@ impl Device {
     fn finish(&mut self, r: Req) {
         let host_only = route::HTTP | route::CLOSE | route::NO_FRAME | route::EOF | route::RESET;
         if r.route & host_only == 0
+            && r.id & DEFER == 0
             && let Some(idx) = self.table.lookup(r.conn)
             && self.table.next_seq(idx) == r.seq
         {
@@ -248,7 +260,7 @@ impl Device {
             } else {
                 assert_eq!(ud, TX_UD_WAKE << 56);
                 assert!(res >= 0, "FUTEX_WAKE failed: {res}");
-                self.woken += res as u64;
+                self.woken.fetch_add(res as u64, Ordering::Relaxed);
             }
             self.cq_head = self.cq_head.wrapping_add(1);
         }
@@ -382,6 +394,8 @@ fn resetting_client(addr: SocketAddr, c: u32) {
 
 struct Server {
     addr: SocketAddr,
+    monitor: KernelMonitor,
+    woken: Arc<AtomicU64>,
     handle: bgs_transport::ShutdownHandle,
     thread: std::thread::JoinHandle<KernelStats>,
     owner: Arc<GpuTx>,
@@ -400,7 +414,14 @@ fn start() -> Server {
     assert_eq!(desc.table, owner.table().as_ptr());
     assert_eq!(desc.sq_entries, 4096);
     assert_eq!(desc.cq_entries, 16384);
-    let device = Device::new(desc, owner.table().clone(), transport.region());
+    let woken = Arc::new(AtomicU64::new(0));
+    let device = Device::new(
+        desc,
+        owner.table().clone(),
+        transport.region(),
+        woken.clone(),
+    );
+    let monitor = transport.monitor();
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let device = std::thread::spawn(move || device.run(&stop2));
@@ -409,6 +430,8 @@ fn start() -> Server {
     let thread = std::thread::spawn(move || transport.run().unwrap());
     Server {
         addr,
+        monitor,
+        woken,
         handle,
         thread,
         owner,
@@ -421,6 +444,7 @@ impl Server {
     /// Stop the transport, then the device (it uses the table and ring, which `owner` keeps
     /// alive after the transport is gone).
     fn stop(self) -> (KernelStats, Device, Arc<GpuTx>) {
+        drop(self.monitor);
         self.handle.shutdown();
         let stats = self.thread.join().unwrap();
         self.stop.store(true, Ordering::Release);
@@ -455,33 +479,75 @@ fn gpu_sends_and_host_sends_share_connections_in_order() {
             s.spawn(move || resetting_client(addr, 1000 + c));
         }
     });
-    // Every connection is closed by the server: in turn after its EOF or reset.
+    // Replies handed to a sleeping stage wake it: one more connection sends requests the
+    // device always defers, one at a time with pauses in which the stage goes back to sleep,
+    // until a FUTEX_WAKE has found it asleep (a wake can race with the end of the stage's
+    // timed sleep and wake nobody, so one attempt proves nothing either way).
+    let deferred_sent = {
+        let mut s = TcpStream::connect(server.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut n = 0u32;
+        // At least one request: it makes `deferred > 0` certain, and registers the connection
+        // with the send table (one closed before its accept is reaped never is).
+        while n == 0 || (server.woken.load(Ordering::Relaxed) == 0 && Instant::now() < deadline) {
+            std::thread::sleep(Duration::from_millis(10));
+            s.write_all(&request(DEFER | n, &[n])).unwrap();
+            let mut h = [0u8; 24];
+            s.read_exact(&mut h).unwrap();
+            let h = ReplyHeader::decode(&h);
+            assert_eq!((h.request_id, h.status, h.words), (DEFER | n, 0, 1));
+            let mut p = [0u8; 4];
+            s.read_exact(&mut p).unwrap();
+            assert_eq!(u32::from_le_bytes(p), n);
+            n += 1;
+        }
+        s.shutdown(Shutdown::Write).unwrap();
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).unwrap();
+        assert!(rest.is_empty(), "no bytes after the last reply");
+        u64::from(n)
+    };
+    // Every connection is closed by the server: in turn after its EOF or reset. Then wait for
+    // the state the assertions below are about, not just for the descriptors: BPF removes a
+    // connection's entries when its socket reaches TCP_CLOSE, which can come after the
+    // descriptor is gone (the peer's last ACK).
     let deadline = Instant::now() + Duration::from_secs(20);
     while fd_count() > base_fds && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(2));
     }
     let fds_left = fd_count().saturating_sub(base_fds);
+    let maps_settled = |m: &KernelMonitor| m.sockhash_entries() == 0 && m.conn_states() == 0;
+    while !maps_settled(&server.monitor) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
     let (stats, dev, owner) = server.stop();
+    let woken = dev.woken.load(Ordering::Relaxed);
     eprintln!(
-        "{stats}\ndevice: {} sends, {} deferred, {} wakes ({} woken), {} send errors",
-        dev.sends, dev.deferred, dev.wakes, dev.woken, dev.errors
+        "{stats}\ndevice: {} sends, {} deferred, {} wakes ({woken} woken), {} send errors; \
+         {deferred_sent} requests sent to wake the stage",
+        dev.sends, dev.deferred, dev.wakes, dev.errors
     );
     assert_eq!(fds_left, 0, "the server closes every connection");
     let r = &stats.reply;
-    let total = u64::from(CONNS + RESETS);
+    // The clients, the resetting clients and the connection of the wake-up requests.
+    let total = u64::from(CONNS + RESETS) + 1;
     assert_eq!(r.tx_registered, total);
     assert_eq!(r.tx_refused, 0);
     assert_eq!(r.closed, total);
-    assert_eq!(r.eof, u64::from(CONNS));
+    assert_eq!(r.eof, u64::from(CONNS) + 1);
     assert_eq!(r.resets, u64::from(RESETS));
     assert_eq!(r.resets_forced, 0);
     assert_eq!(r.behind_turn, 0);
     assert!(dev.sends > 0, "the device sent replies");
     assert!(
-        dev.woken > 0,
-        "the device's FUTEX_WAKEs reached the sleeping stage"
+        woken > 0,
+        "the device's FUTEX_WAKEs reached the sleeping stage ({deferred_sent} tries)"
     );
-    assert!(dev.deferred > 0, "and handed some to the stage");
+    assert!(
+        dev.deferred >= deferred_sent,
+        "and handed replies to the stage"
+    );
     assert!(r.frames > 0);
     // Every reply the device sent was skipped by the stage exactly once.
     assert_eq!(r.gpu_sent_skipped, dev.sends);

@@ -64,6 +64,23 @@ impl Server {
             .count()
     }
 
+    /// Sockets of the server's port that still hold kernel state for a connection: every
+    /// state but LISTEN (0A) and TIME_WAIT (06). A socket leaves this set when it reaches
+    /// TCP_CLOSE, which is when the kernel transport's BPF program drops its connection state
+    /// and the sockhash loses its entry; a TIME_WAIT socket has already passed TCP_CLOSE.
+    pub fn connection_sockets(&self) -> usize {
+        let port = format!(":{:04X}", self.addr.port());
+        std::fs::read_to_string("/proc/net/tcp")
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .filter(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() > 3 && f[1].ends_with(&port) && f[3] != "0A" && f[3] != "06"
+            })
+            .count()
+    }
+
     /// Wait until `cond` holds (polling), up to `limit`.
     pub fn wait_for(&self, limit: Duration, mut cond: impl FnMut(&Server) -> bool) -> bool {
         let end = Instant::now() + limit;

@@ -6,6 +6,10 @@
 //! bgs-gpu-bench throughput [--dispatcher ..] [--slots N] [--schedulers K] [--op ..] [--repeat R] [--seconds S] [--outstanding K]
 //! ```
 //! Every mode prints one JSON object on stdout.
+//!
+//! Ranges (anything outside is refused before the GPU is touched): `--slots` 1..=64,
+//! `--schedulers` 0..=64, `--repeat` 1..=256, `--n` 1..=100000000, `--seconds` 0 < S <= 3600,
+//! `--outstanding` 1..=65536.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -48,7 +52,14 @@ fn parse() -> Result<Args, String> {
     };
     while let Some(k) = it.next() {
         let v = it.next().ok_or(format!("{k} needs a value"))?;
-        let num = |v: &str| v.parse::<f64>().map_err(|e| format!("{k}: {e}"));
+        // An integer flag's value in `lo..=hi`.
+        let int = |lo: u64, hi: u64| -> Result<u64, String> {
+            let n: u64 = v.parse().map_err(|e| format!("{k} {v}: {e}"))?;
+            if !(lo..=hi).contains(&n) {
+                return Err(format!("{k} {n} is outside {lo}..={hi}"));
+            }
+            Ok(n)
+        };
         match k.as_str() {
             "--dispatcher" => {
                 a.dispatcher = match v.as_str() {
@@ -57,8 +68,10 @@ fn parse() -> Result<Args, String> {
                     _ => return Err(format!("bad dispatcher {v}")),
                 }
             }
-            "--slots" => a.slots = num(&v)? as usize,
-            "--schedulers" => a.schedulers = num(&v)? as usize,
+            "--slots" => a.slots = int(1, bgs_executor_gpu::layout::MAX_SLOTS as u64)? as usize,
+            "--schedulers" => {
+                a.schedulers = int(0, bgs_executor_gpu::layout::MAX_SLOTS as u64)? as usize
+            }
             "--op" => {
                 a.op = match v.as_str() {
                     "gemm8" => Op::Gemm8,
@@ -67,10 +80,15 @@ fn parse() -> Result<Args, String> {
                     _ => return Err(format!("bad op {v}")),
                 }
             }
-            "--repeat" => a.repeat = num(&v)? as u32,
-            "--n" => a.n = num(&v)? as usize,
-            "--seconds" => a.seconds = num(&v)?,
-            "--outstanding" => a.outstanding = num(&v)? as usize,
+            "--repeat" => a.repeat = int(1, u64::from(bgs_protocol::MAX_REPEAT))? as u32,
+            "--n" => a.n = int(1, 100_000_000)? as usize,
+            "--seconds" => {
+                a.seconds = v.parse().map_err(|e| format!("{k} {v}: {e}"))?;
+                if !(a.seconds.is_finite() && a.seconds > 0.0 && a.seconds <= 3600.0) {
+                    return Err(format!("{k} {v} is outside 0 < S <= 3600"));
+                }
+            }
+            "--outstanding" => a.outstanding = int(1, 65_536)? as usize,
             "--digest" => a.digest = Some(v),
             _ => return Err(format!("unknown option {k}")),
         }

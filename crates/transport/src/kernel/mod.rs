@@ -1,8 +1,9 @@
 //! The kernel-owned transport: eBPF frames and admits requests; replies leave through
 //! io_uring. See docs/kernel.md.
 //!
-//! Start-up (userspace): bind the listening socket, load the BPF object for its port (the
-//! request and completion rings live in its mmapable map), set up io_uring with a multishot
+//! Start-up (userspace): bind the socket, load and attach the BPF object for its port (the
+//! request and completion rings live in its mmapable map), only then listen (so that no
+//! connection is established before the programs see it), set up io_uring with a multishot
 //! accept on the listener. Steady state:
 //! - receive: the `sock_ops` program puts each new connection into the sockhash at handshake
 //!   time; the verdict program frames every byte and publishes requests (and rejections, in
@@ -103,6 +104,9 @@ pub struct KernelStats {
     pub wakeups: u64,
     /// Accepts seen.
     pub accepts: u64,
+    /// Of those, connections BPF had refused at their handshake (its maps were full): reset
+    /// at once instead of being left open with nobody reading their bytes.
+    pub untracked: u64,
     /// Sockhash entries when the transport stopped (before closing what was still open).
     pub sockhash_entries: usize,
     /// BPF per-connection states at the same moment.
@@ -182,7 +186,11 @@ impl std::fmt::Display for KernelStats {
                 r.resets_forced
             )?;
         }
-        writeln!(f, "wake-ups: {}; accepts: {}", self.wakeups, self.accepts)?;
+        writeln!(
+            f,
+            "wake-ups: {}; accepts: {} ({} reset: refused by BPF)",
+            self.wakeups, self.accepts, self.untracked
+        )?;
         write!(
             f,
             "bpf maps at stop: sockhash {} entries, {} connection states",
@@ -260,6 +268,37 @@ impl GpuTx {
     }
 }
 
+/// See [`KernelTransport::monitor`].
+#[derive(Clone)]
+pub struct KernelMonitor {
+    rx: Arc<KernelRx>,
+}
+
+impl std::fmt::Debug for KernelMonitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelMonitor")
+            .field("port", &self.rx.config().listen_port)
+            .finish()
+    }
+}
+
+impl KernelMonitor {
+    /// Entries now in the sockhash (connections BPF frames).
+    pub fn sockhash_entries(&self) -> usize {
+        self.rx.sockhash_len()
+    }
+
+    /// BPF per-connection states now (removed when a socket reaches TCP_CLOSE).
+    pub fn conn_states(&self) -> usize {
+        self.rx.conn_states_len()
+    }
+
+    /// The BPF counters now.
+    pub fn counters(&self) -> bgs_bpf::KernelCounters {
+        self.rx.counters()
+    }
+}
+
 /// The kernel transport, bound and loaded.
 pub struct KernelTransport {
     cfg: KernelConfig,
@@ -331,6 +370,9 @@ struct StageDriver {
     /// compare-and-swap target without host-native atomics).
     side: Arc<RingRegion>,
     accepts: u64,
+    /// Accepted connections BPF does not track (reset at once).
+    untracked: u64,
+    rx: Arc<KernelRx>,
     /// Final completions taken from the executor's completion ring. Every request-ring entry
     /// (request or rejection) ends in exactly one, so `requests().produced() - finals` is the
     /// work still in the executor.
@@ -356,17 +398,18 @@ struct Bell {
 
 impl StageDriver {
     fn new(
-        region: Arc<RingRegion>,
-        side: Arc<RingRegion>,
+        rx: Arc<KernelRx>,
         listener_fd: RawFd,
         bell_fd: Option<RawFd>,
         stop_fd: Option<RawFd>,
     ) -> Self {
         StageDriver {
             stage: ReplyStage::new(),
-            region,
-            side,
+            region: rx.region(),
+            side: rx.side_region(),
             accepts: 0,
+            untracked: 0,
+            rx,
             finals: 0,
             listener_fd,
             accept_armed: false,
@@ -405,6 +448,59 @@ impl StageDriver {
         {
             did = true;
         }
+        did |= self.reap_cqes(uring);
+        if !self.accept_armed && io.push(&bgs_uring::accept_multishot(self.listener_fd, UD_ACCEPT))
+        {
+            self.accept_armed = true;
+        }
+        if let Some(b) = &mut self.bell
+            && !b.armed
+        {
+            // SAFETY: the buffer is boxed and owned by the driver, which outlives the ring's
+            // use of it (the driver is dropped after the loop, the ring after that).
+            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_DOORBELL) };
+            b.armed = io.push(&sqe);
+        }
+        if let Some((fd, armed)) = &mut self.watch
+            && !*armed
+        {
+            *armed = io.push(&bgs_uring::poll_readable(*fd, UD_WATCH));
+        }
+        if let Some(b) = &mut self.stop
+            && !b.armed
+        {
+            // SAFETY: as for the doorbell buffer above.
+            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_SHUTDOWN) };
+            b.armed = io.push(&sqe);
+        }
+        self.stage.flush(io);
+        did
+    }
+
+    /// At shutdown: reap the completions of CLOSE operations already issued (queueing
+    /// nothing new), so that the counters printed at shutdown count every connection whose
+    /// descriptor is gone. A CLOSE removes the descriptor before its completion is posted, and
+    /// a stop can come in between; without this the printed `closed` lagged behind the
+    /// descriptors actually closed. Bounded: an operation that never completes is left alone.
+    fn finish(&mut self, uring: &Uring) {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        loop {
+            self.reap_cqes(uring);
+            if self.stage.closes_in_flight() == 0 || Instant::now() >= deadline {
+                break;
+            }
+            // The CLOSE may still sit in the submission queue: the loop stopped before its
+            // `io_uring_enter`, or the SQPOLL thread sleeps and the watchdog has stopped
+            // (`enter` sets SQ_WAKEUP then).
+            let _ = uring.enter(uring.sq().pending(), 0, None);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Take the io_uring completions: accepts, the loop's own reads, the stage's operations.
+    /// Returns true if there were any.
+    fn reap_cqes(&mut self, uring: &Uring) -> bool {
+        let mut did = false;
         while let Some(cqe) = uring.cq().pop() {
             did = true;
             match cqe.user_data {
@@ -416,6 +512,23 @@ impl StageDriver {
                         // ends before anything can close it.
                         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
                         match bgs_bpf::socket_cookie(borrowed) {
+                            Ok(cookie) if !self.rx.tracks(cookie) && tcp_open(borrowed) => {
+                                // BPF refused it at the handshake (maps full): nobody would
+                                // ever read its bytes. Reset it so the client sees a refusal
+                                // instead of waiting forever. (Checked in this order: BPF
+                                // drops a connection's state only at TCP_CLOSE, which is
+                                // final, so an open socket without state never had any.)
+                                self.untracked += 1;
+                                tracing::warn!(
+                                    "connection refused by BPF (sockhash or state map full): reset"
+                                );
+                                let _ = rustix::net::sockopt::set_socket_linger(
+                                    borrowed,
+                                    Some(Duration::ZERO),
+                                );
+                                // SAFETY: the accept CQE handed us ownership of `fd`.
+                                drop(unsafe { OwnedFd::from_raw_fd(fd) });
+                            }
                             Ok(cookie) => {
                                 kick_verdict(borrowed);
                                 self.stage.on_accept(fd, cookie);
@@ -448,31 +561,6 @@ impl StageDriver {
                 ud => self.stage.on_cqe(ud, cqe.res),
             }
         }
-        if !self.accept_armed && io.push(&bgs_uring::accept_multishot(self.listener_fd, UD_ACCEPT))
-        {
-            self.accept_armed = true;
-        }
-        if let Some(b) = &mut self.bell
-            && !b.armed
-        {
-            // SAFETY: the buffer is boxed and owned by the driver, which outlives the ring's
-            // use of it (the driver is dropped after the loop, the ring after that).
-            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_DOORBELL) };
-            b.armed = io.push(&sqe);
-        }
-        if let Some((fd, armed)) = &mut self.watch
-            && !*armed
-        {
-            *armed = io.push(&bgs_uring::poll_readable(*fd, UD_WATCH));
-        }
-        if let Some(b) = &mut self.stop
-            && !b.armed
-        {
-            // SAFETY: as for the doorbell buffer above.
-            let sqe = unsafe { bgs_uring::read(b.fd, b.buf.as_mut_ptr(), 8, UD_SHUTDOWN) };
-            b.armed = io.push(&sqe);
-        }
-        self.stage.flush(io);
         did
     }
 }
@@ -488,6 +576,7 @@ fn collect_stats(
         reply: driver.stage.stats().clone(),
         wakeups,
         accepts: driver.accepts,
+        untracked: driver.untracked,
         sockhash_entries: rx.sockhash_len(),
         conn_states: rx.conn_states_len(),
         gpu: gpu.map(|g| g.table.counters().into()),
@@ -519,6 +608,26 @@ impl StatsTimer {
     }
 }
 
+/// Whether the socket has not reached TCP_CLOSE (`TCP_INFO`'s state; an error counts as
+/// closed).
+fn tcp_open(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    // SAFETY: tcp_info is plain old data; all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `info`, a live tcp_info.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    const TCP_CLOSE: u8 = 7;
+    rc == 0 && len >= 1 && info.tcpi_state != TCP_CLOSE
+}
+
 /// Bytes that arrived between the handshake and the accept sit in the socket's queue: the
 /// sockmap verdict path only runs once the socket has a `struct socket`, i.e. after accept,
 /// and only when more data arrives. Setting `SO_RCVLOWAT` makes TCP re-check readiness and
@@ -546,8 +655,30 @@ fn kick_verdict(fd: std::os::fd::BorrowedFd<'_>) {
     }
 }
 
+/// The listening socket's backlog (the kernel caps it at `net.core.somaxconn`).
+const LISTEN_BACKLOG: i32 = 4096;
+
+/// A TCP socket bound to `addr` (with `SO_REUSEADDR`, as `TcpListener::bind` sets it) but not
+/// yet listening, and the address it got (the port, when `addr` asked for port 0).
+fn bind_unlistened(addr: SocketAddr) -> io::Result<(OwnedFd, SocketAddr)> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let family = if addr.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    };
+    let socket = rustix::net::socket_with(family, SocketType::STREAM, SocketFlags::CLOEXEC, None)?;
+    rustix::net::sockopt::set_socket_reuseaddr(&socket, true)?;
+    rustix::net::bind(&socket, &addr)?;
+    let local = SocketAddr::try_from(rustix::net::getsockname(&socket)?)
+        .map_err(|_| io::Error::other("getsockname returned a non-IP address"))?;
+    Ok((socket, local))
+}
+
 impl KernelTransport {
-    /// Bind, load the BPF programs for the port, set up io_uring.
+    /// Bind, load and attach the BPF programs for the port, listen, set up io_uring. No
+    /// connection can complete its handshake before the programs are attached (see
+    /// `bind_unlistened`).
     pub fn bind(cfg: KernelConfig) -> io::Result<Self> {
         if cfg.gpu_sends && !matches!(cfg.reply, ReplyMode::ExecutorSqe { .. }) {
             return Err(io::Error::new(
@@ -555,8 +686,15 @@ impl KernelTransport {
                 "GPU-written SENDs need the executor-sqe reply path (--reply executor-sqe)",
             ));
         }
-        let listener = TcpListener::bind(cfg.listen)?;
-        let local_addr = listener.local_addr()?;
+        // Bind without listening, attach the BPF programs for the bound port, then listen.
+        // The sock_ops program puts connections into the sockhash at handshake time
+        // (PASSIVE_ESTABLISHED), so it must be attached before the first handshake can
+        // complete: until `listen` the kernel answers SYNs with RST (the client sees "refused"
+        // and may retry), and from then on every connection passes through the attached
+        // program. Binding and listening in one step and loading afterwards left a window in
+        // which a connection was accepted but never entered the sockhash, so its requests
+        // were never framed and it hung.
+        let (socket, local_addr) = bind_unlistened(cfg.listen)?;
         let rx = KernelRx::load(&KernelRxConfig {
             listen_port: local_addr.port(),
             max_words: cfg.framer.max_words,
@@ -566,6 +704,8 @@ impl KernelTransport {
             completion_slots: cfg.completion_slots,
         })
         .map_err(|e| io::Error::other(format!("loading the BPF receive path: {e}")))?;
+        rustix::net::listen(&socket, LISTEN_BACKLOG)?;
+        let listener = TcpListener::from(socket);
         let opts = match cfg.reply {
             ReplyMode::Loop { .. } => RingOptions {
                 entries: 4096,
@@ -655,6 +795,16 @@ impl KernelTransport {
         self.gpu.clone()
     }
 
+    /// A read-only view of the BPF maps that stays usable while [`Self::run`] serves and
+    /// after it returned (tests wait on it for connection state to settle; health checks can
+    /// read it). It keeps the BPF programs loaded and attached until it is dropped, so drop it
+    /// once the transport has stopped.
+    pub fn monitor(&self) -> KernelMonitor {
+        KernelMonitor {
+            rx: self.rx.clone(),
+        }
+    }
+
     /// The rings (they live in the BPF map).
     pub fn region(&self) -> Arc<RingRegion> {
         self.rx.region()
@@ -727,8 +877,7 @@ impl KernelTransport {
     /// send completing, an accept, the executor's eventfd, BPF's doorbell) or the timer.
     fn run_loop(self, timer: Duration) -> io::Result<KernelStats> {
         let mut driver = StageDriver::new(
-            self.rx.region(),
-            self.rx.side_region(),
+            self.rx.clone(),
             self.listener.as_raw_fd(),
             Some(self.waker_fd.as_raw_fd()),
             Some(self.shutdown_rx.as_raw_fd()),
@@ -747,6 +896,7 @@ impl KernelTransport {
             };
             driver.pass(&self.uring, &mut io);
             if driver.stop_requested {
+                driver.finish(&self.uring);
                 break;
             }
             if std::mem::take(&mut driver.watch_fired) {
@@ -809,8 +959,6 @@ impl KernelTransport {
         let wakeups = Arc::new(AtomicU64::new(0));
         let uring = self.uring.clone();
         let rx = self.rx.clone();
-        let region = self.rx.region();
-        let side = self.rx.side_region();
         let listener_fd = self.listener.as_raw_fd();
         let stop2 = stop.clone();
         let wakeups2 = wakeups.clone();
@@ -819,7 +967,7 @@ impl KernelTransport {
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
-                let mut driver = StageDriver::new(region, side, listener_fd, None, None);
+                let mut driver = StageDriver::new(rx.clone(), listener_fd, None, None);
                 if let Some(g) = &gpu {
                     driver.stage = ReplyStage::with_turns(g.table.clone());
                 }
@@ -869,6 +1017,7 @@ impl KernelTransport {
                         driver.region.completions().wait_nonempty(t);
                     }
                 }
+                driver.finish(&uring);
                 driver
             })?;
         let region = self.rx.region();

@@ -298,6 +298,15 @@ impl ReplyStage {
         self.conns.len()
     }
 
+    /// Connections whose CLOSE was issued and has not completed (its completion is what
+    /// [`ReplyStats::closed`] counts). O(connections): for shutdown, not the hot path.
+    pub fn closes_in_flight(&self) -> usize {
+        self.conns
+            .iter()
+            .filter(|(_, c)| c.phase == Phase::Closed)
+            .count()
+    }
+
     /// True when a SEND, SHUTDOWN or linger is outstanding, an accept is awaited, or replies
     /// wait for the GPU to pass a turn (the caller should poll soon). Exact after
     /// [`Self::flush`].

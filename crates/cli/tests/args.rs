@@ -1,0 +1,226 @@
+//! Command-line checking: numbers outside their documented ranges, flags that do nothing in
+//! a combination, and unwritable output paths are refused with a one-line error before
+//! anything starts (no server binds, no load connects).
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn bgs(args: &[&str]) -> Output {
+    let start = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_bgs"))
+        .args(args)
+        .env("BGS_LOG", "warn")
+        .output()
+        .expect("run bgs");
+    // Refusals come before any work: a server would run until killed, a load run would
+    // connect and take its duration.
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "bgs {args:?} took {:?}",
+        start.elapsed()
+    );
+    out
+}
+
+/// `bgs ARGS` fails, and its error line mentions every one of `words`.
+fn refused(args: &[&str], words: &[&str]) {
+    let out = bgs(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "bgs {args:?} was accepted: {err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("error"))
+        .unwrap_or_else(|| panic!("bgs {args:?}: no error line in {err:?}"));
+    for w in words {
+        assert!(line.contains(w), "bgs {args:?}: {line:?} does not name {w}");
+    }
+    assert!(
+        String::from_utf8_lossy(&out.stdout).is_empty(),
+        "bgs {args:?} started something: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn numbers_outside_their_ranges_are_refused() {
+    refused(&["serve", "--slots", "100000"], &["--slots", "1..=512"]);
+    refused(&["serve", "--slots", "0"], &["--slots"]);
+    refused(
+        &["serve", "--max-connections", "1000000"],
+        &["--max-connections"],
+    );
+    refused(&["serve", "--ring-slots", "1000"], &["power of two"]);
+    refused(&["serve", "--max-words", "257"], &["--max-words"]);
+    refused(&["serve", "--poll-us", "0"], &["--poll-us"]);
+    refused(&["serve", "--stats-every", "NaN"], &["--stats-every"]);
+    refused(
+        &["load", "--rate", "1e12", "--requests", "1"],
+        &["--rate", "10000000"],
+    );
+    refused(&["load", "--rate", "0", "--requests", "1"], &["--rate"]);
+    refused(
+        &["load", "--connections", "100000", "--requests", "1"],
+        &["--connections"],
+    );
+    refused(&["load", "--requests", "0"], &["--requests"]);
+    refused(&["load", "--duration=-1"], &["--duration"]);
+    refused(
+        &["load", "--timeout", "0", "--requests", "1"],
+        &["--timeout"],
+    );
+    refused(
+        &["load", "--repeat", "257", "--requests", "1"],
+        &["--repeat"],
+    );
+    refused(&["demo", "--slots", "100000"], &["--slots"]);
+    refused(&["demo", "--rate", "1e12"], &["--rate"]);
+}
+
+#[test]
+fn flags_that_do_nothing_are_refused_naming_both() {
+    refused(
+        &["serve", "--floor", "--executor", "gpu"],
+        &["--executor", "--floor"],
+    );
+    refused(
+        &["serve", "--floor", "--transport", "kernel"],
+        &["--floor", "--transport kernel"],
+    );
+    refused(
+        &["serve", "--dispatcher", "host"],
+        &["--dispatcher", "--executor cpu"],
+    );
+    refused(
+        &[
+            "serve",
+            "--executor",
+            "gpu",
+            "--dispatcher",
+            "host",
+            "--gpu-schedulers",
+            "2",
+        ],
+        &["--gpu-schedulers", "--dispatcher host"],
+    );
+    refused(
+        &["serve", "--reply", "executor-sqe"],
+        &["--reply", "--transport native"],
+    );
+    refused(
+        &["serve", "--transport", "kernel", "--poll-us", "10"],
+        &["--poll-us", "--transport kernel"],
+    );
+    refused(
+        &["serve", "--transport", "kernel", "--sqpoll-cpu", "1"],
+        &["--sqpoll-cpu", "--reply loop"],
+    );
+    refused(
+        &["load", "--op", "gemm8", "--words", "8", "--requests", "1"],
+        &["--words", "--op gemm8"],
+    );
+    refused(
+        &["load", "--op", "echo", "--repeat", "2", "--requests", "1"],
+        &["--repeat", "--op echo"],
+    );
+    refused(
+        &["load", "--requests", "10", "--duration", "1"],
+        &["--duration", "--requests"],
+    );
+}
+
+#[test]
+fn an_unwritable_json_path_fails_before_the_run() {
+    // Nothing listens on port 1: a run would fail to connect; the path must fail first.
+    refused(
+        &[
+            "load",
+            "--target",
+            "127.0.0.1:1",
+            "--requests",
+            "1",
+            "--json",
+            "/nonexistent/x.json",
+        ],
+        &["--json", "/nonexistent/x.json"],
+    );
+    refused(
+        &["demo", "--json", "/nonexistent/x.json"],
+        &["--json", "/nonexistent/x.json"],
+    );
+}
+
+#[test]
+fn listen_and_target_take_host_names_and_bare_ports() {
+    // A host name and `:PORT` parse (and resolve); the run then fails only at connecting.
+    for target in ["localhost:1", ":1"] {
+        let out = bgs(&["load", "--target", target, "--requests", "1"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(err.contains("127.0.0.1:1"), "{target}: {err}");
+    }
+    refused(&["serve", "--listen", "7700"], &["--listen"]);
+    refused(
+        &["serve", "--listen", "no-such-host.invalid:7700"],
+        &["--listen", "no-such-host.invalid"],
+    );
+}
+
+#[test]
+fn serve_listens_on_host_names_and_bare_ports() {
+    use std::io::{BufRead, BufReader};
+    for (listen, expect) in [("localhost:0", "127.0.0.1:"), (":0", "0.0.0.0:")] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_bgs"))
+            .args(["serve", "--listen", listen, "--slots", "1"])
+            .env("BGS_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            line.starts_with(&format!("bgs: listening on {expect}")),
+            "--listen {listen}: {line:?}"
+        );
+    }
+}
+
+#[test]
+fn logs_to_a_pipe_carry_no_colour_codes() {
+    use std::io::{BufRead, BufReader, Read};
+    // `--executor auto` logs its choice at info level, whatever it finds.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bgs"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--executor",
+            "auto",
+            "--slots",
+            "1",
+        ])
+        .env("BGS_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _ = child.kill();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let _ = child.wait();
+    assert!(err.contains("executor auto"), "{err:?}");
+    assert!(!err.contains('\x1b'), "colour codes in piped logs: {err:?}");
+}
