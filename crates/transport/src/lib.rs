@@ -7,6 +7,7 @@
 //! answers echo itself so the cost of TCP alone can be measured.
 
 pub mod conn;
+pub mod credit;
 pub mod kernel;
 pub mod native;
 pub mod stats;
