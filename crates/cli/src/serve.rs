@@ -378,6 +378,10 @@ fn serve_kernel(
             .completion_slots
             .unwrap_or_else(|| args.ring_slots.saturating_mul(4).max(16384)),
         gpu_sends,
+        limits: ConnLimits {
+            max_inflight: args.max_inflight,
+            ..ConnLimits::default()
+        },
     };
     let transport = KernelTransport::bind(cfg).with_context(|| {
         format!(

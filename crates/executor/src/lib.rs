@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bgs_adapters::{Adapter, Emit, OneShotCpu};
 use bgs_protocol::{Op, Status};
-use bgs_ring::{OP_REJECT, RingRegion, SLOT_WORDS};
+use bgs_ring::{OP_CANCEL, OP_REJECT, RingRegion, SLOT_WORDS};
 
 /// Called after a completion is published while the completion consumer announced that it
 /// sleeps (see `bgs_ring` sleep guards); the native transport passes an eventfd writer.
@@ -209,6 +209,11 @@ impl SlotWorker {
         };
         while !self.stop.load(Ordering::Acquire) {
             if self.take(&mut job) {
+                if job.op == OP_CANCEL {
+                    // A connection ended. The one-shot adapters hold nothing per connection,
+                    // and the marker is never answered (docs/ring.md).
+                    continue;
+                }
                 self.stats.requests.fetch_add(1, Ordering::Relaxed);
                 self.execute(&job);
                 continue;

@@ -549,6 +549,47 @@ mod tests {
     }
 
     #[test]
+    fn later_items_frames_count_against_the_unsent_limit_and_credit() {
+        let limits = ConnLimits {
+            max_inflight: 8,
+            max_unsent: 100,
+        };
+        let mut c = ConnState::new(1, FramerConfig::default(), limits);
+        let mut sink = Recorder {
+            busy: false,
+            seen: vec![],
+        };
+        let mut st = TransportStats::default();
+        let input: Vec<u8> = (0..3).flat_map(req).collect();
+        c.ingest(&input, &mut sink, &mut st);
+        // Item 1 streams while item 0 runs: its frames (28 bytes each) wait in its buffer.
+        for k in 0..3 {
+            assert!(c.complete(1, Status::Token, false, k, 1, &[k]));
+            assert!(c.may_ack(1), "{} bytes buffered", c.buffered());
+        }
+        assert!(c.unsent().is_empty());
+        assert_eq!(c.buffered(), 84);
+        assert!(c.wants_input());
+        assert!(c.complete(1, Status::Token, false, 3, 1, &[3]));
+        assert_eq!(c.buffered(), 112);
+        assert!(!c.may_ack(1), "over the limit: no credit for a later item");
+        assert!(!c.may_ack(2));
+        assert!(!c.wants_input(), "parked frames stop reading too");
+        // The front item is judged by the write buffer alone, so it keeps its credit.
+        assert!(c.complete(0, Status::Token, false, 0, 0, &[0]));
+        assert!(c.may_ack(0));
+        // Item 0 ends: item 1's frames move to the write buffer; 112 + 56 bytes unsent.
+        assert!(c.complete(0, Status::EndOfStream, true, 1, 0, &[]));
+        assert_eq!(c.unsent().len(), 28 + 24 + 112);
+        assert_eq!(c.buffered(), c.unsent().len());
+        assert!(!c.may_ack(1), "now the front, but its write buffer is over");
+        assert!(c.may_ack(0), "done: nothing to hold back");
+        c.advance(70);
+        assert!(c.may_ack(1));
+        assert!(c.wants_input());
+    }
+
+    #[test]
     fn http_replies_are_wrapped() {
         let mut c = ConnState::new(1, FramerConfig::default(), ConnLimits::default());
         let mut sink = Recorder {

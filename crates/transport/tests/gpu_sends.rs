@@ -22,6 +22,7 @@ use bgs_ring::tx::{
     TxHeader, TxTable,
 };
 use bgs_ring::{RegionHeader, RingRegion, route};
+use bgs_transport::conn::ConnLimits;
 use bgs_transport::kernel::{GpuTx, KernelConfig, KernelStats, KernelTransport, ReplyMode};
 use bgs_uring::sys::SendFlags;
 use bgs_uring::{Sqe, futex_wake, send_with_flags};
@@ -39,6 +40,7 @@ fn config(reply: ReplyMode) -> KernelConfig {
         request_slots: 1024,
         completion_slots: 16384,
         gpu_sends: true,
+        limits: ConnLimits::default(),
     }
 }
 

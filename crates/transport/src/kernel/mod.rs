@@ -90,6 +90,10 @@ pub struct KernelConfig {
     /// send table and the GPU's io_uring ring ([`KernelTransport::gpu_tx`]) and share each
     /// connection's turn with the GPU. Refused with `ReplyMode::Loop`.
     pub gpu_sends: bool,
+    /// Per-connection limits of the reply stage: unsent bytes and items ahead beyond which
+    /// streamed frames are not acknowledged (their streams run out of credit). BPF cannot
+    /// stop reading a connection, so they do not pause input as in the native transport.
+    pub limits: crate::conn::ConnLimits,
 }
 
 /// Counters of the kernel transport, printed at shutdown.
@@ -284,10 +288,12 @@ impl std::fmt::Debug for KernelTransport {
     }
 }
 
-/// Queue operations into an io_uring submission queue.
+/// Queue operations into an io_uring submission queue; credit and cancel markers go straight
+/// into the executor's region.
 struct SqIo<'a> {
     uring: &'a Uring,
     rx: &'a KernelRx,
+    region: &'a RingRegion,
     queued: u32,
 }
 
@@ -309,6 +315,18 @@ impl ReplyIo for SqIo<'_> {
         // Tell BPF first: the socket's last state change then publishes no reset marker.
         self.rx.forget_connection(cookie);
         self.push(&bgs_uring::close(fd, user_data))
+    }
+    fn ack_stream(&mut self, stream: u32, n: u32) {
+        crate::credit::ack(self.region, stream, n);
+    }
+    fn cancel(&mut self, cookie: u64) -> bool {
+        // The executor's slots sleep on BPF's doorbell with a short timeout (1 ms), or on the
+        // ring's futex: a connection ends rarely, so wake them now.
+        let ok = crate::credit::publish_cancel(self.region, cookie);
+        if ok {
+            self.region.requests().notify();
+        }
+        ok
     }
 }
 
@@ -332,8 +350,9 @@ struct StageDriver {
     side: Arc<RingRegion>,
     accepts: u64,
     /// Final completions taken from the executor's completion ring. Every request-ring entry
-    /// (request or rejection) ends in exactly one, so `requests().produced() - finals` is the
-    /// work still in the executor.
+    /// (request or rejection) ends in exactly one, and cancel markers (published by the stage,
+    /// `stage.stats().cancels`) in none, so `requests().produced() - finals - cancels` is the
+    /// work still in the executor ([`Self::answered`]).
     finals: u64,
     listener_fd: RawFd,
     accept_armed: bool,
@@ -388,6 +407,12 @@ impl StageDriver {
 }
 
 impl StageDriver {
+    /// Request-ring entries that need no more work from the executor: final completions seen
+    /// and the cancel markers this stage published (never answered).
+    fn answered(&self) -> u64 {
+        self.finals + self.stage.stats().cancels
+    }
+
     /// Reap completions and CQEs, queue operations. Returns true if anything happened.
     fn pass(&mut self, uring: &Uring, io: &mut SqIo<'_>) -> bool {
         let mut did = false;
@@ -398,6 +423,8 @@ impl StageDriver {
             self.finals += u64::from(final_);
             did = true;
         }
+        // BPF's own completions (busy, rejections, markers) never take credit; it does not
+        // write their `stream` field, which the zeroed map keeps 0.
         while let Some(()) = self
             .side
             .completions()
@@ -737,6 +764,8 @@ impl KernelTransport {
         if !self.cfg.executor_wakes {
             driver.watch = Some((self.rx.doorbell_fd().as_raw_fd(), false));
         }
+        driver.stage.set_limits(self.cfg.limits);
+        let region = self.rx.region();
         let mut wakeups = 0u64;
         let mut last_sweep = Instant::now();
         let mut stats_timer = StatsTimer::new(self.cfg.stats_every);
@@ -744,10 +773,14 @@ impl KernelTransport {
             let mut io = SqIo {
                 uring: &self.uring,
                 rx: &self.rx,
+                region: &region,
                 queued: 0,
             };
             driver.pass(&self.uring, &mut io);
             if driver.stop_requested {
+                // The connections still open end with the transport: cancel their streams.
+                driver.stage.end_all();
+                driver.stage.publish_cancels(&mut io);
                 break;
             }
             if std::mem::take(&mut driver.watch_fired) {
@@ -778,7 +811,7 @@ impl KernelTransport {
             // wake at least every `timer` (a GPU executor cannot write the eventfd: this timer
             // is its completion latency); otherwise a longer timer still catches markers BPF
             // published (it cannot write the eventfd either).
-            let executing = driver.region.requests().produced() > driver.finals;
+            let executing = driver.region.requests().produced() > driver.answered();
             let t = if executing || driver.stage.busy() {
                 timer
             } else {
@@ -817,19 +850,23 @@ impl KernelTransport {
         let wakeups2 = wakeups.clone();
         let stats_every = self.cfg.stats_every;
         let gpu = self.gpu.clone();
+        let limits = self.cfg.limits;
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
+                let io_region = region.clone();
                 let mut driver = StageDriver::new(region, side, listener_fd, None, None);
                 if let Some(g) = &gpu {
                     driver.stage = ReplyStage::with_turns(g.table.clone());
                 }
+                driver.stage.set_limits(limits);
                 let mut last_sweep = Instant::now();
                 let mut stats_timer = StatsTimer::new(stats_every);
                 while !stop2.load(Ordering::Acquire) {
                     let mut io = SqIo {
                         uring: &uring,
                         rx: &rx,
+                        region: &io_region,
                         queued: 0,
                     };
                     let did = driver.pass(&uring, &mut io);
@@ -857,7 +894,7 @@ impl KernelTransport {
                                 // The GPU cannot wake us when it passes a turn, and its own
                                 // SENDs are finals we never see: poll soon while replies wait
                                 // for a turn or requests are still on the GPU.
-                                let answered = driver.finals + g.table.gpu_sends();
+                                let answered = driver.answered() + g.table.gpu_sends();
                                 if driver.stage.busy()
                                     || driver.region.requests().produced() > answered
                                 {
@@ -870,6 +907,14 @@ impl KernelTransport {
                         driver.region.completions().wait_nonempty(t);
                     }
                 }
+                // The connections still open end with the transport: cancel their streams.
+                driver.stage.end_all();
+                driver.stage.publish_cancels(&mut SqIo {
+                    uring: &uring,
+                    rx: &rx,
+                    region: &io_region,
+                    queued: 0,
+                });
                 driver
             })?;
         let region = self.rx.region();
