@@ -167,6 +167,14 @@ impl std::fmt::Display for KernelStats {
             self.reply.stale,
             self.reply.never_accepted
         )?;
+        writeln!(
+            f,
+            "streams: {} acks ({} withheld first), {} cancel markers ({} retries for room)",
+            self.reply.acks,
+            self.reply.acks_withheld,
+            self.reply.cancels,
+            self.reply.cancels_deferred
+        )?;
         if let Some(g) = &self.gpu {
             let r = &self.reply;
             writeln!(
