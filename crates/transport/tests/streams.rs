@@ -728,6 +728,77 @@ fn ended_connections_cancel(kind: Kind) {
     eprintln!("{kind:?}: ok");
 }
 
+fn big_echo(id: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    let words: Vec<u32> = (0..64).map(|k| id ^ k).collect();
+    encode_request(&mut out, &RequestHeader::new(Op::Echo, id, 64, 0), &words);
+    out
+}
+
+/// A client pipelines 40,000 requests whose replies (11 MiB) it does not read at first. The native transport stops reading it (its buffers stay within the limits) and
+/// answers everything once it reads; the kernel transport cannot stop BPF from framing, so it
+/// aborts the connection once it holds more than `overflow_bound` reply bytes for it.
+fn flood(kind: Kind) {
+    let server = start(kind, ConnLimits::default());
+    const N: u32 = 40_000;
+    let mut a = connect(server.addr);
+    let mut w = a.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        let mut sent = 0;
+        for id in 0..N {
+            if w.write_all(&big_echo(id)).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        let _ = w.shutdown(Shutdown::Write);
+        sent
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let mut got = 0;
+    let mut h = [0u8; 24];
+    let mut p = vec![0u8; 256];
+    let ended_early = loop {
+        if got == N {
+            break false;
+        }
+        if a.read_exact(&mut h).is_err() {
+            break true;
+        }
+        let hd = ReplyHeader::decode(&h);
+        assert_eq!((hd.request_id, hd.status, hd.words), (got, 0, 64));
+        if a.read_exact(&mut p).is_err() {
+            break true;
+        }
+        got += 1;
+    };
+    let sent = writer.join().unwrap();
+    match kind {
+        Kind::Native => {
+            assert!(!ended_early, "every request answered");
+            assert_eq!(sent, N);
+            expect_eof(&mut a);
+        }
+        Kind::KernelLoop => {
+            assert!(ended_early, "aborted, after {got} replies");
+            assert!(got < N);
+        }
+    }
+    drop(a);
+    server.check_one_cancel_per_connection(1);
+    server.stop();
+}
+
+#[test]
+fn native_flooding_client_is_paused_and_fully_answered() {
+    flood(Kind::Native);
+}
+
+#[test]
+fn kernel_flooding_client_is_aborted_over_the_buffering_bound() {
+    flood(Kind::KernelLoop);
+}
+
 #[test]
 fn native_streams_arrive_in_order_binary_and_http() {
     in_order(Kind::Native);

@@ -169,11 +169,12 @@ impl std::fmt::Display for KernelStats {
         )?;
         writeln!(
             f,
-            "streams: {} acks ({} withheld first), {} cancel markers ({} retries for room)",
+            "streams: {} acks ({} withheld first), {} cancel markers ({} retries for room), {} connections aborted over the buffering bound",
             self.reply.acks,
             self.reply.acks_withheld,
             self.reply.cancels,
-            self.reply.cancels_deferred
+            self.reply.cancels_deferred,
+            self.reply.overflow_aborts
         )?;
         if let Some(g) = &self.gpu {
             let r = &self.reply;

@@ -99,6 +99,19 @@ pub const LINGER: Duration = Duration::from_secs(2);
 const RECENTLY_CLOSED: usize = 1 << 16;
 /// How long replies for a connection wait for its accept before they are dropped.
 pub const ACCEPT_GRACE: Duration = Duration::from_secs(5);
+/// Most bytes one reply takes encoded: a frame with a full slot of payload and an HTTP
+/// response head. Sizes the overflow bound ([`overflow_bound`]).
+pub const MAX_REPLY_BYTES: usize = 1280;
+
+/// Reply bytes a connection may make the stage hold (queued, in flight, parked) before it is
+/// aborted: BPF cannot stop reading a connection, so a client that keeps pipelining without
+/// reading would otherwise grow them without bound. Within the limits a connection holds at
+/// most `max_unsent` plus its streams' unacknowledged windows (credit) plus `max_inflight`
+/// one-shot replies; the second `max_unsent` is slack for the windows.
+pub fn overflow_bound(limits: &ConnLimits) -> usize {
+    2 * limits.max_unsent + limits.max_inflight * MAX_REPLY_BYTES
+}
+
 /// With a send table: how long a RESET marker waits for a turn that does not move before the
 /// connection is closed anyway (BPF lost a reply before it: both rings were full).
 pub const RESET_GRACE: Duration = Duration::from_secs(5);
@@ -157,6 +170,8 @@ pub struct ReplyStats {
     pub cancels: u64,
     /// Cancel markers that found the request ring full and were retried.
     pub cancels_deferred: u64,
+    /// Connections aborted for holding more than [`overflow_bound`] reply bytes.
+    pub overflow_aborts: u64,
 }
 
 /// A completion's fields as the stage needs them, borrowing the payload from the ring slot.
@@ -250,6 +265,9 @@ struct ConnOut {
     withheld: Withheld,
     /// The cancel marker is published or owed.
     cancelled: bool,
+    /// Aborted over [`overflow_bound`]: a SHUTDOWN is owed, which also fails a SEND stalled
+    /// on the full socket so that the connection can close.
+    abort: bool,
 }
 
 impl ConnOut {
@@ -485,6 +503,7 @@ impl ReplyStage {
             parked_bytes: 0,
             withheld: Withheld::default(),
             cancelled: false,
+            abort: false,
         });
         self.by_cookie.insert(cookie, idx);
         idx
@@ -601,6 +620,21 @@ impl ReplyStage {
                 c.withheld.push(e.conn_seq, e.stream);
                 self.stats.acks_withheld += 1;
             }
+        }
+        if c.tx.is_none()
+            && c.phase == Phase::Open
+            && c.unsent() + c.parked_bytes > overflow_bound(&self.limits)
+        {
+            // Pipelining far beyond the limits without reading. (A connection that shares
+            // its turn with the GPU is not aborted here: the GPU may hold the turn with a
+            // SEND on the descriptor, which must not close under it.)
+            self.stats.overflow_aborts += 1;
+            c.out.clear();
+            c.clear_parked();
+            c.eof = true;
+            c.phase = Phase::Closing;
+            c.abort = true;
+            c.owe_cancel(&mut self.cancels_due);
         }
         self.dirty.push(idx);
     }
@@ -851,6 +885,12 @@ impl ReplyStage {
         };
         if c.phase == Phase::Closed {
             return true;
+        }
+        if c.abort {
+            if !io.shutdown(fd, user_data(KIND_SHUTDOWN, idx, c.generation)) {
+                return false;
+            }
+            c.abort = false;
         }
         let turns = self.turns.as_deref();
         if let (Some(t), Some(ti)) = (turns, c.tx) {
@@ -1493,6 +1533,46 @@ mod tests {
             "the unaccepted connection's frame was dropped"
         );
         assert_eq!(st.stats().cancels, 4);
+    }
+
+    #[test]
+    fn a_connection_far_over_its_limits_is_aborted() {
+        let mut st = ReplyStage::new();
+        let limits = ConnLimits {
+            max_inflight: 2,
+            max_unsent: 100,
+        };
+        st.set_limits(limits);
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        // One-shot replies of 824 bytes, in order, while the client reads nothing: the first
+        // SEND never completes and the rest queue behind it.
+        let big = |seq: u32| {
+            let mut e = completion(1, seq, seq, 0, Status::Ok);
+            e.words = 200;
+            e
+        };
+        let mut seq = 0;
+        while st.stats().overflow_aborts == 0 {
+            st.on_completion(&big(seq));
+            st.flush(&mut io);
+            seq += 1;
+            assert!(seq < 10, "never aborted");
+        }
+        assert_eq!(seq as usize, overflow_bound(&limits) / 824 + 1);
+        assert_eq!(io.sends.len(), 1);
+        assert_eq!(io.shutdowns.len(), 1, "shut down to fail the stalled SEND");
+        assert_eq!(io.cancels, vec![1]);
+        // Later replies are dropped; the failed SEND lets the connection close.
+        st.on_completion(&big(seq));
+        st.on_cqe(io.sends[0].2, -32);
+        st.flush(&mut io);
+        assert_eq!(io.closes.len(), 1);
+        assert_eq!(io.sends.len(), 1);
+        st.on_cqe(io.shutdowns[0].1, 0);
+        st.on_cqe(io.closes[0].1, 0);
+        assert_eq!(st.connections(), 0);
+        assert_eq!(io.cancels, vec![1]);
     }
 
     #[test]
