@@ -300,6 +300,9 @@ fn serve_native(
         poll_interval: Duration::from_micros(args.poll_us),
         floor: args.floor,
         stats_every: stats_every(args)?,
+        // The GPU executor has no streams and does not know OP_CANCEL yet (it would answer
+        // the marker like a request).
+        cancel_markers: executor_kind != ExecutorKind::Gpu,
         ..NativeConfig::default()
     };
     let region = if args.floor {
@@ -382,6 +385,8 @@ fn serve_kernel(
             max_inflight: args.max_inflight,
             ..ConnLimits::default()
         },
+        // As for the native transport: the GPU executor does not know OP_CANCEL yet.
+        cancel_markers: executor_kind != ExecutorKind::Gpu,
     };
     let transport = KernelTransport::bind(cfg).with_context(|| {
         format!(

@@ -55,6 +55,10 @@ pub struct NativeConfig {
     pub drain_timeout: Duration,
     /// Print the counters to stderr this often (None: only at shutdown).
     pub stats_every: Option<Duration>,
+    /// Publish an `OP_CANCEL` marker when a connection ends. Only for executors that consume
+    /// them: one that does not know the op answers it like a request (the GPU executor, which
+    /// has no streams to cancel, does so today).
+    pub cancel_markers: bool,
 }
 
 impl Default for NativeConfig {
@@ -68,6 +72,7 @@ impl Default for NativeConfig {
             floor: false,
             drain_timeout: Duration::from_secs(2),
             stats_every: None,
+            cancel_markers: true,
         }
     }
 }
@@ -661,6 +666,9 @@ impl NativeTransport {
         let Some(region) = &self.region else {
             return;
         };
+        if !self.cfg.cancel_markers {
+            return;
+        }
         let Some(conn) = self.conns.get_mut(idx) else {
             return;
         };

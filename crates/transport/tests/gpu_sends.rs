@@ -51,6 +51,8 @@ fn config(reply: ReplyMode) -> KernelConfig {
         completion_slots: 16384,
         gpu_sends: true,
         limits: ConnLimits::default(),
+        // The stand-in GPU skips them, as the GPU executor will once it streams.
+        cancel_markers: true,
     }
 }
 

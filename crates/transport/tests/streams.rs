@@ -331,6 +331,7 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
                     completion_slots: 16384,
                     gpu_sends: false,
                     limits,
+                    cancel_markers: true,
                 };
                 let t = KernelTransport::bind(cfg).expect("kernel transport (root)");
                 let (addr, handle, waker) = (t.local_addr(), t.shutdown_handle(), t.waker());

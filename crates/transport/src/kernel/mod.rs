@@ -94,6 +94,11 @@ pub struct KernelConfig {
     /// streamed frames are not acknowledged (their streams run out of credit). BPF cannot
     /// stop reading a connection, so they do not pause input as in the native transport.
     pub limits: crate::conn::ConnLimits,
+    /// Publish an `OP_CANCEL` marker when a connection ends. Only for executors that consume
+    /// them: one that does not know the op answers it like a request (the GPU executor, which
+    /// has no streams to cancel, does so today, and with GPU-written SENDs would put that
+    /// answer on the wire).
+    pub cancel_markers: bool,
 }
 
 /// Counters of the kernel transport, printed at shutdown.
@@ -774,6 +779,7 @@ impl KernelTransport {
             driver.watch = Some((self.rx.doorbell_fd().as_raw_fd(), false));
         }
         driver.stage.set_limits(self.cfg.limits);
+        driver.stage.set_cancel_markers(self.cfg.cancel_markers);
         let region = self.rx.region();
         let mut wakeups = 0u64;
         let mut last_sweep = Instant::now();
@@ -859,7 +865,7 @@ impl KernelTransport {
         let wakeups2 = wakeups.clone();
         let stats_every = self.cfg.stats_every;
         let gpu = self.gpu.clone();
-        let limits = self.cfg.limits;
+        let (limits, cancel_markers) = (self.cfg.limits, self.cfg.cancel_markers);
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
@@ -869,6 +875,7 @@ impl KernelTransport {
                     driver.stage = ReplyStage::with_turns(g.table.clone());
                 }
                 driver.stage.set_limits(limits);
+                driver.stage.set_cancel_markers(cancel_markers);
                 let mut last_sweep = Instant::now();
                 let mut stats_timer = StatsTimer::new(stats_every);
                 while !stop2.load(Ordering::Acquire) {

@@ -373,6 +373,8 @@ pub struct ReplyStage {
     acks_due: Vec<(u32, u32)>,
     /// Cookies of ended connections whose cancel marker is not published yet.
     cancels_due: std::collections::VecDeque<u64>,
+    /// Cancel markers are not published (an executor that does not consume them).
+    no_cancels: bool,
     /// The last flush found the request ring full with cancel markers owed (poll soon: the
     /// executor cannot tell us when it has room).
     cancels_blocked: bool,
@@ -413,8 +415,18 @@ impl ReplyStage {
         }
     }
 
+    /// Whether ended connections get a cancel marker (default: yes). Off for an executor
+    /// that does not consume them (it would answer them like requests).
+    pub fn set_cancel_markers(&mut self, on: bool) {
+        self.no_cancels = !on;
+    }
+
     /// Publish owed cancel markers, oldest first, until the request ring is full.
     pub fn publish_cancels(&mut self, io: &mut dyn ReplyIo) {
+        if self.no_cancels {
+            self.cancels_due.clear();
+            return;
+        }
         while let Some(&cookie) = self.cancels_due.front() {
             if !io.cancel(cookie) {
                 self.stats.cancels_deferred += 1;
@@ -1573,6 +1585,30 @@ mod tests {
         st.on_cqe(io.closes[0].1, 0);
         assert_eq!(st.connections(), 0);
         assert_eq!(io.cancels, vec![1]);
+    }
+
+    #[test]
+    fn cancel_markers_can_be_turned_off() {
+        let mut st = ReplyStage::new();
+        st.set_cancel_markers(false);
+        let mut io = Recorder {
+            requests_full: true,
+            ..Default::default()
+        };
+        st.on_accept(5, 1);
+        st.on_completion(&marker_at(1, 0, route::EOF));
+        st.flush(&mut io);
+        assert_eq!(io.closes.len(), 1);
+        st.on_cqe(io.closes[0].1, 0);
+        st.flush(&mut io);
+        assert!(
+            !st.busy(),
+            "nothing owed, although the request ring is full"
+        );
+        io.requests_full = false;
+        st.flush(&mut io);
+        assert!(io.cancels.is_empty());
+        assert_eq!(st.stats().cancels, 0);
     }
 
     #[test]
