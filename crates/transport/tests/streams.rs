@@ -1,6 +1,7 @@
 //! Streamed replies through real rings and real sockets, for the native transport and the
-//! kernel transport's `--reply loop` (root: BPF and io_uring): a fake executor thread streams
-//! frames with `stream != 0` under a credit window, as the generation executor will.
+//! kernel transport's `--reply loop` and `--reply executor-sqe` (root: BPF and io_uring): a
+//! fake executor thread streams frames with `stream != 0` under a credit window, as the
+//! generation executor will.
 //!
 //! The fake executor answers `generate` (op 3) with `param` token frames (`seq` = token index,
 //! payload `[k, ...]`: the request's payload word 1 pads each frame with that many more words)
@@ -30,6 +31,7 @@ const WINDOW: u32 = 16;
 enum Kind {
     Native,
     KernelLoop,
+    KernelSqe,
 }
 
 /// What the fake executor saw.
@@ -289,6 +291,7 @@ struct Server {
 fn framer() -> FramerConfig {
     FramerConfig {
         generate: true,
+        max_words: 256,
         ..FramerConfig::default()
     }
 }
@@ -299,8 +302,8 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
             Kind::Native => {
                 let region = Arc::new(
                     RingRegion::new(RingConfig {
-                        request_slots: 256,
-                        completion_slots: 1024,
+                        request_slots: 4096,
+                        completion_slots: 4096,
                     })
                     .unwrap(),
                 );
@@ -317,17 +320,28 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
                 });
                 (addr, handle, region, Some(waker), th)
             }
-            Kind::KernelLoop => {
+            Kind::KernelLoop | Kind::KernelSqe => {
+                let reply = if kind == Kind::KernelLoop {
+                    ReplyMode::Loop {
+                        timer: Duration::from_micros(60),
+                    }
+                } else {
+                    ReplyMode::ExecutorSqe {
+                        watchdog: Duration::from_micros(50),
+                        sqpoll_idle_ms: 10,
+                        sqpoll_cpu: None,
+                    }
+                };
                 let cfg = KernelConfig {
                     listen: "127.0.0.1:0".parse().unwrap(),
-                    reply: ReplyMode::Loop {
-                        timer: Duration::from_micros(60),
-                    },
+                    reply,
                     framer: framer(),
                     max_connections: 64,
                     executor_wakes: true,
                     stats_every: None,
-                    request_slots: 256,
+                    // Room for the flood test's requests: few busy answers, so its replies
+                    // are large.
+                    request_slots: 4096,
                     completion_slots: 16384,
                     gpu_sends: false,
                     limits,
@@ -447,6 +461,23 @@ fn echo(id: u32) -> Vec<u8> {
 
 fn connect(addr: SocketAddr) -> TcpStream {
     let s = TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s
+}
+
+/// A small receive buffer (set before connecting, so the window is small from the start)
+/// keeps what TCP itself can absorb small.
+fn connect_small_rcvbuf(addr: SocketAddr) -> TcpStream {
+    let sock = rustix::net::socket(
+        rustix::net::AddressFamily::INET,
+        rustix::net::SocketType::STREAM,
+        None,
+    )
+    .unwrap();
+    rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 4096).unwrap();
+    rustix::net::connect(&sock, &addr).unwrap();
+    let s = TcpStream::from(sock);
     s.set_nodelay(true).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     s
@@ -611,18 +642,7 @@ fn stopped_reader(kind: Kind) {
         max_unsent: 16 * 1024,
     };
     let server = start(kind, limits);
-    // A small receive buffer (set before connecting, so the window is small from the start)
-    // keeps what TCP itself can absorb small.
-    let sock = rustix::net::socket(
-        rustix::net::AddressFamily::INET,
-        rustix::net::SocketType::STREAM,
-        None,
-    )
-    .unwrap();
-    rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 4096).unwrap();
-    rustix::net::connect(&sock, &server.addr).unwrap();
-    let mut a = TcpStream::from(sock);
-    a.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut a = connect_small_rcvbuf(server.addr);
     // Three pipelined streams of 4096 tokens of 1 KiB each: far more than the socket buffers
     // take (up to the 4 MiB of tcp_wmem's default maximum on the server's side).
     let (tokens, pad) = (4096, 255);
@@ -731,18 +751,19 @@ fn ended_connections_cancel(kind: Kind) {
 
 fn big_echo(id: u32) -> Vec<u8> {
     let mut out = Vec::new();
-    let words: Vec<u32> = (0..64).map(|k| id ^ k).collect();
-    encode_request(&mut out, &RequestHeader::new(Op::Echo, id, 64, 0), &words);
+    let words: Vec<u32> = (0..256).map(|k| id ^ k).collect();
+    encode_request(&mut out, &RequestHeader::new(Op::Echo, id, 256, 0), &words);
     out
 }
 
-/// A client pipelines 40,000 requests whose replies (11 MiB) it does not read at first. The native transport stops reading it (its buffers stay within the limits) and
+/// A client pipelines 40,000 requests whose replies (40 MiB, or at least 5 MiB should nine in
+/// ten of them find the ring full and be answered busy) it does not read at first. The native transport stops reading it (its buffers stay within the limits) and
 /// answers everything once it reads; the kernel transport cannot stop BPF from framing, so it
 /// aborts the connection once it holds more than `overflow_bound` reply bytes for it.
 fn flood(kind: Kind) {
     let server = start(kind, ConnLimits::default());
     const N: u32 = 40_000;
-    let mut a = connect(server.addr);
+    let mut a = connect_small_rcvbuf(server.addr);
     let mut w = a.try_clone().unwrap();
     let writer = std::thread::spawn(move || {
         let mut sent = 0;
@@ -755,10 +776,18 @@ fn flood(kind: Kind) {
         let _ = w.shutdown(Shutdown::Write);
         sent
     });
-    std::thread::sleep(Duration::from_millis(300));
+    if kind == Kind::Native {
+        std::thread::sleep(Duration::from_millis(300));
+    } else {
+        // Without a reader every reply stays in the server: once the stage holds more than
+        // its bound it aborts the connection, which publishes its cancel marker.
+        wait_for("the abort", Duration::from_secs(30), || {
+            !server.obs().cancels.is_empty()
+        });
+    }
     let mut got = 0;
     let mut h = [0u8; 24];
-    let mut p = vec![0u8; 256];
+    let mut p = vec![0u8; 1024];
     let ended_early = loop {
         if got == N {
             break false;
@@ -767,8 +796,11 @@ fn flood(kind: Kind) {
             break true;
         }
         let hd = ReplyHeader::decode(&h);
-        assert_eq!((hd.request_id, hd.status, hd.words), (got, 0, 64));
-        if a.read_exact(&mut p).is_err() {
+        // The kernel transport admits by ring capacity: a full request ring answers busy.
+        let busy = kind != Kind::Native && hd.status == Status::Busy as u16;
+        let want = if busy { (got, 21, 0) } else { (got, 0, 256) };
+        assert_eq!((hd.request_id, hd.status, hd.words), want);
+        if a.read_exact(&mut p[..hd.words as usize * 4]).is_err() {
             break true;
         }
         got += 1;
@@ -780,7 +812,7 @@ fn flood(kind: Kind) {
             assert_eq!(sent, N);
             expect_eof(&mut a);
         }
-        Kind::KernelLoop => {
+        Kind::KernelLoop | Kind::KernelSqe => {
             assert!(ended_early, "aborted, after {got} replies");
             assert!(got < N);
         }
@@ -838,4 +870,19 @@ fn native_ended_connections_publish_one_cancel_each() {
 #[test]
 fn kernel_ended_connections_publish_one_cancel_each() {
     ended_connections_cancel(Kind::KernelLoop);
+}
+
+#[test]
+fn kernel_sqe_streams_arrive_in_order_binary_and_http() {
+    in_order(Kind::KernelSqe);
+}
+
+#[test]
+fn kernel_sqe_reader_that_stops_stalls_the_stream_until_it_reads() {
+    stopped_reader(Kind::KernelSqe);
+}
+
+#[test]
+fn kernel_sqe_ended_connections_publish_one_cancel_each() {
+    ended_connections_cancel(Kind::KernelSqe);
 }
