@@ -398,6 +398,9 @@ fn serve_native(
         poll_interval: Duration::from_micros(args.poll_us),
         floor: args.floor,
         stats_every: stats_every(args)?,
+        // The GPU executor holds no streams (it skips cancel markers): markers would only
+        // cost it a ring slot per closed connection.
+        cancel_markers: executor_kind != ExecutorKind::Gpu,
         ..NativeConfig::default()
     };
     let region = if args.floor {
@@ -476,6 +479,12 @@ fn serve_kernel(
             .completion_slots
             .unwrap_or_else(|| args.ring_slots.saturating_mul(4).max(16384)),
         gpu_sends,
+        limits: ConnLimits {
+            max_inflight: args.max_inflight,
+            ..ConnLimits::default()
+        },
+        // As for the native transport: the GPU executor holds no streams.
+        cancel_markers: executor_kind != ExecutorKind::Gpu,
     };
     let transport = match KernelTransport::bind(cfg) {
         Ok(t) => t,

@@ -38,7 +38,9 @@ pub trait RequestSink {
 pub struct ConnLimits {
     /// Items (requests and error replies) not yet fully answered; reading stops at this many.
     pub max_inflight: usize,
-    /// Reply bytes not yet written to the socket; reading stops above this many.
+    /// Reply bytes not yet written to the socket, counting the buffered frames of later
+    /// pipelined items; reading stops at this many, and streamed frames beyond it are not
+    /// acknowledged (their stream runs out of credit) until writes drain.
     pub max_unsent: usize,
 }
 
@@ -76,6 +78,9 @@ pub struct ConnState {
     base_seq: u32,
     wbuf: Vec<u8>,
     wpos: usize,
+    /// Bytes in the `buf` of pending items other than the front one (frames of later
+    /// pipelined items waiting for their turn).
+    parked_bytes: usize,
     /// No more input is decoded (EOF, a closing error, or `Connection: close`).
     read_closed: bool,
     /// Requests published and not yet finally completed.
@@ -93,6 +98,7 @@ impl ConnState {
             base_seq: 0,
             wbuf: Vec::new(),
             wpos: 0,
+            parked_bytes: 0,
             read_closed: false,
             queued: 0,
         }
@@ -107,7 +113,31 @@ impl ConnState {
     pub fn wants_input(&self) -> bool {
         !self.read_closed
             && self.pending.len() < self.limits.max_inflight
-            && self.unsent().len() < self.limits.max_unsent
+            && self.buffered() < self.limits.max_unsent
+    }
+
+    /// Reply bytes held for this connection: the write buffer's unsent part plus the frames
+    /// of later pipelined items waiting for their turn.
+    pub fn buffered(&self) -> usize {
+        self.unsent().len() + self.parked_bytes
+    }
+
+    /// Whether a streamed frame of item `conn_seq`, already encoded, may be acknowledged to
+    /// the executor now (the stream gets its credit back). The front item's frames go to the
+    /// write buffer, so they are acknowledged while the write buffer is within `max_unsent`;
+    /// a later item's frames while everything buffered is. Judging the front by the write
+    /// buffer alone keeps it moving when later items have filled the budget (they only drain
+    /// once the front is done); an item that is no longer pending (done, or the frame was
+    /// dropped) holds nothing back.
+    pub fn may_ack(&self, conn_seq: u32) -> bool {
+        let idx = conn_seq.wrapping_sub(self.base_seq) as usize;
+        if idx >= self.pending.len() {
+            true
+        } else if idx == 0 {
+            self.unsent().len() <= self.limits.max_unsent
+        } else {
+            idx < self.limits.max_inflight && self.buffered() <= self.limits.max_unsent
+        }
     }
 
     /// True once no more input will be decoded.
@@ -241,6 +271,7 @@ impl ConnState {
             self.wbuf.extend_from_slice(&bytes);
             return;
         }
+        self.parked_bytes += bytes.len();
         self.pending.push_back(Pending {
             framing: Framing::Binary,
             buf: bytes,
@@ -284,6 +315,7 @@ impl ConnState {
         let idx = conn_seq.wrapping_sub(self.base_seq) as usize;
         let p = &mut self.pending[idx];
         let out = if idx == 0 { &mut self.wbuf } else { &mut p.buf };
+        let before = out.len();
         let frame = FrameOut {
             status,
             final_,
@@ -292,6 +324,9 @@ impl ConnState {
             words,
         };
         encode_frame(out, p.framing, &mut p.http_started, &frame);
+        if idx != 0 {
+            self.parked_bytes += out.len() - before;
+        }
         if final_ {
             p.done = true;
         }
@@ -305,6 +340,7 @@ impl ConnState {
     fn flush_front(&mut self) {
         while let Some(front) = self.pending.front_mut() {
             if !front.buf.is_empty() {
+                self.parked_bytes -= front.buf.len();
                 self.wbuf.extend_from_slice(&front.buf);
                 front.buf = Vec::new();
             }
@@ -442,6 +478,47 @@ mod tests {
         c.advance(n);
         assert!(c.finished());
         assert_eq!(st.busy, 1);
+    }
+
+    #[test]
+    fn later_items_frames_count_against_the_unsent_limit_and_credit() {
+        let limits = ConnLimits {
+            max_inflight: 8,
+            max_unsent: 100,
+        };
+        let mut c = ConnState::new(1, FramerConfig::default(), limits);
+        let mut sink = Recorder {
+            busy: false,
+            seen: vec![],
+        };
+        let mut st = TransportStats::default();
+        let input: Vec<u8> = (0..3).flat_map(req).collect();
+        c.ingest(&input, &mut sink, &mut st);
+        // Item 1 streams while item 0 runs: its frames (28 bytes each) wait in its buffer.
+        for k in 0..3 {
+            assert!(c.complete(1, Status::Token, false, k, 1, &[k]));
+            assert!(c.may_ack(1), "{} bytes buffered", c.buffered());
+        }
+        assert!(c.unsent().is_empty());
+        assert_eq!(c.buffered(), 84);
+        assert!(c.wants_input());
+        assert!(c.complete(1, Status::Token, false, 3, 1, &[3]));
+        assert_eq!(c.buffered(), 112);
+        assert!(!c.may_ack(1), "over the limit: no credit for a later item");
+        assert!(!c.may_ack(2));
+        assert!(!c.wants_input(), "parked frames stop reading too");
+        // The front item is judged by the write buffer alone, so it keeps its credit.
+        assert!(c.complete(0, Status::Token, false, 0, 0, &[0]));
+        assert!(c.may_ack(0));
+        // Item 0 ends: item 1's frames move to the write buffer; 112 + 56 bytes unsent.
+        assert!(c.complete(0, Status::EndOfStream, true, 1, 0, &[]));
+        assert_eq!(c.unsent().len(), 28 + 24 + 112);
+        assert_eq!(c.buffered(), c.unsent().len());
+        assert!(!c.may_ack(1), "now the front, but its write buffer is over");
+        assert!(c.may_ack(0), "done: nothing to hold back");
+        c.advance(70);
+        assert!(c.may_ack(1));
+        assert!(c.wants_input());
     }
 
     #[test]

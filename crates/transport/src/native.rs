@@ -6,7 +6,14 @@
 //! requests they frame, notify the executor once per batch, reap the completion ring, and
 //! write replies. A GPU executor cannot write an eventfd; the timed wait is what bounds its
 //! completion latency.
+//!
+//! Streams ([`crate::credit`]): every streamed completion is acknowledged once it is encoded
+//! (or dropped), but held back while its connection is over `max_unsent`, and released as
+//! writes drain. When a connection ends (EOF, an error or reset, or closed by the server) this
+//! thread publishes its `OP_CANCEL` marker; a marker that finds the request ring full waits in
+//! a queue that every loop iteration retries.
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::OwnedFd;
@@ -22,6 +29,7 @@ use rustix::net::SocketFlags;
 use slab::Slab;
 
 use crate::conn::{ConnLimits, ConnState, RequestSink, Submit};
+use crate::credit::{Withheld, ack, publish_cancel};
 use crate::stats::TransportStats;
 
 const LISTENER: u64 = u64::MAX;
@@ -47,6 +55,10 @@ pub struct NativeConfig {
     pub drain_timeout: Duration,
     /// Print the counters to stderr this often (None: only at shutdown).
     pub stats_every: Option<Duration>,
+    /// Publish an `OP_CANCEL` marker when a connection ends. Only for executors that consume
+    /// them: one that does not know the op answers it like a request (the GPU executor, which
+    /// has no streams to cancel, does so today).
+    pub cancel_markers: bool,
 }
 
 impl Default for NativeConfig {
@@ -60,6 +72,7 @@ impl Default for NativeConfig {
             floor: false,
             drain_timeout: Duration::from_secs(2),
             stats_every: None,
+            cancel_markers: true,
         }
     }
 }
@@ -92,9 +105,17 @@ struct Conn {
     state: ConnState,
     /// Bytes received but not yet consumed by the framer.
     rbuf: Vec<u8>,
-    registered: (bool, bool),
-    /// The peer ended its byte stream.
+    /// The epoll interest registered: (EPOLLIN, EPOLLOUT, EPOLLRDHUP).
+    registered: (bool, bool, bool),
+    /// The peer ended its byte stream (a read returned 0).
     eof: bool,
+    /// The peer's FIN was seen (EPOLLRDHUP or a read of 0): EPOLLRDHUP is level-triggered, so
+    /// it leaves the interest set, or a connection that does not read would spin the loop.
+    rdhup: bool,
+    /// The connection's cancel marker is published or owed.
+    cancelled: bool,
+    /// Acknowledgements of streamed frames held back while over `max_unsent`.
+    withheld: Withheld,
     /// Lingering close: our side is shut down for writing after an error reply, and input
     /// is discarded until the peer closes or this deadline passes. Closing at once with
     /// unread input would make the kernel send a reset that can destroy the error reply
@@ -122,6 +143,8 @@ pub struct NativeTransport {
     last_sweep: Instant,
     stats: TransportStats,
     scratch: Vec<u8>,
+    /// Tokens of ended connections whose cancel marker found the request ring full.
+    owed_cancels: VecDeque<u64>,
 }
 
 impl std::fmt::Debug for NativeTransport {
@@ -188,6 +211,7 @@ impl NativeTransport {
             lingering: 0,
             last_sweep: Instant::now(),
             stats: TransportStats::default(),
+            owed_cancels: VecDeque::new(),
         })
     }
 
@@ -216,6 +240,9 @@ impl NativeTransport {
         let mut dirty: Vec<usize> = Vec::new();
         let mut next_stats = self.cfg.stats_every.map(|d| Instant::now() + d);
         loop {
+            if !self.owed_cancels.is_empty() {
+                self.publish_owed_cancels();
+            }
             self.reap(&mut dirty);
             self.flush_dirty(&mut dirty);
             let mut timeout = self.wait_timeout();
@@ -291,6 +318,8 @@ impl NativeTransport {
 
     fn wait_timeout(&self) -> Option<Timespec> {
         let d = match (self.outstanding, self.lingering) {
+            // Owed cancel markers wait for room in the request ring: retry soon.
+            _ if !self.owed_cancels.is_empty() => self.cfg.poll_interval,
             (0, 0) => return None,
             (0, _) => Duration::from_millis(250),
             _ => self.cfg.poll_interval,
@@ -348,8 +377,11 @@ impl NativeTransport {
                 generation,
                 state: ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits),
                 rbuf: Vec::new(),
-                registered: (true, false),
+                registered: (true, false, true),
                 eof: false,
+                rdhup: false,
+                cancelled: false,
+                withheld: Withheld::default(),
                 linger_until: None,
             });
             self.stats.conns_accepted += 1;
@@ -373,13 +405,27 @@ impl NativeTransport {
             }
             return false;
         }
+        if !conn.state.wants_input() {
+            // Not reading (limits, or input already ended), so a read cannot report how the
+            // connection ended: the events must.
+            if flags.intersects(epoll::EventFlags::HUP | epoll::EventFlags::ERR) {
+                // Reset or fully closed: nothing more can be delivered.
+                self.stats.io_errors += 1;
+                self.close(idx);
+            } else if flags.contains(epoll::EventFlags::RDHUP) {
+                // The peer's FIN, with input perhaps still unread (read when the limits
+                // allow). Its streams are cancelled now, not when the rest is read.
+                conn.rdhup = true;
+                self.cancel(idx);
+            }
+            return false;
+        }
         if !(flags.intersects(
             epoll::EventFlags::IN
                 | epoll::EventFlags::RDHUP
                 | epoll::EventFlags::HUP
                 | epoll::EventFlags::ERR,
-        )) || !conn.state.wants_input()
-        {
+        )) {
             return false;
         }
         let before = conn.state.queued();
@@ -387,7 +433,9 @@ impl NativeTransport {
             Ok(0) => {
                 conn.state.on_eof();
                 conn.eof = true;
+                conn.rdhup = true;
                 conn.rbuf = Vec::new();
+                self.cancel(idx);
                 return false;
             }
             Ok(n) => n,
@@ -443,9 +491,10 @@ impl NativeTransport {
                     e.stream_seq,
                     e.request_id,
                     n,
+                    e.stream,
                 )
             });
-            let Some((token, seq, status, final_, stream_seq, request_id, n)) = c else {
+            let Some((token, seq, status, final_, stream_seq, request_id, n, stream)) = c else {
                 break;
             };
             self.stats.completions += 1;
@@ -455,17 +504,38 @@ impl NativeTransport {
             match self.conns.get_mut(idx) {
                 Some(conn) if conn.generation == generation => {
                     let before = conn.state.queued();
-                    if conn
-                        .state
-                        .complete(seq, status, final_, stream_seq, request_id, &buf[..n])
-                    {
+                    let taken =
+                        conn.state
+                            .complete(seq, status, final_, stream_seq, request_id, &buf[..n]);
+                    if taken {
                         self.stats.replies += 1;
                     }
                     self.outstanding -= before - conn.state.queued();
+                    if stream != 0 {
+                        if final_ {
+                            // The stream is over: nothing more to hold back (credit::Withheld).
+                            self.stats.acks += conn
+                                .withheld
+                                .release_stream(stream, |s, k| ack(&region, s, k));
+                        }
+                        if !taken || final_ || conn.state.may_ack(seq) {
+                            ack(&region, stream, 1);
+                            self.stats.acks += 1;
+                        } else {
+                            conn.withheld.push(seq, stream);
+                            self.stats.acks_withheld += 1;
+                        }
+                    }
                     dirty.push(idx);
                 }
                 // Its connection closed; `close` already stopped counting it as outstanding.
-                _ => self.stats.stale_completions += 1,
+                _ => {
+                    self.stats.stale_completions += 1;
+                    if stream != 0 {
+                        ack(&region, stream, 1);
+                        self.stats.acks += 1;
+                    }
+                }
             }
         }
     }
@@ -502,6 +572,15 @@ impl NativeTransport {
                 self.close(idx);
                 continue;
             }
+            if !conn.withheld.is_empty()
+                && let Some(region) = &self.region
+            {
+                // Writes drained, or items ahead finished: give back what the limit allows.
+                let state = &conn.state;
+                self.stats.acks += conn
+                    .withheld
+                    .release(|seq| state.may_ack(seq), |s, k| ack(region, s, k));
+            }
             if conn.linger_until.is_some() {
                 continue;
             }
@@ -513,14 +592,22 @@ impl NativeTransport {
                 }
                 continue;
             }
-            let want = (conn.state.wants_input(), !conn.state.unsent().is_empty());
+            let want = (
+                conn.state.wants_input(),
+                !conn.state.unsent().is_empty(),
+                !conn.rdhup,
+            );
             if want != conn.registered {
-                let mut fl = epoll::EventFlags::RDHUP;
+                // EPOLLHUP and EPOLLERR are reported regardless of the interest set.
+                let mut fl = epoll::EventFlags::empty();
                 if want.0 {
                     fl |= epoll::EventFlags::IN;
                 }
                 if want.1 {
                     fl |= epoll::EventFlags::OUT;
+                }
+                if want.2 {
+                    fl |= epoll::EventFlags::RDHUP;
                 }
                 let _ = epoll::modify(
                     &self.epoll,
@@ -537,6 +624,8 @@ impl NativeTransport {
     /// closes, `Connection: close`, shutdown): send FIN and discard input until the peer
     /// closes too.
     fn start_linger(&mut self, idx: usize) {
+        // The connection ends here (nothing is pending any more, so no stream runs for it).
+        self.cancel(idx);
         let conn = &mut self.conns[idx];
         if conn.stream.shutdown(std::net::Shutdown::Write).is_err() {
             self.close(idx);
@@ -550,7 +639,7 @@ impl NativeTransport {
             epoll::EventData::new_u64(idx as u64),
             epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
         );
-        conn.registered = (true, false);
+        conn.registered = (true, false, true);
         self.lingering += 1;
     }
 
@@ -571,8 +660,58 @@ impl NativeTransport {
         }
     }
 
+    /// Connection `idx` ends (or stops sending): publish its cancel marker once, or owe it
+    /// when the request ring is full. Markers go out in the order connections ended.
+    fn cancel(&mut self, idx: usize) {
+        let Some(region) = &self.region else {
+            return;
+        };
+        if !self.cfg.cancel_markers {
+            return;
+        }
+        let Some(conn) = self.conns.get_mut(idx) else {
+            return;
+        };
+        if conn.cancelled {
+            return;
+        }
+        conn.cancelled = true;
+        let token = conn.state.token();
+        if self.owed_cancels.is_empty() && publish_cancel(region, token) {
+            self.stats.cancels += 1;
+            region.requests().notify();
+        } else {
+            self.stats.cancels_deferred += 1;
+            self.owed_cancels.push_back(token);
+        }
+    }
+
+    /// Retry the owed cancel markers, oldest first, until the request ring is full again.
+    fn publish_owed_cancels(&mut self) {
+        let Some(region) = &self.region else {
+            return;
+        };
+        let mut published = false;
+        while let Some(&token) = self.owed_cancels.front() {
+            if !publish_cancel(region, token) {
+                break;
+            }
+            self.owed_cancels.pop_front();
+            self.stats.cancels += 1;
+            published = true;
+        }
+        if published {
+            region.requests().notify();
+        }
+    }
+
     fn close(&mut self, idx: usize) {
-        if let Some(conn) = self.conns.try_remove(idx) {
+        self.cancel(idx);
+        if let Some(mut conn) = self.conns.try_remove(idx) {
+            // Whatever it still held back is dropped with it.
+            if let Some(region) = &self.region {
+                self.stats.acks += conn.withheld.release_all(|s, k| ack(region, s, k));
+            }
             if conn.linger_until.is_some() {
                 self.lingering -= 1;
             }
@@ -595,8 +734,14 @@ impl NativeTransport {
         for (_, c) in self.conns.iter_mut() {
             c.state.on_eof();
         }
+        // Shutdown ends every connection: their streams are cancelled rather than waited
+        // for (each still ends with a final frame, which the drain below delivers).
+        for &idx in &dirty {
+            self.cancel(idx);
+        }
         self.flush_dirty(&mut dirty);
-        while self.outstanding > 0 && Instant::now() < deadline {
+        while (self.outstanding > 0 || !self.owed_cancels.is_empty()) && Instant::now() < deadline {
+            self.publish_owed_cancels();
             self.reap(&mut dirty);
             self.flush_dirty(&mut dirty);
             std::thread::sleep(Duration::from_micros(200));

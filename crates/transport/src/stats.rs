@@ -35,6 +35,14 @@ pub struct TransportStats {
     pub epoll_waits: u64,
     /// Connections closed by a read or write error (reset, broken pipe).
     pub io_errors: u64,
+    /// Cancel markers (`OP_CANCEL`) published for ended connections.
+    pub cancels: u64,
+    /// Cancel markers that found the request ring full and waited in the owed queue.
+    pub cancels_deferred: u64,
+    /// Credit acknowledgements given for streamed completions.
+    pub acks: u64,
+    /// Of those, acknowledgements held back while their connection was over its limit.
+    pub acks_withheld: u64,
 }
 
 impl TransportStats {
@@ -88,6 +96,11 @@ impl std::fmt::Display for TransportStats {
             "rejected input: [{}] [{}]",
             rejects.join(", "),
             http.join(", ")
+        )?;
+        writeln!(
+            f,
+            "streams: {} acks ({} withheld first), {} cancel markers ({} waited for room)",
+            self.acks, self.acks_withheld, self.cancels, self.cancels_deferred
         )?;
         write!(
             f,

@@ -8,6 +8,12 @@
 //! the turn names the reply, else pushes the completion for the host's reply stage and, if
 //! the stage sleeps, queues a private FUTEX_WAKE on the completion ring's doorbell; its reaper
 //! consumes its ring's CQ and passes the turn on every SEND completion.
+//!
+//! Streams: the device sends only final one-shot replies (`stream == 0 && final_`); a
+//! `generate` request (op 3, `param` tokens) is streamed through the completion ring with a
+//! credit stream under a window of 16 frames, all of it for the host's stage, as a generating
+//! GPU will. Cancel markers (`OP_CANCEL`) are never answered: they end the connection's
+//! streams with a cancelled frame.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -21,7 +27,8 @@ use bgs_ring::tx::{
     TX_BUF_BYTES, TX_EMPTY, TX_HEADER_BYTES, TX_TOMBSTONE, TX_UD_SEND, TX_UD_WAKE, TxDesc, TxEntry,
     TxHeader, TxTable,
 };
-use bgs_ring::{RegionHeader, RingRegion, route};
+use bgs_ring::{OP_CANCEL, RegionHeader, RingRegion, route};
+use bgs_transport::conn::ConnLimits;
 use bgs_transport::kernel::{
     GpuTx, KernelConfig, KernelMonitor, KernelStats, KernelTransport, ReplyMode,
 };
@@ -45,6 +52,9 @@ fn config(reply: ReplyMode) -> KernelConfig {
         request_slots: 1024,
         completion_slots: 16384,
         gpu_sends: true,
+        limits: ConnLimits::default(),
+        // The stand-in GPU skips them, as the GPU executor will once it streams.
+        cancel_markers: true,
     }
 }
 
@@ -62,7 +72,26 @@ struct Req {
     seq: u32,
     id: u32,
     route: u32,
+    op: u16,
+    param: u32,
     words: Vec<u32>,
+}
+
+/// Frames of one stream the device keeps unacknowledged at most.
+const WINDOW: u32 = 16;
+
+/// A `generate` request the device streams.
+#[derive(Debug)]
+struct DevStream {
+    conn: u64,
+    seq: u32,
+    id: u32,
+    idx: usize,
+    tokens: u32,
+    next: u32,
+    published: u32,
+    base_acks: u32,
+    ended: bool,
 }
 
 /// The stand-in for the GPU (see the file docs).
@@ -85,6 +114,14 @@ struct Device {
     /// Sleepers the FUTEX_WAKEs woke (their CQEs' results), readable while the device runs.
     woken: Arc<AtomicU64>,
     errors: u64,
+    streams: Vec<DevStream>,
+    free: Vec<usize>,
+    /// Frames published per credit stream index.
+    per_index: Vec<u64>,
+    /// Cancel markers per connection.
+    cancels: HashMap<u64, u32>,
+    /// Connections that sent requests.
+    conns: std::collections::HashSet<u64>,
 }
 
 impl Device {
@@ -113,6 +150,11 @@ impl Device {
             wakes: 0,
             woken,
             errors: 0,
+            streams: Vec::new(),
+            free: (0..bgs_ring::MAX_STREAMS).rev().collect(),
+            per_index: vec![0; bgs_ring::MAX_STREAMS],
+            cancels: HashMap::new(),
+            conns: std::collections::HashSet::new(),
         };
         d.sq_tail = d.word(desc.sq_tail).load(Ordering::Acquire);
         d.cq_head = d.word(desc.cq_head).load(Ordering::Acquire);
@@ -167,6 +209,7 @@ impl Device {
         self.rng
     }
 
+    /// A one-shot reply (`stream == 0 && final_`): the only kind the device sends itself.
     fn finish(&mut self, r: Req) {
         let host_only = route::HTTP | route::CLOSE | route::NO_FRAME | route::EOF | route::RESET;
         if r.route & host_only == 0
@@ -202,22 +245,87 @@ impl Device {
             self.sends += 1;
             return;
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let pushed = self.region.completions().try_push(|c| {
-                c.conn = r.conn;
-                c.conn_seq = r.seq;
-                c.status = Status::Ok as u16;
-                c.final_ = 1;
-                c.request_id = r.id;
-                c.words = r.words.len() as u32;
-                c.stream_seq = 0;
-                c.route = r.route;
-                c.payload[..r.words.len()].copy_from_slice(&r.words);
-            });
-            if pushed.is_ok() {
-                break;
+        self.hand_over(|c| {
+            c.conn = r.conn;
+            c.conn_seq = r.seq;
+            c.status = Status::Ok as u16;
+            c.final_ = 1;
+            c.request_id = r.id;
+            c.words = r.words.len() as u32;
+            c.stream_seq = 0;
+            c.route = r.route;
+            c.stream = 0;
+            c.payload[..r.words.len()].copy_from_slice(&r.words);
+        });
+    }
+
+    /// Publish the next frame of stream `i` for the stage (never sent by the device: it
+    /// carries credit, `stream != 0`): a token, the end of the stream, or `cancelled`.
+    fn stream_frame(&mut self, i: usize, cancelled: bool) {
+        let s = &self.streams[i];
+        let (status, final_, words) = if cancelled {
+            (Status::Cancelled, true, vec![])
+        } else if s.next == s.tokens {
+            (Status::EndOfStream, true, vec![1, s.tokens])
+        } else {
+            (Status::Token, false, vec![s.next])
+        };
+        let (conn, seq, id, next, stream) = (s.conn, s.seq, s.id, s.next, s.idx as u32 + 1);
+        self.hand_over(|c| {
+            c.conn = conn;
+            c.conn_seq = seq;
+            c.status = status as u16;
+            c.final_ = u16::from(final_);
+            c.request_id = id;
+            c.words = words.len() as u32;
+            c.stream_seq = next;
+            c.route = 0;
+            c.stream = stream;
+            c.payload[..words.len()].copy_from_slice(&words);
+        });
+        let s = &mut self.streams[i];
+        s.published += 1;
+        self.per_index[s.idx] += 1;
+        if final_ {
+            s.ended = true;
+        } else {
+            s.next += 1;
+        }
+    }
+
+    fn acks(&self, idx: usize) -> u32 {
+        self.region.stream_acks()[idx].load(Ordering::Acquire)
+    }
+
+    /// Advance every stream as far as its credit allows; retire streams whose frames were
+    /// all acknowledged.
+    fn step_streams(&mut self) {
+        for i in 0..self.streams.len() {
+            loop {
+                let s = &self.streams[i];
+                let inflight = s.published - self.acks(s.idx).wrapping_sub(s.base_acks);
+                if s.ended || inflight >= WINDOW {
+                    break;
+                }
+                self.stream_frame(i, false);
             }
+        }
+        let mut k = 0;
+        while k < self.streams.len() {
+            let s = &self.streams[k];
+            if s.ended && self.acks(s.idx).wrapping_sub(s.base_acks) == s.published {
+                self.free.push(s.idx);
+                self.streams.swap_remove(k);
+            } else {
+                k += 1;
+            }
+        }
+    }
+
+    /// Push a completion for the host's reply stage (and wake it if it sleeps).
+    fn hand_over(&mut self, fill: impl Fn(&mut bgs_ring::CompletionEntry)) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.region.completions().try_push(&fill).is_err() {
             assert!(Instant::now() < deadline, "completion ring full for 10 s");
             std::thread::yield_now();
         }
@@ -276,15 +384,42 @@ impl Device {
                 seq: e.conn_seq,
                 id: e.request_id,
                 route: e.route,
+                op: e.op,
+                param: e.param,
                 words: e.payload[..e.words as usize].to_vec(),
             }) {
+                got += 1;
+                if r.op == OP_CANCEL {
+                    *self.cancels.entry(r.conn).or_default() += 1;
+                    for i in 0..self.streams.len() {
+                        if self.streams[i].conn == r.conn && !self.streams[i].ended {
+                            self.stream_frame(i, true);
+                        }
+                    }
+                    continue;
+                }
                 assert_eq!(
                     r.route & route::HTTP,
                     0,
                     "this test sends binary requests only"
                 );
+                self.conns.insert(r.conn);
+                if r.op == Op::Generate as u16 {
+                    let idx = self.free.pop().expect("a free stream index");
+                    self.streams.push(DevStream {
+                        conn: r.conn,
+                        seq: r.seq,
+                        id: r.id,
+                        idx,
+                        tokens: r.param,
+                        next: 0,
+                        published: 0,
+                        base_acks: self.acks(idx),
+                        ended: false,
+                    });
+                    continue;
+                }
                 self.pending.push(r);
-                got += 1;
             }
             // Finish in a shuffled order, keeping a few back while requests keep coming, so
             // replies of one connection complete out of order.
@@ -294,6 +429,7 @@ impl Device {
                 let r = self.pending.swap_remove(k);
                 self.finish(r);
             }
+            self.step_streams();
             self.reap();
             if got == 0 {
                 std::thread::sleep(Duration::from_micros(20));
@@ -571,6 +707,118 @@ fn gpu_sends_and_host_sends_share_connections_in_order() {
         tombstones += usize::from(cookie == TX_TOMBSTONE);
     }
     assert!(tombstones > 0 && tombstones <= total as usize);
+}
+
+fn generate(id: u32, tokens: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    bgs_protocol::encode_request(
+        &mut out,
+        &RequestHeader::new(Op::Generate, id, 1, tokens),
+        &[1],
+    );
+    out
+}
+
+/// A client whose pipelined batches mix one-shot requests (the device may send their
+/// replies) with streams (the stage sends every frame): everything arrives in order.
+fn mixed_client(addr: SocketAddr, c: u32, rounds: u32) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    for r in 0..rounds {
+        let id = |k: u32| c << 20 | r << 4 | k;
+        let plan = [(0, 0), (1, 30), (2, 0), (3, 20), (4, 0), (5, 0)];
+        let mut batch = Vec::new();
+        for &(k, tokens) in &plan {
+            if tokens == 0 {
+                batch.extend(request(id(k), &[k, c]));
+            } else {
+                batch.extend(generate(id(k), tokens));
+            }
+        }
+        s.write_all(&batch).unwrap();
+        for &(k, tokens) in &plan {
+            let mut frame = || {
+                let mut h = [0u8; 24];
+                s.read_exact(&mut h).unwrap();
+                let h = ReplyHeader::decode(&h);
+                let mut p = vec![0u8; h.words as usize * 4];
+                s.read_exact(&mut p).unwrap();
+                let w: Vec<u32> = p
+                    .chunks(4)
+                    .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                assert_eq!(h.request_id, id(k), "connection {c}: reply out of order");
+                (h, w)
+            };
+            if tokens == 0 {
+                let (h, w) = frame();
+                assert_eq!((h.status, w), (Status::Ok as u16, vec![k, c]));
+                continue;
+            }
+            for t in 0..tokens {
+                let (h, w) = frame();
+                assert_eq!((h.status, h.seq, w), (Status::Token as u16, t, vec![t]));
+            }
+            let (h, w) = frame();
+            assert_eq!(
+                (h.status, h.seq, w),
+                (Status::EndOfStream as u16, tokens, vec![1, tokens])
+            );
+        }
+    }
+    s.shutdown(Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "no bytes after the last reply");
+}
+
+#[test]
+fn streams_stay_host_sent_between_gpu_sends() {
+    let server = start();
+    let base_fds = fd_count();
+    const CONNS: u32 = 8;
+    std::thread::scope(|s| {
+        for c in 0..CONNS {
+            let addr = server.addr;
+            s.spawn(move || mixed_client(addr, c, 10));
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fd_count() > base_fds && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let fds_left = fd_count().saturating_sub(base_fds);
+    let (stats, dev, _owner) = server.stop();
+    eprintln!(
+        "{stats}\ndevice: {} sends, {} deferred, {} cancels",
+        dev.sends,
+        dev.deferred,
+        dev.cancels.len()
+    );
+    assert_eq!(fds_left, 0, "the server closes every connection");
+    let r = &stats.reply;
+    assert_eq!(r.closed, u64::from(CONNS));
+    assert_eq!(r.behind_turn, 0);
+    assert!(dev.sends > 0, "the device sent one-shot replies");
+    assert_eq!(r.gpu_sent_skipped, dev.sends);
+    // Every streamed frame went through the stage and was acknowledged exactly once.
+    let streamed: u64 = dev.per_index.iter().sum();
+    assert_eq!(streamed, u64::from(CONNS) * 10 * (31 + 21));
+    let acks: Vec<u64> = dev
+        .region
+        .stream_acks()
+        .iter()
+        .map(|a| u64::from(a.load(Ordering::Acquire)))
+        .collect();
+    assert_eq!(acks, dev.per_index);
+    assert_eq!(r.acks, streamed);
+    // One cancel marker per connection, none answered.
+    assert_eq!(dev.conns.len(), CONNS as usize);
+    for conn in &dev.conns {
+        assert_eq!(dev.cancels.get(conn), Some(&1), "connection {conn:#x}");
+    }
+    assert_eq!(r.cancels, u64::from(CONNS));
 }
 
 #[test]

@@ -118,6 +118,8 @@ fn start_once(round: u32, reply: ReplyMode) {
         request_slots: 256,
         completion_slots: 1024,
         gpu_sends: false,
+        limits: bgs_transport::conn::ConnLimits::default(),
+        cancel_markers: true,
     })
     .expect("kernel transport (root)");
     let stop = Arc::new(AtomicBool::new(false));
@@ -183,6 +185,8 @@ fn connections_bpf_refuses_are_reset_not_left_hanging() {
         request_slots: 1024,
         completion_slots: 4096,
         gpu_sends: false,
+        limits: bgs_transport::conn::ConnLimits::default(),
+        cancel_markers: true,
     })
     .expect("kernel transport (root)");
     let addr = transport.local_addr();

@@ -91,6 +91,15 @@ pub struct KernelConfig {
     /// send table and the GPU's io_uring ring ([`KernelTransport::gpu_tx`]) and share each
     /// connection's turn with the GPU. Refused with `ReplyMode::Loop`.
     pub gpu_sends: bool,
+    /// Per-connection limits of the reply stage: unsent bytes and items ahead beyond which
+    /// streamed frames are not acknowledged (their streams run out of credit). BPF cannot
+    /// stop reading a connection, so they do not pause input as in the native transport.
+    pub limits: crate::conn::ConnLimits,
+    /// Publish an `OP_CANCEL` marker when a connection ends. Only for executors that consume
+    /// them: one that does not know the op answers it like a request (the GPU executor, which
+    /// has no streams to cancel, does so today, and with GPU-written SENDs would put that
+    /// answer on the wire).
+    pub cancel_markers: bool,
 }
 
 /// Counters of the kernel transport, printed at shutdown.
@@ -166,6 +175,15 @@ impl std::fmt::Display for KernelStats {
             self.reply.resets,
             self.reply.stale,
             self.reply.never_accepted
+        )?;
+        writeln!(
+            f,
+            "streams: {} acks ({} withheld first), {} cancel markers ({} retries for room), {} connections aborted over the buffering bound",
+            self.reply.acks,
+            self.reply.acks_withheld,
+            self.reply.cancels,
+            self.reply.cancels_deferred,
+            self.reply.overflow_aborts
         )?;
         if let Some(g) = &self.gpu {
             let r = &self.reply;
@@ -323,10 +341,12 @@ impl std::fmt::Debug for KernelTransport {
     }
 }
 
-/// Queue operations into an io_uring submission queue.
+/// Queue operations into an io_uring submission queue; credit and cancel markers go straight
+/// into the executor's region.
 struct SqIo<'a> {
     uring: &'a Uring,
     rx: &'a KernelRx,
+    region: &'a RingRegion,
     queued: u32,
 }
 
@@ -348,6 +368,18 @@ impl ReplyIo for SqIo<'_> {
         // Tell BPF first: the socket's last state change then publishes no reset marker.
         self.rx.forget_connection(cookie);
         self.push(&bgs_uring::close(fd, user_data))
+    }
+    fn ack_stream(&mut self, stream: u32, n: u32) {
+        crate::credit::ack(self.region, stream, n);
+    }
+    fn cancel(&mut self, cookie: u64) -> bool {
+        // The executor's slots sleep on BPF's doorbell with a short timeout (1 ms), or on the
+        // ring's futex: a connection ends rarely, so wake them now.
+        let ok = crate::credit::publish_cancel(self.region, cookie);
+        if ok {
+            self.region.requests().notify();
+        }
+        ok
     }
 }
 
@@ -374,8 +406,9 @@ struct StageDriver {
     untracked: u64,
     rx: Arc<KernelRx>,
     /// Final completions taken from the executor's completion ring. Every request-ring entry
-    /// (request or rejection) ends in exactly one, so `requests().produced() - finals` is the
-    /// work still in the executor.
+    /// (request or rejection) ends in exactly one, and cancel markers (published by the stage,
+    /// `stage.stats().cancels`) in none, so `requests().produced() - finals - cancels` is the
+    /// work still in the executor ([`Self::answered`]).
     finals: u64,
     listener_fd: RawFd,
     accept_armed: bool,
@@ -431,6 +464,12 @@ impl StageDriver {
 }
 
 impl StageDriver {
+    /// Request-ring entries that need no more work from the executor: final completions seen
+    /// and the cancel markers this stage published (never answered).
+    fn answered(&self) -> u64 {
+        self.finals + self.stage.stats().cancels
+    }
+
     /// Reap completions and CQEs, queue operations. Returns true if anything happened.
     fn pass(&mut self, uring: &Uring, io: &mut SqIo<'_>) -> bool {
         let mut did = false;
@@ -441,6 +480,8 @@ impl StageDriver {
             self.finals += u64::from(final_);
             did = true;
         }
+        // BPF's own completions (busy, rejections, markers) never take credit; it does not
+        // write their `stream` field, which the zeroed map keeps 0.
         while let Some(()) = self
             .side
             .completions()
@@ -885,6 +926,9 @@ impl KernelTransport {
         if !self.cfg.executor_wakes {
             driver.watch = Some((self.rx.doorbell_fd().as_raw_fd(), false));
         }
+        driver.stage.set_limits(self.cfg.limits);
+        driver.stage.set_cancel_markers(self.cfg.cancel_markers);
+        let region = self.rx.region();
         let mut wakeups = 0u64;
         let mut last_sweep = Instant::now();
         let mut stats_timer = StatsTimer::new(self.cfg.stats_every);
@@ -892,10 +936,14 @@ impl KernelTransport {
             let mut io = SqIo {
                 uring: &self.uring,
                 rx: &self.rx,
+                region: &region,
                 queued: 0,
             };
             driver.pass(&self.uring, &mut io);
             if driver.stop_requested {
+                // The connections still open end with the transport: cancel their streams.
+                driver.stage.end_all();
+                driver.stage.publish_cancels(&mut io);
                 driver.finish(&self.uring);
                 break;
             }
@@ -927,7 +975,7 @@ impl KernelTransport {
             // wake at least every `timer` (a GPU executor cannot write the eventfd: this timer
             // is its completion latency); otherwise a longer timer still catches markers BPF
             // published (it cannot write the eventfd either).
-            let executing = driver.region.requests().produced() > driver.finals;
+            let executing = driver.region.requests().produced() > driver.answered();
             let t = if executing || driver.stage.busy() {
                 timer
             } else {
@@ -964,19 +1012,24 @@ impl KernelTransport {
         let wakeups2 = wakeups.clone();
         let stats_every = self.cfg.stats_every;
         let gpu = self.gpu.clone();
+        let (limits, cancel_markers) = (self.cfg.limits, self.cfg.cancel_markers);
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
+                let io_region = rx.region();
                 let mut driver = StageDriver::new(rx.clone(), listener_fd, None, None);
                 if let Some(g) = &gpu {
                     driver.stage = ReplyStage::with_turns(g.table.clone());
                 }
+                driver.stage.set_limits(limits);
+                driver.stage.set_cancel_markers(cancel_markers);
                 let mut last_sweep = Instant::now();
                 let mut stats_timer = StatsTimer::new(stats_every);
                 while !stop2.load(Ordering::Acquire) {
                     let mut io = SqIo {
                         uring: &uring,
                         rx: &rx,
+                        region: &io_region,
                         queued: 0,
                     };
                     let did = driver.pass(&uring, &mut io);
@@ -1004,7 +1057,7 @@ impl KernelTransport {
                                 // The GPU cannot wake us when it passes a turn, and its own
                                 // SENDs are finals we never see: poll soon while replies wait
                                 // for a turn or requests are still on the GPU.
-                                let answered = driver.finals + g.table.gpu_sends();
+                                let answered = driver.answered() + g.table.gpu_sends();
                                 if driver.stage.busy()
                                     || driver.region.requests().produced() > answered
                                 {
@@ -1017,6 +1070,14 @@ impl KernelTransport {
                         driver.region.completions().wait_nonempty(t);
                     }
                 }
+                // The connections still open end with the transport: cancel their streams.
+                driver.stage.end_all();
+                driver.stage.publish_cancels(&mut SqIo {
+                    uring: &uring,
+                    rx: &rx,
+                    region: &io_region,
+                    queued: 0,
+                });
                 driver.finish(&uring);
                 driver
             })?;

@@ -32,19 +32,39 @@
 //!   tombstones the entry before every CLOSE;
 //! - counts a connection that waits for the turn as busy, so the caller polls it soon (the GPU
 //!   cannot wake the stage when it passes a turn).
+//!
+//! Streamed replies (several frames per request) are always the stage's: the GPU sends only
+//! final one-shot replies (`stream == 0 && final_`) and hands every other completion over, so
+//! the turn stays a plain `conn_seq`. While the stage sends a stream's frames it keeps the
+//! turn at that item (passing it on only after the SEND that carried the final frame).
+//!
+//! # Credit and cancels ([`crate::credit`])
+//! Every completion with `stream != 0` is acknowledged once ([`ReplyIo::ack_stream`]) when the
+//! stage has encoded it (or dropped it: stale, connection ended), but held back while the
+//! connection is over [`ConnLimits::max_unsent`]: the front item's frames while its unsent
+//! bytes (queued plus the SEND in flight) are, a later item's frames while those plus its
+//! parked frames are, or when it is `max_inflight` or more items ahead. They are released as
+//! SENDs complete and items finish. Every connection gets one cancel marker
+//! ([`ReplyIo::cancel`]): when its EOF or RESET marker arrives (at once, not in its turn: a
+//! stream ahead of it would otherwise never end), when a send fails, before its CLOSE, or when
+//! it is dropped unaccepted. BPF publishes no cancel markers itself: the stage has to publish
+//! them for the connections the server ends anyway (BPF sees no marker for those), so one
+//! publisher with one per-connection flag gives exactly one marker per connection; see
+//! docs/kernel.md.
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bgs_protocol::{Framing, Reject, Status};
+use bgs_protocol::{Framing, HEADER_LEN, Reject, Status};
 use bgs_ring::tx::TxTable;
 use bgs_ring::{CompletionEntry, route};
 use serde::Serialize;
 use slab::Slab;
 
-use crate::conn::{FrameOut, encode_frame, encode_reject};
+use crate::conn::{ConnLimits, FrameOut, encode_frame, encode_reject};
+use crate::credit::Withheld;
 
 /// Operations the stage asks for; an io_uring submission queue in production, a recorder in
 /// tests. Each returns false when there is no room (the stage retries on the next flush).
@@ -56,6 +76,13 @@ pub trait ReplyIo {
     fn shutdown(&mut self, fd: RawFd, user_data: u64) -> bool;
     /// Close `fd`, the connection whose socket cookie is `cookie`.
     fn close(&mut self, fd: RawFd, cookie: u64, user_data: u64) -> bool;
+    /// Acknowledge `n` disposed-of completions of credit stream `stream` (the completion's
+    /// `stream` field; `RingRegion` credit counters, [`crate::credit::ack`]).
+    fn ack_stream(&mut self, stream: u32, n: u32);
+    /// Publish the cancel marker (`OP_CANCEL`) of the connection whose socket cookie is
+    /// `cookie` into the request ring ([`crate::credit::publish_cancel`]). False when the ring
+    /// is full: the stage keeps it and retries on the next flush.
+    fn cancel(&mut self, cookie: u64) -> bool;
 }
 
 const KIND_SEND: u64 = 1;
@@ -72,6 +99,19 @@ pub const LINGER: Duration = Duration::from_secs(2);
 const RECENTLY_CLOSED: usize = 1 << 16;
 /// How long replies for a connection wait for its accept before they are dropped.
 pub const ACCEPT_GRACE: Duration = Duration::from_secs(5);
+/// Most bytes one reply takes encoded: a frame with a full slot of payload and an HTTP
+/// response head. Sizes the overflow bound ([`overflow_bound`]).
+pub const MAX_REPLY_BYTES: usize = 1280;
+
+/// Reply bytes a connection may make the stage hold (queued, in flight, parked) before it is
+/// aborted: BPF cannot stop reading a connection, so a client that keeps pipelining without
+/// reading would otherwise grow them without bound. Within the limits a connection holds at
+/// most `max_unsent` plus its streams' unacknowledged windows (credit) plus `max_inflight`
+/// one-shot replies; the second `max_unsent` is slack for the windows.
+pub fn overflow_bound(limits: &ConnLimits) -> usize {
+    2 * limits.max_unsent + limits.max_inflight * MAX_REPLY_BYTES
+}
+
 /// With a send table: how long a RESET marker waits for a turn that does not move before the
 /// connection is closed anyway (BPF lost a reply before it: both rings were full).
 pub const RESET_GRACE: Duration = Duration::from_secs(5);
@@ -122,6 +162,16 @@ pub struct ReplyStats {
     pub behind_turn: u64,
     /// Send table: RESET markers whose turn never came within [`RESET_GRACE`].
     pub resets_forced: u64,
+    /// Credit acknowledgements given for streamed completions.
+    pub acks: u64,
+    /// Of those, acknowledgements held back while their connection was over its limit.
+    pub acks_withheld: u64,
+    /// Cancel markers published into the request ring.
+    pub cancels: u64,
+    /// Cancel markers that found the request ring full and were retried.
+    pub cancels_deferred: u64,
+    /// Connections aborted for holding more than [`overflow_bound`] reply bytes.
+    pub overflow_aborts: u64,
 }
 
 /// A completion's fields as the stage needs them, borrowing the payload from the ring slot.
@@ -208,6 +258,16 @@ struct ConnOut {
     /// Registered: a RESET marker is parked waiting for its turn; the turn last seen and
     /// since when it has not moved.
     reset_wait: Option<(u32, Instant)>,
+    /// Bytes the parked frames will take encoded (header and payload; HTTP framing not
+    /// counted), for the credit limit.
+    parked_bytes: usize,
+    /// Acknowledgements of streamed frames held back while over the limits.
+    withheld: Withheld,
+    /// The cancel marker is published or owed.
+    cancelled: bool,
+    /// Aborted over [`overflow_bound`]: a SHUTDOWN is owed, which also fails a SEND stalled
+    /// on the full socket so that the connection can close.
+    abort: bool,
 }
 
 impl ConnOut {
@@ -229,6 +289,43 @@ impl ConnOut {
             && self.inflight.is_none()
             && self.phase != Phase::Closed
             && (!self.out.is_empty() || (self.phase == Phase::Open && !self.parked.is_empty()))
+    }
+
+    /// Reply bytes not yet on the wire: queued, and the rest of the SEND in flight.
+    fn unsent(&self) -> usize {
+        self.out.len() + self.inflight.as_ref().map_or(0, |i| i.buf.len() - i.sent)
+    }
+
+    /// Whether a streamed frame of item `conn_seq`, already encoded or parked, may be
+    /// acknowledged now (module docs). The front item is judged by what is queued for the
+    /// wire alone, so it keeps moving when later items fill the budget (they drain only once
+    /// it is done).
+    fn may_ack(&self, limits: &ConnLimits, conn_seq: u32) -> bool {
+        if self.phase != Phase::Open || seq_after(self.next_seq, conn_seq) {
+            // The connection is ending (what it holds is dropped or already final), or the
+            // item is done.
+            return true;
+        }
+        let ahead = conn_seq.wrapping_sub(self.next_seq) as usize;
+        if ahead == 0 {
+            self.unsent() <= limits.max_unsent
+        } else {
+            ahead < limits.max_inflight && self.unsent() + self.parked_bytes <= limits.max_unsent
+        }
+    }
+
+    /// The connection ends: owe its cancel marker (once).
+    fn owe_cancel(&mut self, due: &mut std::collections::VecDeque<u64>) {
+        if !self.cancelled {
+            self.cancelled = true;
+            due.push_back(self.cookie);
+        }
+    }
+
+    /// Drop every parked frame.
+    fn clear_parked(&mut self) {
+        self.parked.clear();
+        self.parked_bytes = 0;
     }
 
     /// The first reply not handed to the wire yet: what the turn must name for the host.
@@ -270,6 +367,17 @@ pub struct ReplyStage {
     recently_closed_order: std::collections::VecDeque<u64>,
     /// The send table shared with a GPU that sends replies itself (module docs).
     turns: Option<Arc<TxTable>>,
+    /// Per-connection limits for credit (module docs).
+    limits: ConnLimits,
+    /// Acknowledgements decided outside [`Self::flush`], given at its end: `(stream, n)`.
+    acks_due: Vec<(u32, u32)>,
+    /// Cookies of ended connections whose cancel marker is not published yet.
+    cancels_due: std::collections::VecDeque<u64>,
+    /// Cancel markers are not published (an executor that does not consume them).
+    no_cancels: bool,
+    /// The last flush found the request ring full with cancel markers owed (poll soon: the
+    /// executor cannot tell us when it has room).
+    cancels_blocked: bool,
     stats: ReplyStats,
 }
 
@@ -288,9 +396,53 @@ impl ReplyStage {
         }
     }
 
+    /// Set the per-connection limits that decide when credit is held back (default:
+    /// [`ConnLimits::default`]).
+    pub fn set_limits(&mut self, limits: ConnLimits) {
+        self.limits = limits;
+    }
+
     /// Counters.
     pub fn stats(&self) -> &ReplyStats {
         &self.stats
+    }
+
+    /// The transport stops: every connection still tracked ends, so owe their cancel
+    /// markers; [`Self::publish_cancels`] (or the next flush) publishes them.
+    pub fn end_all(&mut self) {
+        for (_, c) in self.conns.iter_mut() {
+            c.owe_cancel(&mut self.cancels_due);
+        }
+    }
+
+    /// Whether ended connections get a cancel marker (default: yes). Off for an executor
+    /// that does not consume them (it would answer them like requests).
+    pub fn set_cancel_markers(&mut self, on: bool) {
+        self.no_cancels = !on;
+    }
+
+    /// Publish owed cancel markers, oldest first, until the request ring is full.
+    pub fn publish_cancels(&mut self, io: &mut dyn ReplyIo) {
+        if self.no_cancels {
+            self.cancels_due.clear();
+            return;
+        }
+        while let Some(&cookie) = self.cancels_due.front() {
+            if !io.cancel(cookie) {
+                self.stats.cancels_deferred += 1;
+                break;
+            }
+            self.cancels_due.pop_front();
+            self.stats.cancels += 1;
+        }
+        self.cancels_blocked = !self.cancels_due.is_empty();
+    }
+
+    /// Owe one acknowledgement of `stream` (0: none), given at the end of the next flush.
+    fn ack_later(&mut self, stream: u32) {
+        if stream != 0 {
+            self.acks_due.push((stream, 1));
+        }
     }
 
     /// Connections currently tracked.
@@ -307,11 +459,11 @@ impl ReplyStage {
             .count()
     }
 
-    /// True when a SEND, SHUTDOWN or linger is outstanding, an accept is awaited, or replies
-    /// wait for the GPU to pass a turn (the caller should poll soon). Exact after
-    /// [`Self::flush`].
+    /// True when a SEND, SHUTDOWN or linger is outstanding, an accept is awaited, replies
+    /// wait for the GPU to pass a turn, or cancel markers wait for room in the request ring
+    /// (the caller should poll soon). Exact after [`Self::flush`].
     pub fn busy(&self) -> bool {
-        self.busy_conns > 0
+        self.busy_conns > 0 || self.cancels_blocked
     }
 
     /// Re-count connection `idx` in `busy_conns`.
@@ -369,6 +521,10 @@ impl ReplyStage {
             inflight_end: 0,
             holds_turn: false,
             reset_wait: None,
+            parked_bytes: 0,
+            withheld: Withheld::default(),
+            cancelled: false,
+            abort: false,
         });
         self.by_cookie.insert(cookie, idx);
         idx
@@ -400,14 +556,21 @@ impl ReplyStage {
     pub fn on_completion(&mut self, e: &CompletionEntry) {
         self.stats.completions += 1;
         if self.recently_closed.contains(&e.conn) {
-            // Markers (or late replies) for a connection this stage already closed.
+            // Markers (or late replies) for a connection this stage already closed (its
+            // cancel marker went out then).
             self.stats.stale += 1;
+            self.ack_later(e.stream);
             return;
         }
         // An unknown cookie is a connection whose accept has not been reaped yet: keep what
         // arrives for it (markers included) until the accept brings its descriptor.
         let idx = self.conn_for(e.conn);
         let c = &mut self.conns[idx];
+        if e.route & (route::EOF | route::RESET) != 0 {
+            // The peer is done: its streams end now, although the marker itself may have to
+            // wait behind them for its turn.
+            c.owe_cancel(&mut self.cancels_due);
+        }
         if let (Some(t), Some(ti)) = (&self.turns, c.tx) {
             // Skip what the GPU sent meanwhile, so this item is not parked for nothing.
             Self::catch_up(c, t, ti, &mut self.stats);
@@ -419,9 +582,10 @@ impl ReplyStage {
         if e.route & route::RESET != 0 && !in_order {
             self.stats.resets += 1;
             c.out.clear();
-            c.parked.clear();
+            c.clear_parked();
             c.phase = Phase::Closing;
             c.eof = true;
+            // What it held back is released by the next flush (`may_ack`: not open).
             self.dirty.push(idx);
             return;
         }
@@ -432,6 +596,7 @@ impl ReplyStage {
                 self.dirty.push(idx);
             } else {
                 self.stats.stale += 1;
+                self.ack_later(e.stream);
             }
             return;
         }
@@ -453,6 +618,7 @@ impl ReplyStage {
             {
                 c.reset_wait = Some((t.next_seq(ti), Instant::now()));
             }
+            c.parked_bytes += HEADER_LEN + 4 * frame.words.len();
             c.parked.entry(e.conn_seq).or_default().push(Parked {
                 status: frame.status,
                 final_: frame.final_,
@@ -461,6 +627,35 @@ impl ReplyStage {
                 route: frame.route,
                 words: frame.words.to_vec(),
             });
+        }
+        if e.stream != 0 {
+            if e.final_ != 0 {
+                // The stream is over: nothing more to hold back (credit::Withheld).
+                let due = &mut self.acks_due;
+                c.withheld
+                    .release_stream(e.stream, |st, n| due.push((st, n)));
+            }
+            if e.final_ != 0 || c.may_ack(&self.limits, e.conn_seq) {
+                self.acks_due.push((e.stream, 1));
+            } else {
+                c.withheld.push(e.conn_seq, e.stream);
+                self.stats.acks_withheld += 1;
+            }
+        }
+        if c.tx.is_none()
+            && c.phase == Phase::Open
+            && c.unsent() + c.parked_bytes > overflow_bound(&self.limits)
+        {
+            // Pipelining far beyond the limits without reading. (A connection that shares
+            // its turn with the GPU is not aborted here: the GPU may hold the turn with a
+            // SEND on the descriptor, which must not close under it.)
+            self.stats.overflow_aborts += 1;
+            c.out.clear();
+            c.clear_parked();
+            c.eof = true;
+            c.phase = Phase::Closing;
+            c.abort = true;
+            c.owe_cancel(&mut self.cancels_due);
         }
         self.dirty.push(idx);
     }
@@ -472,6 +667,7 @@ impl ReplyStage {
                 break;
             };
             for p in &frames {
+                c.parked_bytes -= HEADER_LEN + 4 * p.words.len();
                 Self::emit(c, p.as_ref(), stats);
             }
         }
@@ -493,11 +689,19 @@ impl ReplyStage {
         c.http_started = false;
         // Items the GPU sent never reach us, so nothing can be parked behind the turn; if
         // something is, it can no longer be sent in order.
-        c.parked.retain(|&k, _| {
+        let mut dropped = 0;
+        c.parked.retain(|&k, frames| {
             let behind = seq_after(s, k);
             stats.behind_turn += u64::from(behind);
+            if behind {
+                dropped += frames
+                    .iter()
+                    .map(|p| HEADER_LEN + 4 * p.words.len())
+                    .sum::<usize>();
+            }
             !behind
         });
+        c.parked_bytes -= dropped;
         Self::drain_parked(c, stats);
     }
 
@@ -517,7 +721,7 @@ impl ReplyStage {
             // flight; the peer is gone, so drop what is unsent and close.
             stats.resets += 1;
             c.out.clear();
-            c.parked.clear();
+            c.clear_parked();
             c.eof = true;
             c.phase = Phase::Closing;
             return;
@@ -591,9 +795,10 @@ impl ReplyStage {
                     self.stats.send_errors += 1;
                     c.inflight = None;
                     c.out.clear();
-                    c.parked.clear();
+                    c.clear_parked();
                     c.eof = true;
                     c.phase = Phase::Closing;
+                    c.owe_cancel(&mut self.cancels_due);
                 } else {
                     self.stats.bytes_sent += res as u64;
                     inf.sent += res as usize;
@@ -605,10 +810,14 @@ impl ReplyStage {
                         {
                             // Everything up to `inflight_end` is on the wire: the next reply
                             // may go out from whoever holds it. A connection that is ending
-                            // keeps the turn.
-                            t.pass_turn(ti, c.inflight_end);
+                            // keeps the turn. A SEND of a stream's frames that did not carry
+                            // its final one leaves the turn where it is (at that item, which
+                            // only this stage holds).
+                            if t.next_seq(ti) != c.inflight_end {
+                                t.pass_turn(ti, c.inflight_end);
+                                self.stats.turn_passes += 1;
+                            }
                             c.holds_turn = false;
-                            self.stats.turn_passes += 1;
                         }
                         buf.clear();
                         if c.out.is_empty() && c.out.capacity() == 0 {
@@ -626,7 +835,9 @@ impl ReplyStage {
             }
             KIND_CLOSE => {
                 let cookie = c.cookie;
-                let gone = self.remove_conn(idx);
+                let mut gone = self.remove_conn(idx);
+                let due = &mut self.acks_due;
+                gone.withheld.release_all(|st, n| due.push((st, n)));
                 self.recycle(gone);
                 self.stats.closed += 1;
                 self.recently_closed.insert(cookie);
@@ -666,8 +877,22 @@ impl ReplyStage {
                 self.dirty.push(idx);
             }
             self.refresh_busy(idx);
+            if let Some(c) = self.conns.get_mut(idx)
+                && !c.withheld.is_empty()
+            {
+                // SENDs completed or items finished since they were held back.
+                let mut w = std::mem::take(&mut c.withheld);
+                let (limits, due) = (&self.limits, &mut self.acks_due);
+                w.release(|seq| c.may_ack(limits, seq), |st, n| due.push((st, n)));
+                c.withheld = w;
+            }
         }
         self.flushing.clear();
+        for (stream, n) in self.acks_due.drain(..) {
+            io.ack_stream(stream, n);
+            self.stats.acks += u64::from(n);
+        }
+        self.publish_cancels(io);
     }
 
     /// Returns false when the queue was full and the connection needs another flush.
@@ -681,6 +906,12 @@ impl ReplyStage {
         };
         if c.phase == Phase::Closed {
             return true;
+        }
+        if c.abort {
+            if !io.shutdown(fd, user_data(KIND_SHUTDOWN, idx, c.generation)) {
+                return false;
+            }
+            c.abort = false;
         }
         let turns = self.turns.as_deref();
         if let (Some(t), Some(ti)) = (turns, c.tx) {
@@ -729,6 +960,7 @@ impl ReplyStage {
         }
         match c.phase {
             Phase::Closing if c.eof => {
+                c.owe_cancel(&mut self.cancels_due);
                 Self::unregister(c, turns);
                 if !io.close(fd, c.cookie, user_data(KIND_CLOSE, idx, c.generation)) {
                     return false;
@@ -742,6 +974,7 @@ impl ReplyStage {
                 c.phase = Phase::Lingering;
             }
             Phase::Lingering if c.eof || c.linger_until.is_some_and(|t| t <= Instant::now()) => {
+                c.owe_cancel(&mut self.cancels_due);
                 Self::unregister(c, turns);
                 if !io.close(fd, c.cookie, user_data(KIND_CLOSE, idx, c.generation)) {
                     return false;
@@ -787,7 +1020,7 @@ impl ReplyStage {
                     t.remove(ti);
                     c.tx = None;
                     c.out.clear();
-                    c.parked.clear();
+                    c.clear_parked();
                     c.eof = true;
                     c.phase = Phase::Closing;
                     self.stats.resets += 1;
@@ -800,8 +1033,12 @@ impl ReplyStage {
             }
         }
         for idx in drop_idx {
-            let c = self.remove_conn(idx);
+            let mut c = self.remove_conn(idx);
             self.stats.never_accepted += 1;
+            // Its requests may still run in the executor.
+            c.owe_cancel(&mut self.cancels_due);
+            let due = &mut self.acks_due;
+            c.withheld.release_all(|st, n| due.push((st, n)));
             self.recycle(c);
         }
     }
@@ -828,6 +1065,23 @@ mod tests {
         /// (must stay empty: tombstone first).
         turns: Option<Arc<TxTable>>,
         closed_registered: Vec<u64>,
+        /// (stream, n) acknowledgements given.
+        acks: Vec<(u32, u32)>,
+        /// Cancel markers published (cookies).
+        cancels: Vec<u64>,
+        /// The request ring is full: cancel markers fail.
+        requests_full: bool,
+    }
+
+    impl Recorder {
+        /// Acknowledgements given to `stream`.
+        fn acked(&self, stream: u32) -> u32 {
+            self.acks
+                .iter()
+                .filter(|a| a.0 == stream)
+                .map(|a| a.1)
+                .sum()
+        }
     }
 
     impl ReplyIo for Recorder {
@@ -854,6 +1108,16 @@ mod tests {
                 self.closed_registered.push(cookie);
             }
             self.closes.push((fd, ud));
+            true
+        }
+        fn ack_stream(&mut self, stream: u32, n: u32) {
+            self.acks.push((stream, n));
+        }
+        fn cancel(&mut self, cookie: u64) -> bool {
+            if self.requests_full {
+                return false;
+            }
+            self.cancels.push(cookie);
             true
         }
     }
@@ -891,7 +1155,7 @@ mod tests {
     impl ReplyStage {
         /// The O(n) definition that `busy_conns` must agree with.
         fn busy_slow(&self) -> bool {
-            self.conns.iter().any(|(_, c)| c.busy())
+            self.conns.iter().any(|(_, c)| c.busy()) || self.cancels_blocked
         }
     }
 
@@ -1070,6 +1334,316 @@ mod tests {
         st.sweep(Instant::now() + ACCEPT_GRACE + Duration::from_secs(1));
         assert_eq!(st.connections(), 0);
         assert_eq!(st.stats().never_accepted, 1);
+    }
+
+    /// A streamed frame: token `k` of stream `stream` for item `seq` (status token), or the
+    /// final end-of-stream frame after `k` tokens.
+    fn token(cookie: u64, seq: u32, stream: u32, k: u32, final_: bool) -> CompletionEntry {
+        let mut e = completion(cookie, seq, 100 + seq, 0, Status::Token);
+        e.final_ = u16::from(final_);
+        if final_ {
+            e.status = Status::EndOfStream as u16;
+        }
+        e.stream_seq = k;
+        e.stream = stream;
+        e.payload[0] = k;
+        e
+    }
+
+    /// (request id, stream_seq) of every frame in `bytes`.
+    fn seqs(bytes: &[u8]) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        let mut off = 0;
+        while off + 24 <= bytes.len() {
+            let h = ReplyHeader::decode(&bytes[off..]);
+            out.push((h.request_id, h.seq));
+            off += 24 + h.words as usize * 4;
+        }
+        out
+    }
+
+    fn small_limits() -> ConnLimits {
+        ConnLimits {
+            max_inflight: 4,
+            max_unsent: 100,
+        }
+    }
+
+    #[test]
+    fn stream_acks_are_withheld_over_the_limit_and_released_as_sends_complete() {
+        let mut st = ReplyStage::new();
+        st.set_limits(small_limits());
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        // Token frames are 28 bytes: 0 goes out at once; 1 and 2 stay within 100 bytes
+        // unsent (SEND in flight + queued); 3 and 4 are over.
+        st.on_completion(&token(1, 0, 7, 0, false));
+        st.flush(&mut io);
+        assert_eq!(io.sends.len(), 1);
+        for k in 1..5 {
+            st.on_completion(&token(1, 0, 7, k, false));
+        }
+        st.flush(&mut io);
+        assert_eq!(io.acked(7), 3);
+        assert_eq!(st.stats().acks_withheld, 2);
+        // What reached the wire: the completed part of each SEND.
+        let mut wire = Vec::new();
+        let mut complete = |st: &mut ReplyStage, io: &mut Recorder, i: usize, short: usize| {
+            let (_, b, ud) = io.sends[i].clone();
+            wire.extend_from_slice(&b[..b.len() - short]);
+            st.on_cqe(ud, (b.len() - short) as i32);
+            st.flush(io);
+        };
+        // The first SEND completes: 4 frames (112 bytes) still queued, still over.
+        complete(&mut st, &mut io, 0, 0);
+        assert_eq!(io.acked(7), 3);
+        assert_eq!(io.sends.len(), 2);
+        // A short send leaves 56 bytes: within the limit again.
+        complete(&mut st, &mut io, 1, 56);
+        assert_eq!(io.acked(7), 5);
+        // The final frame is acknowledged at once, whatever is unsent.
+        st.on_completion(&token(1, 0, 7, 5, true));
+        st.flush(&mut io);
+        assert_eq!(io.acked(7), 6);
+        complete(&mut st, &mut io, 2, 0);
+        complete(&mut st, &mut io, 3, 0);
+        assert_eq!(io.sends.len(), 4);
+        assert_eq!(seqs(&wire), (0..6).map(|k| (100, k)).collect::<Vec<_>>());
+        assert_eq!(st.stats().acks, 6);
+        assert!(io.cancels.is_empty(), "the connection is still open");
+    }
+
+    #[test]
+    fn a_later_stream_is_held_within_the_limits_while_the_front_streams() {
+        let mut st = ReplyStage::new();
+        st.set_limits(small_limits());
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        // Item 1 streams while item 0 is still running: its frames are parked and
+        // acknowledged while the connection's bytes stay within the limit.
+        for k in 0..5 {
+            st.on_completion(&token(1, 1, 8, k, false));
+        }
+        st.flush(&mut io);
+        assert!(io.sends.is_empty());
+        assert_eq!(
+            io.acked(8),
+            3,
+            "3 × 28 bytes parked fit in 100, the 4th does not"
+        );
+        // The front item still gets its credit: it is judged by the bytes queued for the wire.
+        st.on_completion(&token(1, 0, 7, 0, false));
+        st.flush(&mut io);
+        assert_eq!(io.acked(7), 1);
+        assert_eq!(io.acked(8), 3);
+        // Items 4 or more ahead get no credit at all.
+        st.on_completion(&token(1, 4, 9, 0, false));
+        st.flush(&mut io);
+        assert_eq!(io.acked(9), 0);
+        // Item 0 ends: 1 becomes the front, its parked frames join the queue behind the SEND.
+        st.on_completion(&token(1, 0, 7, 1, true));
+        let (_, b, ud) = io.sends[0].clone();
+        st.on_cqe(ud, b.len() as i32);
+        st.flush(&mut io);
+        let (_, b, ud) = io.sends[1].clone();
+        st.on_cqe(ud, b.len() as i32);
+        st.flush(&mut io);
+        assert_eq!(io.acked(8), 5, "written out: released");
+        assert_eq!(io.acked(9), 1, "item 4 is 3 ahead of the front now");
+        // Item 5 is 4 ahead: held back until the connection resets.
+        st.on_completion(&token(1, 5, 10, 0, false));
+        st.flush(&mut io);
+        assert_eq!(io.acked(10), 0);
+        let wire: Vec<(u32, u32)> = io.sends.iter().flat_map(|s| seqs(&s.1)).collect();
+        let mut want = vec![(100, 0), (100, 1)];
+        want.extend((0..5).map(|k| (101, k)));
+        assert_eq!(wire, want);
+        // The connection resets: everything held back is given, and one cancel goes out.
+        st.on_completion(&marker_at(1, 9, route::RESET));
+        st.flush(&mut io);
+        assert_eq!(io.acked(10), 1);
+        assert_eq!(io.cancels, vec![1]);
+        let acks: u32 = io.acks.iter().map(|a| a.1).sum();
+        assert_eq!(
+            acks,
+            2 + 5 + 1 + 1,
+            "every streamed completion acknowledged once"
+        );
+        assert_eq!(st.stats().acks, 9);
+    }
+
+    fn marker_at(cookie: u64, seq: u32, bits: u32) -> CompletionEntry {
+        let mut e = completion(cookie, seq, 0, bits, Status::Ok);
+        e.words = 0;
+        e
+    }
+
+    #[test]
+    fn eof_cancels_at_once_and_the_stream_still_ends_in_order() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        st.on_completion(&token(1, 0, 3, 0, false));
+        // The peer's FIN: the marker takes conn_seq 1, behind the running stream, but the
+        // cancel goes out now (the stream would otherwise run to its end).
+        st.on_completion(&marker_at(1, 1, route::EOF));
+        st.flush(&mut io);
+        assert_eq!(io.cancels, vec![1]);
+        assert!(io.closes.is_empty());
+        // The executor ends the stream with a cancelled final frame; then the connection
+        // closes, without a second marker.
+        let mut fin = token(1, 0, 3, 1, true);
+        fin.status = Status::Cancelled as u16;
+        st.on_completion(&fin);
+        st.flush(&mut io);
+        let mut i = 0;
+        while i < io.sends.len() {
+            let (_, b, ud) = io.sends[i].clone();
+            st.on_cqe(ud, b.len() as i32);
+            st.flush(&mut io);
+            i += 1;
+        }
+        let wire: Vec<(u32, u32)> = io.sends.iter().flat_map(|s| seqs(&s.1)).collect();
+        assert_eq!(wire, vec![(100, 0), (100, 1)]);
+        assert_eq!(io.closes.len(), 1);
+        st.on_cqe(io.closes[0].1, 0);
+        st.flush(&mut io);
+        assert_eq!(io.cancels, vec![1]);
+        assert_eq!(io.acked(3), 2);
+        // A late completion for the closed connection is dropped and acknowledged.
+        st.on_completion(&token(1, 0, 3, 2, false));
+        st.flush(&mut io);
+        assert_eq!(io.acked(3), 3);
+        assert_eq!(io.cancels, vec![1]);
+    }
+
+    #[test]
+    fn every_way_a_connection_ends_publishes_one_cancel() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder::default();
+        // 1: reset before anything; 2: a send error; 3: a closing reply; 4: never accepted.
+        st.on_accept(5, 1);
+        st.on_completion(&marker_at(1, 0, route::RESET));
+        st.on_accept(6, 2);
+        st.on_completion(&completion(2, 0, 1, 0, Status::Ok));
+        st.on_accept(7, 3);
+        st.on_completion(&completion(3, 0, 1, route::CLOSE, Status::BadMagic));
+        st.on_completion(&token(4, 0, 9, 0, false));
+        st.flush(&mut io);
+        let sends = io.sends.clone();
+        for (fd, b, ud) in sends {
+            st.on_cqe(ud, if fd == 6 { -32 } else { b.len() as i32 });
+        }
+        st.flush(&mut io);
+        st.on_cqe(io.shutdowns[0].1, 0);
+        st.on_completion(&marker_at(3, 1, route::EOF));
+        st.flush(&mut io);
+        st.sweep(Instant::now() + ACCEPT_GRACE + Duration::from_secs(1));
+        st.flush(&mut io);
+        for &(_, ud) in &io.closes.clone() {
+            st.on_cqe(ud, 0);
+        }
+        st.on_completion(&marker_at(2, 1, route::RESET));
+        st.flush(&mut io);
+        let mut cancels = io.cancels.clone();
+        cancels.sort_unstable();
+        assert_eq!(cancels, vec![1, 2, 3, 4]);
+        assert_eq!(
+            io.acked(9),
+            1,
+            "the unaccepted connection's frame was dropped"
+        );
+        assert_eq!(st.stats().cancels, 4);
+    }
+
+    #[test]
+    fn a_connection_far_over_its_limits_is_aborted() {
+        let mut st = ReplyStage::new();
+        let limits = ConnLimits {
+            max_inflight: 2,
+            max_unsent: 100,
+        };
+        st.set_limits(limits);
+        let mut io = Recorder::default();
+        st.on_accept(5, 1);
+        // One-shot replies of 824 bytes, in order, while the client reads nothing: the first
+        // SEND never completes and the rest queue behind it.
+        let big = |seq: u32| {
+            let mut e = completion(1, seq, seq, 0, Status::Ok);
+            e.words = 200;
+            e
+        };
+        let mut seq = 0;
+        while st.stats().overflow_aborts == 0 {
+            st.on_completion(&big(seq));
+            st.flush(&mut io);
+            seq += 1;
+            assert!(seq < 10, "never aborted");
+        }
+        assert_eq!(seq as usize, overflow_bound(&limits) / 824 + 1);
+        assert_eq!(io.sends.len(), 1);
+        assert_eq!(io.shutdowns.len(), 1, "shut down to fail the stalled SEND");
+        assert_eq!(io.cancels, vec![1]);
+        // Later replies are dropped; the failed SEND lets the connection close.
+        st.on_completion(&big(seq));
+        st.on_cqe(io.sends[0].2, -32);
+        st.flush(&mut io);
+        assert_eq!(io.closes.len(), 1);
+        assert_eq!(io.sends.len(), 1);
+        st.on_cqe(io.shutdowns[0].1, 0);
+        st.on_cqe(io.closes[0].1, 0);
+        assert_eq!(st.connections(), 0);
+        assert_eq!(io.cancels, vec![1]);
+    }
+
+    #[test]
+    fn cancel_markers_can_be_turned_off() {
+        let mut st = ReplyStage::new();
+        st.set_cancel_markers(false);
+        let mut io = Recorder {
+            requests_full: true,
+            ..Default::default()
+        };
+        st.on_accept(5, 1);
+        st.on_completion(&marker_at(1, 0, route::EOF));
+        st.flush(&mut io);
+        assert_eq!(io.closes.len(), 1);
+        st.on_cqe(io.closes[0].1, 0);
+        st.flush(&mut io);
+        assert!(
+            !st.busy(),
+            "nothing owed, although the request ring is full"
+        );
+        io.requests_full = false;
+        st.flush(&mut io);
+        assert!(io.cancels.is_empty());
+        assert_eq!(st.stats().cancels, 0);
+    }
+
+    #[test]
+    fn a_full_request_ring_defers_the_cancel() {
+        let mut st = ReplyStage::new();
+        let mut io = Recorder {
+            requests_full: true,
+            ..Default::default()
+        };
+        st.on_accept(5, 1);
+        st.on_completion(&marker_at(1, 0, route::EOF));
+        st.flush(&mut io);
+        assert!(io.cancels.is_empty());
+        assert!(st.busy(), "owes a cancel: poll soon");
+        st.flush(&mut io);
+        io.requests_full = false;
+        st.flush(&mut io);
+        assert_eq!(io.cancels, vec![1]);
+        assert!(st.stats().cancels_deferred >= 1);
+        assert_eq!(st.stats().cancels, 1);
+        for &(_, ud) in &io.closes.clone() {
+            st.on_cqe(ud, 0);
+        }
+        st.flush(&mut io);
+        assert!(!st.busy());
+        assert_eq!(io.cancels, vec![1]);
     }
 
     /// The send table and a test standing in for the GPU (crates/ring/src/tx.rs, and the
@@ -1551,6 +2125,45 @@ mod tests {
             t.pass_turn(i, 0);
             flush(&mut st, &mut io);
             assert_eq!(wire(&io, 5), vec![100]);
+        }
+
+        #[test]
+        fn streams_are_host_sent_and_keep_the_turn_until_their_final_frame() {
+            let (t, mut st, mut io, mut gpu) = setup();
+            st.on_accept(5, 1);
+            let i = t.lookup(1).unwrap();
+            // 0 is a one-shot reply the GPU sends; 1 streams (the GPU hands every frame
+            // over, `stream != 0`), and 2 finishes on the GPU while 1 streams.
+            gpu.finish(&mut st, &mut io, 1, 0, 100, 0);
+            st.on_completion(&token(1, 1, 4, 0, false));
+            flush(&mut st, &mut io);
+            assert!(io.sends.is_empty(), "the GPU's SEND of 0 is in flight");
+            gpu.reap();
+            flush(&mut st, &mut io);
+            assert_eq!(io.sends.len(), 1);
+            ack(&mut st, &mut io);
+            assert_eq!(
+                t.next_seq(i),
+                1,
+                "a SEND without the final frame keeps the turn at 1"
+            );
+            gpu.finish(&mut st, &mut io, 1, 2, 102, 0);
+            assert_eq!(gpu.sent, 1, "not the GPU's turn: 2 goes to the stage");
+            st.on_completion(&token(1, 1, 4, 1, false));
+            st.on_completion(&token(1, 1, 4, 2, true));
+            flush(&mut st, &mut io);
+            ack(&mut st, &mut io);
+            assert_eq!(t.next_seq(i), 3, "passed after the final frame and 2");
+            gpu.finish(&mut st, &mut io, 1, 3, 103, 0);
+            assert_eq!(gpu.sent, 2, "3 is the GPU's again");
+            gpu.reap();
+            flush(&mut st, &mut io);
+            let host: Vec<(u32, u32)> = io.sends.iter().flat_map(|s| seqs(&s.1)).collect();
+            assert_eq!(host, vec![(101, 0), (101, 1), (101, 2), (102, 0)]);
+            assert_eq!(wire(&io, 5), vec![100, 101, 101, 101, 102, 103]);
+            assert_eq!(io.acked(4), 3);
+            assert_eq!(st.stats().behind_turn, 0);
+            assert!(!st.busy());
         }
 
         #[test]
