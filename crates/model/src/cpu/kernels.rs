@@ -31,41 +31,70 @@ fn reduce(acc: &[f32; LANES]) -> f32 {
     s[0]
 }
 
-/// Dot products of one weight row with `N` activation rows (each as long as `w`).
-///
-/// The result for each activation row is the same whatever `N` is: each has its own
-/// accumulators, updated in the same order.
+/// `acc[j] += w[j] * x[j]` for the 16 lanes of one chunk.
 #[inline(always)]
-fn dot_group<const N: usize>(w: &[f32], xs: [&[f32]; N]) -> [f32; N] {
-    let len = w.len();
-    let full = len - len % LANES;
-    let mut acc = [[0f32; LANES]; N];
-    let xs = xs.map(|x| &x[..len]);
-    for (c, wc) in w[..full].chunks_exact(LANES).enumerate() {
-        let base = c * LANES;
-        for t in 0..N {
-            let xc = &xs[t][base..base + LANES];
-            for j in 0..LANES {
-                acc[t][j] += wc[j] * xc[j];
-            }
-        }
+fn mul_add16(acc: &mut [f32; LANES], w: &[f32], x: &[f32]) {
+    let (w, x): (&[f32; LANES], &[f32; LANES]) = (
+        w.try_into().expect("chunk of LANES"),
+        x.try_into().expect("chunk of LANES"),
+    );
+    for j in 0..LANES {
+        acc[j] += w[j] * x[j];
     }
-    for t in 0..N {
-        for j in 0..len - full {
-            acc[t][j] += w[full + j] * xs[t][full + j];
-        }
-    }
-    let mut out = [0f32; N];
-    for t in 0..N {
-        out[t] = reduce(&acc[t]);
-    }
-    out
 }
 
-/// The dot product every matrix-vector product and attention score uses.
+/// The tail of a dot product (fewer than 16 values) into the first lanes, then the fixed
+/// reduction.
 #[inline(always)]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    dot_group::<1>(a, [b])[0]
+fn finish(mut acc: [f32; LANES], w: &[f32], x: &[f32]) -> f32 {
+    for (j, (a, b)) in w.iter().zip(x).enumerate() {
+        acc[j] += a * b;
+    }
+    reduce(&acc)
+}
+
+/// Dot product of `w` and `x` (same length).
+#[inline(always)]
+fn dot1(w: &[f32], x: &[f32]) -> f32 {
+    let x = &x[..w.len()];
+    let mut acc = [0f32; LANES];
+    let (wc, xc) = (w.chunks_exact(LANES), x.chunks_exact(LANES));
+    let (wr, xr) = (wc.remainder(), xc.remainder());
+    for (a, b) in wc.zip(xc) {
+        mul_add16(&mut acc, a, b);
+    }
+    finish(acc, wr, xr)
+}
+
+/// Dot products of one weight row with four activation rows, sharing each load of `w`.
+/// Each result is bit-identical to [`dot1`] of the same pair: every token has its own
+/// accumulators, updated by the same operations in the same order.
+#[inline(always)]
+fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    let n = w.len();
+    let x = x.map(|x| &x[..n]);
+    let (mut a0, mut a1, mut a2, mut a3) =
+        ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    let full = n - n % LANES;
+    let chunks = w[..full]
+        .chunks_exact(LANES)
+        .zip(x[0][..full].chunks_exact(LANES))
+        .zip(x[1][..full].chunks_exact(LANES))
+        .zip(x[2][..full].chunks_exact(LANES))
+        .zip(x[3][..full].chunks_exact(LANES));
+    for ((((wc, x0), x1), x2), x3) in chunks {
+        mul_add16(&mut a0, wc, x0);
+        mul_add16(&mut a1, wc, x1);
+        mul_add16(&mut a2, wc, x2);
+        mul_add16(&mut a3, wc, x3);
+    }
+    let wr = &w[full..];
+    [
+        finish(a0, wr, &x[0][full..]),
+        finish(a1, wr, &x[1][full..]),
+        finish(a2, wr, &x[2][full..]),
+        finish(a3, wr, &x[3][full..]),
+    ]
 }
 
 /// A raw output pointer shared by the workers of one dispatch; every index is written by
@@ -107,18 +136,19 @@ pub(crate) struct MatJob<'a> {
     pub out_stride: usize,
 }
 
-/// `out[t][r] = dot(w[r], x[t]) (+ bias[r])` for rows `r` in `rows`, tokens `0..n`.
+/// `out[t][r] = dot1(w[r], x[t]) (+ bias[r])` for rows `r` in `rows`, tokens `0..n`.
 ///
 /// # Safety
 /// `job.out` must be valid for writes at `t * out_stride + r` for every `t < n`, `r in rows`,
 /// and no other thread may access those indices during the call.
 #[inline(always)]
-unsafe fn rows_generic(
+unsafe fn rows_kernel(
     job: &MatJob<'_>,
     x: &[f32],
     in_dim: usize,
     n: usize,
     rows: std::ops::Range<usize>,
+    avx: bool,
 ) {
     let mut t0 = 0;
     while t0 < n {
@@ -137,14 +167,14 @@ unsafe fn rows_generic(
             while t + GROUP <= t1 {
                 let xs: [&[f32]; GROUP] =
                     std::array::from_fn(|g| &x[(t + g) * in_dim..(t + g + 1) * in_dim]);
-                let d = dot_group::<GROUP>(w, xs);
+                let d = dot4_with(avx, w, xs);
                 for (g, v) in d.into_iter().enumerate() {
                     put(t + g, v);
                 }
                 t += GROUP;
             }
             while t < t1 {
-                put(t, dot(w, &x[t * in_dim..(t + 1) * in_dim]));
+                put(t, dot_with(avx, w, &x[t * in_dim..(t + 1) * in_dim]));
                 t += 1;
             }
         }
@@ -152,33 +182,119 @@ unsafe fn rows_generic(
     }
 }
 
-/// [`rows_generic`] compiled for AVX2 (no FMA: the same operations as the baseline clone).
-///
-/// # Safety
-/// As [`rows_generic`], and the CPU must support AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn rows_avx2(
-    job: &MatJob<'_>,
-    x: &[f32],
-    in_dim: usize,
-    n: usize,
-    rows: std::ops::Range<usize>,
-) {
-    // SAFETY: forwarded caller contract.
-    unsafe { rows_generic(job, x, in_dim, n, rows) }
-}
-
-/// Whether the AVX2 clones may run (checked once; the answer never changes the bits).
-fn use_avx2() -> bool {
+/// Whether the AVX kernels may run (checked once; the answer never changes the bits).
+pub(crate) fn use_avx() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVX2.get_or_init(|| std::is_x86_feature_detected!("avx2"))
+        static AVX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVX.get_or_init(|| std::is_x86_feature_detected!("avx"))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
+    }
+}
+
+/// [`dot1`] through the AVX kernel when `avx` (same bits either way).
+#[inline(always)]
+pub(crate) fn dot_with(avx: bool, w: &[f32], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx {
+        // SAFETY: `avx` is only true when the CPU has AVX (`use_avx`).
+        return unsafe { avx::dot1(w, x) };
+    }
+    let _ = avx;
+    dot1(w, x)
+}
+
+/// [`dot4`] through the AVX kernel when `avx` (same bits either way).
+#[inline(always)]
+fn dot4_with(avx: bool, w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if avx {
+        // SAFETY: `avx` is only true when the CPU has AVX (`use_avx`).
+        return unsafe { avx::dot4(w, x) };
+    }
+    let _ = avx;
+    dot4(w, x)
+}
+
+/// Explicit AVX versions of [`dot1`] and [`dot4`]. Lane `j` of the two 8-wide accumulators
+/// is accumulator `j` of the scalar code, updated by the same `acc + w * x` (separate
+/// multiply and add, no FMA); the tail and the reduction are the scalar code's. So the
+/// results are bit-identical to the portable kernels.
+#[cfg(target_arch = "x86_64")]
+mod avx {
+    use super::{LANES, finish};
+    use std::arch::x86_64::{
+        __m256, _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+
+    #[inline(always)]
+    fn spill(lo: __m256, hi: __m256) -> [f32; LANES] {
+        let mut a = [0f32; LANES];
+        // SAFETY: `a` holds 16 floats: two unaligned 8-float stores fit.
+        unsafe {
+            _mm256_storeu_ps(a.as_mut_ptr(), lo);
+            _mm256_storeu_ps(a.as_mut_ptr().add(8), hi);
+        }
+        a
+    }
+
+    /// # Safety
+    /// The CPU must support AVX.
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn dot1(w: &[f32], x: &[f32]) -> f32 {
+        let n = w.len();
+        let x = &x[..n];
+        let full = n - n % LANES;
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i < full {
+            // SAFETY: `i + 16 <= full <= n`, and both slices hold `n` values.
+            unsafe {
+                let (w0, w1) = (
+                    _mm256_loadu_ps(w.as_ptr().add(i)),
+                    _mm256_loadu_ps(w.as_ptr().add(i + 8)),
+                );
+                lo = _mm256_add_ps(lo, _mm256_mul_ps(w0, _mm256_loadu_ps(x.as_ptr().add(i))));
+                hi = _mm256_add_ps(
+                    hi,
+                    _mm256_mul_ps(w1, _mm256_loadu_ps(x.as_ptr().add(i + 8))),
+                );
+            }
+            i += LANES;
+        }
+        finish(spill(lo, hi), &w[full..], &x[full..])
+    }
+
+    /// # Safety
+    /// The CPU must support AVX.
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+        let n = w.len();
+        let x = x.map(|x| &x[..n]);
+        let full = n - n % LANES;
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut i = 0;
+        while i < full {
+            // SAFETY: `i + 16 <= full <= n`, and all five slices hold `n` values.
+            unsafe {
+                let (w0, w1) = (
+                    _mm256_loadu_ps(w.as_ptr().add(i)),
+                    _mm256_loadu_ps(w.as_ptr().add(i + 8)),
+                );
+                for t in 0..4 {
+                    let p = x[t].as_ptr().add(i);
+                    acc[2 * t] = _mm256_add_ps(acc[2 * t], _mm256_mul_ps(w0, _mm256_loadu_ps(p)));
+                    acc[2 * t + 1] =
+                        _mm256_add_ps(acc[2 * t + 1], _mm256_mul_ps(w1, _mm256_loadu_ps(p.add(8))));
+                }
+            }
+            i += LANES;
+        }
+        let wr = &w[full..];
+        std::array::from_fn(|t| finish(spill(acc[2 * t], acc[2 * t + 1]), wr, &x[t][full..]))
     }
 }
 
@@ -187,7 +303,7 @@ fn use_avx2() -> bool {
 ///
 /// # Safety
 /// Every job's `out` must be valid for writes at the indices of the rows in `rows` (see
-/// [`rows_generic`]) and no other thread may touch them during the call.
+/// [`rows_kernel`]) and no other thread may touch them during the call.
 pub(crate) unsafe fn matmul_rows(
     jobs: &[MatJob<'_>],
     x: &[f32],
@@ -195,23 +311,14 @@ pub(crate) unsafe fn matmul_rows(
     n: usize,
     rows: std::ops::Range<usize>,
 ) {
-    let avx2 = use_avx2();
+    let avx = use_avx();
     let mut base = 0;
     for job in jobs {
         let lo = rows.start.max(base);
         let hi = rows.end.min(base + job.rows);
         if lo < hi {
-            let local = lo - base..hi - base;
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: AVX2 is present (checked above); the rest is the caller's contract.
-                unsafe { rows_avx2(job, x, in_dim, n, local) };
-                base += job.rows;
-                continue;
-            }
-            let _ = avx2;
-            // SAFETY: the caller's contract.
-            unsafe { rows_generic(job, x, in_dim, n, local) };
+            // SAFETY: the caller's contract, for this job's share of `rows`.
+            unsafe { rows_kernel(job, x, in_dim, n, lo - base..hi - base, avx) };
         }
         base += job.rows;
     }
@@ -219,7 +326,7 @@ pub(crate) unsafe fn matmul_rows(
 
 /// RMSNorm of one row: `x / sqrt(mean(x^2) + eps) * weight`.
 pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let mean = dot(x, x) / x.len() as f32;
+    let mean = dot1(x, x) / x.len() as f32;
     let inv = 1.0 / (mean + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = w * (v * inv);
@@ -264,26 +371,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn dot_group_matches_single_dot_bitwise() {
-        let w: Vec<f32> = (0..77)
-            .map(|i| ((i * 37 % 11) as f32 - 5.3) * 0.37)
-            .collect();
-        let xs: Vec<Vec<f32>> = (0..4)
-            .map(|t| {
-                (0..77)
-                    .map(|i| ((i * 13 + t * 7) % 17) as f32 * 0.1 - 0.8)
-                    .collect()
-            })
-            .collect();
-        let g = dot_group::<4>(&w, std::array::from_fn(|t| xs[t].as_slice()));
-        for t in 0..4 {
-            assert_eq!(g[t].to_bits(), dot(&w, &xs[t]).to_bits());
-            let exact: f64 = w
-                .iter()
-                .zip(&xs[t])
-                .map(|(a, b)| *a as f64 * *b as f64)
-                .sum();
-            assert!((g[t] as f64 - exact).abs() < 1e-3, "{} vs {exact}", g[t]);
+    fn all_dot_kernels_agree_bitwise() {
+        for len in [1, 5, 16, 64, 77, 576] {
+            let w: Vec<f32> = (0..len)
+                .map(|i| ((i * 37 % 11) as f32 - 5.3) * 0.37)
+                .collect();
+            let xs: Vec<Vec<f32>> = (0..4)
+                .map(|t| {
+                    (0..len)
+                        .map(|i| ((i * 13 + t * 7) % 17) as f32 * 0.1 - 0.8)
+                        .collect()
+                })
+                .collect();
+            let xr: [&[f32]; 4] = std::array::from_fn(|t| xs[t].as_slice());
+            let g = dot4(&w, xr);
+            for t in 0..4 {
+                let one = dot1(&w, &xs[t]);
+                assert_eq!(g[t].to_bits(), one.to_bits());
+                let exact: f64 = w
+                    .iter()
+                    .zip(&xs[t])
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum();
+                assert!((one as f64 - exact).abs() < 1e-3, "{one} vs {exact}");
+                if use_avx() {
+                    assert_eq!(dot_with(true, &w, &xs[t]).to_bits(), one.to_bits());
+                    assert_eq!(dot4_with(true, &w, xr)[t].to_bits(), one.to_bits());
+                }
+            }
         }
     }
 
@@ -291,5 +406,47 @@ mod tests {
     fn argmax_ties_to_lowest() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 0.5, 0.5]), 1);
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn kernel_speed() {
+        let (rows, in_dim) = (1536, 576);
+        let w: Vec<f32> = (0..rows * in_dim).map(|i| (i % 7) as f32 * 0.1).collect();
+        for n in [1usize, 4, 16] {
+            let x: Vec<f32> = (0..n * in_dim).map(|i| (i % 5) as f32 * 0.1).collect();
+            let mut out = vec![0f32; n * rows];
+            let job = MatJob {
+                w: &w,
+                rows,
+                bias: None,
+                out: OutPtr(out.as_mut_ptr()),
+                out_stride: rows,
+            };
+            let iters = 200;
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                // SAFETY: test buffer sized n * rows.
+                unsafe { matmul_rows(&[job], &x, in_dim, n, 0..rows) };
+            }
+            let dt = t.elapsed().as_secs_f64();
+            let t2 = std::time::Instant::now();
+            for _ in 0..iters {
+                // SAFETY: test buffer sized n * rows.
+                unsafe { rows_kernel(&job, &x, in_dim, n, 0..rows, false) };
+            }
+            let dt2 = t2.elapsed().as_secs_f64();
+            let flop = 2.0 * (rows * in_dim * n * iters) as f64;
+            eprintln!(
+                "n={n}: avx2 {:.2} GFLOP/s, generic {:.2} GFLOP/s",
+                flop / dt / 1e9,
+                flop / dt2 / 1e9
+            );
+        }
     }
 }

@@ -388,6 +388,7 @@ impl CpuModel {
                 let toks = &toks;
                 let group = nh / nkv;
                 let tasks = n * nh;
+                let avx = kernels::use_avx();
                 pool.run(&|part| {
                     let mut scores = Vec::new();
                     let mut acc = vec![0f32; hd];
@@ -406,7 +407,7 @@ impl CpuModel {
                         let mut max = f32::NEG_INFINITY;
                         for p in 0..=ti.pos {
                             let o = base(p, 0);
-                            let sc = kernels::dot(qv, &cache[o..o + hd]) * scale;
+                            let sc = kernels::dot_with(avx, qv, &cache[o..o + hd]) * scale;
                             max = max.max(sc);
                             scores.push(sc);
                         }
