@@ -232,7 +232,13 @@ fn mixed_workload(m: &mut CpuModel) -> Vec<Vec<u32>> {
 
 #[test]
 fn one_thread_and_three_threads_agree_bitwise() {
-    for cfg in configs() {
+    // A wider variant too, so that decode steps (not only prefill) are big enough to be
+    // split across the workers.
+    let mut wide = tiny_config(Arch::Qwen2, false, 2);
+    wide.hidden_size = 256;
+    wide.head_dim = 64;
+    wide.intermediate_size = 512;
+    for cfg in configs().into_iter().chain([wide]) {
         let kv = KvConfig {
             block_size: 8,
             num_blocks: 50,
@@ -426,4 +432,17 @@ fn logits_are_finite_and_not_constant() {
         .iter()
         .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
     assert!(hi - lo > 1.0, "logit spread {lo}..{hi}");
+}
+
+#[test]
+fn model_is_send_and_block_bytes_match_the_layout() {
+    fn send<T: Send>() {}
+    send::<CpuModel>();
+    let cfg = tiny_config(Arch::Llama, true, 3);
+    let kv = KvConfig {
+        block_size: 16,
+        num_blocks: 1,
+    };
+    // 16 positions x 3 layers x (K, V) x 2 heads x 16 dims x 4 bytes.
+    assert_eq!(kv.block_bytes(&cfg), 16 * 3 * 2 * 2 * 16 * 4);
 }

@@ -42,6 +42,14 @@ pub struct KvConfig {
     pub num_blocks: usize,
 }
 
+impl KvConfig {
+    /// Bytes of one cache block for `cfg` (every layer's keys and values of `block_size`
+    /// positions), for sizing `num_blocks` from a memory budget.
+    pub fn block_bytes(&self, cfg: &ModelConfig) -> usize {
+        self.block_size * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    }
+}
+
 /// One sequence's part of a step.
 #[derive(Clone, Copy, Debug)]
 pub struct StepItem<'a> {
@@ -389,10 +397,13 @@ impl CpuModel {
                 let group = nh / nkv;
                 let tasks = n * nh;
                 let avx = kernels::use_avx();
-                pool.run(&|part| {
+                let work: usize = toks.iter().map(|t| (t.pos + 1) * nh * hd).sum();
+                let serial = work < SERIAL_MACS;
+                let parts = if serial { 1 } else { threads };
+                let attend = |part: usize| {
                     let mut scores = Vec::new();
                     let mut acc = vec![0f32; hd];
-                    for task in split(tasks, threads, part) {
+                    for task in split(tasks, parts, part) {
                         let (t, head) = (task / nh, task % nh);
                         let ti = toks[t];
                         let blocks = items[ti.item].blocks;
@@ -432,7 +443,12 @@ impl CpuModel {
                             unsafe { *out.at(dst + d) = a };
                         }
                     }
-                });
+                };
+                if serial {
+                    attend(0);
+                } else {
+                    pool.run(&attend);
+                }
             }
 
             par_matmul(
@@ -539,6 +555,10 @@ impl CpuModel {
     }
 }
 
+/// Below this many multiply-adds a product runs on the caller's thread alone: waking the
+/// workers costs more than it saves. (Which thread computes a row never changes its bits.)
+const SERIAL_MACS: usize = 1 << 16;
+
 /// A bias tensor's values.
 fn bias_of(b: &Option<Tensor>) -> Option<&[f32]> {
     b.as_ref().map(|t| &t.data[..])
@@ -549,6 +569,11 @@ fn bias_of(b: &Option<Tensor>) -> Option<&[f32]> {
 /// nothing else touches during the call.
 fn par_matmul(pool: &Pool, jobs: &[MatJob<'_>], x: &[f32], in_dim: usize, n: usize) {
     let total: usize = jobs.iter().map(|j| j.rows).sum();
+    if total * in_dim * n < SERIAL_MACS {
+        // SAFETY: as below, with the caller's thread computing every row.
+        unsafe { kernels::matmul_rows(jobs, x, in_dim, n, 0..total) };
+        return;
+    }
     let parts = pool.threads();
     pool.run(&|part| {
         let rows = split(total, parts, part);
