@@ -317,7 +317,7 @@ impl CpuModel {
             }
         }
 
-        let pool = &self.pool;
+        let pool = &mut self.pool;
         let cache_layer_stride = 2 * nkv * bs * hd;
         let block_stride = cfg.num_layers * cache_layer_stride;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -332,7 +332,7 @@ impl CpuModel {
                 );
             }
             par_matmul(
-                pool,
+                &mut *pool,
                 &[
                     MatJob {
                         w: &lw.q_proj.data,
@@ -452,7 +452,7 @@ impl CpuModel {
             }
 
             par_matmul(
-                pool,
+                &mut *pool,
                 &[MatJob {
                     w: &lw.o_proj.data,
                     rows: h,
@@ -476,7 +476,7 @@ impl CpuModel {
                 );
             }
             par_matmul(
-                pool,
+                &mut *pool,
                 &[
                     MatJob {
                         w: &lw.gate_proj.data,
@@ -499,7 +499,7 @@ impl CpuModel {
             );
             kernels::silu_mul(&mut s.gate, &s.up);
             par_matmul(
-                pool,
+                &mut *pool,
                 &[MatJob {
                     w: &lw.down_proj.data,
                     rows: h,
@@ -538,7 +538,7 @@ impl CpuModel {
         s.logits.resize(m * vocab, 0.0);
         if m > 0 {
             par_matmul(
-                pool,
+                &mut *pool,
                 &[MatJob {
                     w: &self.weights.lm_head().data,
                     rows: vocab,
@@ -567,7 +567,7 @@ fn bias_of(b: &Option<Tensor>) -> Option<&[f32]> {
 /// `out[t][r] = x[t] · w[r]` over the rows of all `jobs`, split across the pool's threads by
 /// output row. Every job's `out` must point at a buffer of `n * out_stride` values that
 /// nothing else touches during the call.
-fn par_matmul(pool: &Pool, jobs: &[MatJob<'_>], x: &[f32], in_dim: usize, n: usize) {
+fn par_matmul(pool: &mut Pool, jobs: &[MatJob<'_>], x: &[f32], in_dim: usize, n: usize) {
     let total: usize = jobs.iter().map(|j| j.rows).sum();
     if total * in_dim * n < SERIAL_MACS {
         // SAFETY: as below, with the caller's thread computing every row.

@@ -93,7 +93,9 @@ impl Pool {
 
     /// Call `f(i)` for every `i in 0..threads()`, concurrently, and wait for all of them.
     /// A panic in any call is re-raised here after all calls have ended.
-    pub(crate) fn run(&self, f: &(dyn Fn(usize) + Sync)) {
+    ///
+    /// `&mut self`: one dispatch at a time, since the shared state holds one job.
+    pub(crate) fn run(&mut self, f: &(dyn Fn(usize) + Sync)) {
         if self.workers.is_empty() {
             f(0);
             return;
@@ -186,7 +188,7 @@ mod tests {
 
     #[test]
     fn every_index_runs_once_per_dispatch() {
-        let pool = Pool::new(3).unwrap();
+        let mut pool = Pool::new(3).unwrap();
         let hits: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
         for _ in 0..100 {
             pool.run(&|i| {
@@ -200,7 +202,7 @@ mod tests {
 
     #[test]
     fn worker_panic_reaches_the_caller_and_the_pool_survives() {
-        let pool = Pool::new(2).unwrap();
+        let mut pool = Pool::new(2).unwrap();
         let r = catch_unwind(AssertUnwindSafe(|| {
             pool.run(&|i| {
                 if i == 1 {
