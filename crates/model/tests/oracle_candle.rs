@@ -5,8 +5,21 @@
 //! in f32; the difference comes from summation order and from libm/vectorized `exp`, and is
 //! ~1e-5 of the logit scale in practice), and the greedy tokens are equal at every step.
 //!
-//! [`compare_with_candle`] takes any `ModelConfig` + `Weights`, so a real checkpoint (for
-//! example SmolLM2 loaded by `bgs_model`'s loader) is checked by loading it and calling it.
+//! [`compare_with_candle`] takes any `ModelConfig` + `Weights`, so a real checkpoint is checked
+//! by loading it and calling it. Once the loader (`bgs_model::load`) is on the same branch:
+//!
+//! ```ignore
+//! #[test]
+//! fn smollm2_gguf_matches_candle() {
+//!     let Ok(path) = std::env::var("BGS_SMOLLM2_GGUF") else { return };
+//!     let ck = bgs_model::load(std::path::Path::new(&path)).unwrap();
+//!     let prompt = [1u32, 28, 1234, 5000, 42, 300, 7, 9999];
+//!     compare_with_candle(&ck.config, &ck.weights, &prompt, 64);
+//! }
+//! ```
+//!
+//! (Run against the loader branch with SmolLM2-135M-Instruct Q4_1: worst relative logit
+//! difference 2.6e-6 over the prompt and 64 greedy steps, all tokens equal.)
 
 mod cpu_common;
 
