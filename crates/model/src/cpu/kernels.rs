@@ -6,8 +6,9 @@
 //! never contracts `a * b + c` into a fused multiply-add on its own, and the explicit AVX
 //! kernels below use separate multiplies and adds lane for lane, so the AVX path and the
 //! portable one produce the same bits: only the number of lanes processed per instruction
-//! differs, not the operations. (FMA would be up to ~1.6x faster at large batches but would
-//! make the bits depend on the CPU; a non-FMA definition is the same on every machine.)
+//! differs, not the operations. (An FMA variant of the batched kernel measured no faster on
+//! the development machine, and would make the bits depend on the CPU; the non-FMA
+//! definition gives the same bits on every machine.)
 
 /// Independent accumulators of one dot product. Sixteen keep two AVX (or four SSE) add
 /// chains per output in flight; the final reduction combines them in a fixed tree.
