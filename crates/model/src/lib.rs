@@ -7,9 +7,11 @@
 //! checkpoints and the CPU forward pass build on these two.
 
 pub mod config;
+pub mod cpu;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};
+pub use cpu::{CpuModel, KvConfig, StepItem};
 pub use weights::{LayerWeights, Tensor, Weights};
 
 pub mod chat;
