@@ -1,8 +1,9 @@
-//! `bgs`: serve, load and demo for bpf-gpu-server.
+//! `bgs`: serve, load, demo, generate and model tools for bpf-gpu-server.
 
 mod affinity;
 mod args;
 mod demo;
+mod llm;
 mod meta;
 mod model;
 mod serve;
@@ -40,6 +41,8 @@ enum Command {
     /// Synthesize or inspect model checkpoints.
     #[command(subcommand)]
     Model(model::ModelCommand),
+    /// Complete one prompt with a model, in process, printing tokens as they are produced.
+    Generate(llm::GenerateArgs),
 }
 
 /// Request kinds the load generator sends.
@@ -239,6 +242,7 @@ fn main() {
         Command::Load(args) => args.check_combinations(&sub).and_then(|()| load(&args)),
         Command::Demo(args) => demo::run(&args),
         Command::Model(cmd) => model::run(&cmd),
+        Command::Generate(args) => llm::generate(&args),
     };
     if let Err(e) = result {
         eprintln!("bgs: error: {e:#}");

@@ -98,10 +98,16 @@ pub struct ServeArgs {
     /// takes no executor, ring or kernel-transport flags).
     #[arg(long)]
     pub floor: bool,
-    /// Largest payload in 32-bit words, 1..=256 (a ring slot's capacity).
-    #[arg(long, default_value_t = bgs_protocol::wire::DEFAULT_MAX_WORDS,
-          value_parser = args::int(1u32, SLOT_WORDS as u32))]
-    pub max_words: u32,
+    /// Largest payload in 32-bit words, 1..=256 (a ring slot's capacity). Default: 64, or
+    /// 256 with `--model` (prompts are payloads of token ids).
+    #[arg(long, value_parser = args::int(1u32, SLOT_WORDS as u32))]
+    pub max_words: Option<u32>,
+    /// Generation: the model and its engine's options.
+    #[command(flatten)]
+    pub generation: crate::llm::ModelArgs,
+    /// With `--model`: the OpenAI-compatible API's address (HOST:PORT or :PORT), or `off`.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub api_listen: String,
     /// Most open connections, 1..=65536.
     #[arg(long, default_value_t = 4096, value_parser = args::int(1usize, MAX_CONNECTIONS))]
     pub max_connections: usize,
@@ -176,6 +182,37 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "completion_slots",
         ]) {
             bail!("{f} does nothing with --floor (floor mode has no ring and no executor)");
+        }
+    }
+    if a.generation.model.is_none()
+        && let Some(f) = any(&[
+            "kv_block_size",
+            "kv_blocks",
+            "max_batched_tokens",
+            "model_threads",
+            "ignore_eos",
+            "api_listen",
+        ])
+    {
+        bail!("{f} applies to generation; it does nothing without --model");
+    }
+    if a.generation.model.is_some() {
+        if a.floor {
+            bail!("--model does nothing with --floor (floor mode has no executor)");
+        }
+        if a.executor == ExecutorKind::Gpu {
+            bail!(
+                "--model runs on the CPU executor for now; GPU generation is not built yet \
+                 (use --executor cpu)"
+            );
+        }
+        if let Some(n) = a.slots
+            && n > crate::llm::MAX_SLOTS
+        {
+            bail!(
+                "--slots {n} with --model: at most {} live sequences",
+                crate::llm::MAX_SLOTS
+            );
         }
     }
     if a.executor == ExecutorKind::Cpu
@@ -271,12 +308,21 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         },
     };
     let framer = FramerConfig {
-        max_words: args.max_words,
+        max_words: max_words(args),
         ..FramerConfig::default()
     };
+    // Load the model before the port accepts anything: a connection is served from the
+    // first moment the port accepts.
+    let model = match &args.generation.model {
+        Some(_) => Some(crate::llm::load(
+            &args.generation,
+            args.slots.unwrap_or(crate::llm::DEFAULT_SLOTS),
+        )?),
+        None => None,
+    };
     match args.transport {
-        TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg),
-        TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg),
+        TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg, model),
+        TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg, model),
     }
 }
 
@@ -320,7 +366,22 @@ fn start_executor(
     waker: Option<bgs_executor::Waker>,
     external_wait: Option<bgs_executor::ExternalWait>,
     shutdown: bgs_transport::ShutdownHandle,
+    model: Option<crate::llm::Loaded>,
 ) -> Result<Executor> {
+    if let Some(m) = model {
+        // One thread runs the generation engine: every live sequence in one batch per step
+        // (one-shot ops are answered inline between steps).
+        let ecfg = CpuExecutorConfig {
+            external_wait,
+            ..CpuExecutorConfig::default()
+        };
+        return Ok(Executor::Cpu(CpuExecutor::start_engines(
+            region.clone(),
+            &ecfg,
+            waker,
+            vec![Box::new(m.engine)],
+        )?));
+    }
     if kind == ExecutorKind::Gpu {
         // A CUDA error stops the server from accepting work instead of leaving it hanging.
         let mut cfg = gpu_cfg.clone();
@@ -344,6 +405,69 @@ fn start_executor(
         &ecfg,
         waker,
     )?))
+}
+
+/// The API's view of a loaded model: its text codec and name.
+type ApiCodec = (Arc<dyn bgs_api::TextCodec>, String);
+
+fn api_codec(model: Option<&crate::llm::Loaded>) -> Option<ApiCodec> {
+    model.map(|m| {
+        (
+            m.codec.clone() as Arc<dyn bgs_api::TextCodec>,
+            m.name.clone(),
+        )
+    })
+}
+
+/// The payload limit: `--max-words`, else 64, or a ring slot's 256 words with a model.
+fn max_words(args: &ServeArgs) -> u32 {
+    args.max_words
+        .unwrap_or(if args.generation.model.is_some() {
+            SLOT_WORDS as u32
+        } else {
+            bgs_protocol::wire::DEFAULT_MAX_WORDS
+        })
+}
+
+/// With `--model` and `--api-listen` not `off`: the OpenAI-compatible API, sending each
+/// request to the binary listener at `binary` (loopback when it listens on all interfaces).
+fn start_api(
+    args: &ServeArgs,
+    binary: SocketAddr,
+    codec: Option<ApiCodec>,
+) -> Result<Option<bgs_api::ApiHandle>> {
+    let (Some(model), Some(codec)) = (&args.generation.model, codec) else {
+        return Ok(None);
+    };
+    if args.api_listen == "off" {
+        return Ok(None);
+    }
+    let listen =
+        args::listen_addr(&args.api_listen).map_err(|e| anyhow::anyhow!("--api-listen: {e}"))?;
+    let mut backend = binary;
+    if backend.ip().is_unspecified() {
+        backend.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let (codec, name) = codec;
+    let cfg = bgs_api::ApiConfig {
+        model: name,
+        backend,
+        max_prompt_tokens: max_words(args) as usize,
+        default_completion_tokens: 16,
+        default_chat_tokens: 512,
+    };
+    let api = bgs_api::spawn(listen, cfg, codec, 2)
+        .with_context(|| format!("starting the API on {listen} (--api-listen)"))?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "bgs: OpenAI-compatible API on http://{} (model {}, from {})",
+        api.addr(),
+        model.display(),
+        backend
+    )?;
+    out.flush()?;
+    Ok(Some(api))
 }
 
 fn announce(addr: SocketAddr, transport: &str, executor: Option<&Executor>) -> Result<()> {
@@ -386,7 +510,9 @@ fn serve_native(
     framer: FramerConfig,
     executor_kind: ExecutorKind,
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
+    mut model: Option<crate::llm::Loaded>,
 ) -> Result<()> {
+    let codec = api_codec(model.as_ref());
     let cfg = NativeConfig {
         listen: args.listen,
         max_connections: args.max_connections,
@@ -430,6 +556,7 @@ fn serve_native(
             Some(transport.waker()),
             None,
             transport.shutdown_handle(),
+            model.take(),
         )?),
         None => None,
     };
@@ -437,7 +564,9 @@ fn serve_native(
         return Ok(());
     }
     announce(transport.local_addr(), "native", executor.as_ref())?;
+    let api = start_api(args, transport.local_addr(), codec)?;
     let stats = transport.run().context("transport failed")?;
+    drop(api);
     stop_executor(executor)?;
     eprintln!("bgs: shut down\n{stats}");
     Ok(())
@@ -448,8 +577,10 @@ fn serve_kernel(
     framer: FramerConfig,
     executor_kind: ExecutorKind,
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
+    model: Option<crate::llm::Loaded>,
 ) -> Result<()> {
     use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
+    let codec = api_codec(model.as_ref());
     // The GPU writes SEND SQEs itself (docs/kernel.md, "GPU-written SENDs"). Both dispatchers
     // publish through the same publish kernel, so `--dispatcher host` sends the same way; and
     // an executor that never sends leaves every reply to the stage, which the turn allows.
@@ -516,6 +647,7 @@ fn serve_kernel(
         transport.waker(),
         Some(transport.executor_wait()?),
         transport.shutdown_handle(),
+        model,
     )?);
     if stopped_during_startup(&stop, &mut executor)? {
         return Ok(());
@@ -527,7 +659,9 @@ fn serve_kernel(
         ReplyKind::ExecutorSqe => "kernel, reply executor-sqe",
     };
     announce(transport.local_addr(), mode, Some(&executor))?;
+    let api = start_api(args, transport.local_addr(), codec)?;
     let stats = transport.run().context("transport failed")?;
+    drop(api);
     let stopped = stop_executor(Some(executor));
     if stopped.is_err() {
         // A GPU that did not stop may still touch the table and the ring: keep them mapped.

@@ -9,19 +9,9 @@ pub struct KvShape {
     pub num_blocks: usize,
 }
 
-/// One sequence's share of a step (mirrors `bgs_model::cpu::StepItem`).
-#[derive(Clone, Copy, Debug)]
-pub struct Item<'a> {
-    /// Input tokens: a prefill chunk, or the one token a decoder feeds back.
-    pub tokens: &'a [u32],
-    /// Position of `tokens[0]`; positions `[0, pos)` are already in the blocks.
-    pub pos: usize,
-    /// The sequence's block table: block `i` holds positions `[i * block_size, (i + 1) *
-    /// block_size)`; it covers at least `pos + tokens.len()` positions.
-    pub blocks: &'a [u32],
-    /// Sample the greedy next token after the last input token into `next[i]`.
-    pub sample: bool,
-}
+/// One sequence's share of a step: the forward pass's own item type (input tokens, the
+/// position of the first, the block table covering them, whether to sample after the last).
+pub use bgs_model::cpu::StepItem as Item;
 
 /// A model the engine can drive.
 ///
@@ -41,4 +31,30 @@ pub trait StepModel: Send {
     /// Write the K/V of every item's tokens into its blocks; for items with `sample`, put the
     /// greedy next token in `next[i]` (`next.len() == items.len()`).
     fn step(&mut self, items: &[Item<'_>], next: &mut [u32]) -> Result<(), String>;
+}
+
+impl StepModel for bgs_model::cpu::CpuModel {
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size
+    }
+
+    fn eos_ids(&self) -> &[u32] {
+        &self.config().eos_token_ids
+    }
+
+    fn max_positions(&self) -> usize {
+        self.config().max_position_embeddings
+    }
+
+    fn kv(&self) -> KvShape {
+        let k = self.kv_config();
+        KvShape {
+            block_size: k.block_size,
+            num_blocks: k.num_blocks,
+        }
+    }
+
+    fn step(&mut self, items: &[Item<'_>], next: &mut [u32]) -> Result<(), String> {
+        bgs_model::cpu::CpuModel::step(self, items, next)
+    }
 }

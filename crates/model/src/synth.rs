@@ -4,7 +4,7 @@
 //! Weights are normal-ish (an Irwin-Hall sum of four uniforms from a splitmix64 stream per
 //! tensor, seeded by the seed and the tensor's name): projections with std `1/sqrt(fan_in)`
 //! so activations keep their scale through a layer, norms `1 ± 0.1`, biases std 0.1,
-//! embeddings std 1.
+//! embeddings std 0.1 (small next to what a layer adds, so tied models do not echo).
 
 use std::path::Path;
 
@@ -334,7 +334,9 @@ pub fn synth_weights(arch: SynthArch, seed: u64, dtype: DType) -> (ModelConfig, 
         all
     });
     let w = Weights {
-        embed: random_tensor("model.embed_tokens.weight", &[v, h], seed, 0.0, 1.0, dtype),
+        // Small next to what a layer adds (as in trained models): with tied embeddings a
+        // large embedding would make every token predict itself.
+        embed: random_tensor("model.embed_tokens.weight", &[v, h], seed, 0.0, 0.1, dtype),
         layers,
         final_norm: norm("model.norm.weight"),
         lm_head: (!c.tie_word_embeddings).then(|| mat("lm_head.weight", v, h)),
