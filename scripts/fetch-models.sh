@@ -9,6 +9,7 @@ dir="${1:-target/models}"
 mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
 pkgs="$dir/pip"
+mkdir -p "$pkgs"
 
 find_one() { find "$pkgs" -name "$1" -path "*$2*" 2>/dev/null | head -n 1; }
 

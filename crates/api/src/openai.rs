@@ -617,6 +617,7 @@ async fn run(st: Arc<State>, job: Job, kind: Kind) -> Result<Response, ApiError>
         .await
         .map_err(|e| ApiError::from_backend(&e))?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<SseEvent>(16);
+    let usage_id = id.clone();
     let chunk = move |text: Option<&str>, reason: Option<&str>, first: bool| -> SseEvent {
         let body = match kind {
             Kind::Completion => json!({
@@ -674,7 +675,7 @@ async fn run(st: Arc<State>, job: Job, kind: Kind) -> Result<Response, ApiError>
         }
         if include_usage {
             let u = json!({
-                "id": format!("usage-{prompt_tokens}"), "object": match kind {
+                "id": usage_id, "object": match kind {
                     Kind::Completion => "text_completion",
                     Kind::Chat => "chat.completion.chunk",
                 },

@@ -358,16 +358,26 @@ fn stopped_during_startup(stop: &AtomicBool, executor: &mut Option<Executor>) ->
     Ok(true)
 }
 
+/// How the transport wakes and stops the executor.
+struct TransportHooks {
+    waker: Option<bgs_executor::Waker>,
+    external_wait: Option<bgs_executor::ExternalWait>,
+    shutdown: bgs_transport::ShutdownHandle,
+}
+
 fn start_executor(
     args: &ServeArgs,
     kind: ExecutorKind,
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
     region: &Arc<RingRegion>,
-    waker: Option<bgs_executor::Waker>,
-    external_wait: Option<bgs_executor::ExternalWait>,
-    shutdown: bgs_transport::ShutdownHandle,
+    hooks: TransportHooks,
     model: Option<crate::llm::Loaded>,
 ) -> Result<Executor> {
+    let TransportHooks {
+        waker,
+        external_wait,
+        shutdown,
+    } = hooks;
     if let Some(m) = model {
         // One thread runs the generation engine: every live sequence in one batch per step
         // (one-shot ops are answered inline between steps).
@@ -470,8 +480,17 @@ fn start_api(
     Ok(Some(api))
 }
 
-fn announce(addr: SocketAddr, transport: &str, executor: Option<&Executor>) -> Result<()> {
+fn announce(
+    args: &ServeArgs,
+    addr: SocketAddr,
+    transport: &str,
+    executor: Option<&Executor>,
+) -> Result<()> {
     let what = match executor {
+        Some(Executor::Cpu(_)) if args.generation.model.is_some() => format!(
+            "executor cpu, generation: {} live sequences",
+            args.slots.unwrap_or(crate::llm::DEFAULT_SLOTS)
+        ),
         Some(Executor::Cpu(e)) => format!("executor cpu, {} slots", e.slots()),
         Some(Executor::Gpu(e)) => format!("executor gpu, {} slots", e.slots()),
         None => "floor mode (echo answered by the transport)".into(),
@@ -553,9 +572,11 @@ fn serve_native(
             executor_kind,
             gpu_cfg,
             region,
-            Some(transport.waker()),
-            None,
-            transport.shutdown_handle(),
+            TransportHooks {
+                waker: Some(transport.waker()),
+                external_wait: None,
+                shutdown: transport.shutdown_handle(),
+            },
             model.take(),
         )?),
         None => None,
@@ -563,7 +584,7 @@ fn serve_native(
     if stopped_during_startup(&stop, &mut executor)? {
         return Ok(());
     }
-    announce(transport.local_addr(), "native", executor.as_ref())?;
+    announce(args, transport.local_addr(), "native", executor.as_ref())?;
     let api = start_api(args, transport.local_addr(), codec)?;
     let stats = transport.run().context("transport failed")?;
     drop(api);
@@ -644,9 +665,11 @@ fn serve_kernel(
         executor_kind,
         &gpu_cfg,
         &region,
-        transport.waker(),
-        Some(transport.executor_wait()?),
-        transport.shutdown_handle(),
+        TransportHooks {
+            waker: transport.waker(),
+            external_wait: Some(transport.executor_wait()?),
+            shutdown: transport.shutdown_handle(),
+        },
         model,
     )?);
     if stopped_during_startup(&stop, &mut executor)? {
@@ -658,7 +681,7 @@ fn serve_kernel(
         ReplyKind::ExecutorSqe if gpu_sends => "kernel, reply executor-sqe, GPU-written sends",
         ReplyKind::ExecutorSqe => "kernel, reply executor-sqe",
     };
-    announce(transport.local_addr(), mode, Some(&executor))?;
+    announce(args, transport.local_addr(), mode, Some(&executor))?;
     let api = start_api(args, transport.local_addr(), codec)?;
     let stats = transport.run().context("transport failed")?;
     drop(api);

@@ -100,4 +100,11 @@ pub trait Engine: Send {
         let _ = stream;
         None
     }
+
+    /// Resources held for live streams, in the engine's own unit (KV-cache blocks for
+    /// generation; 0 for engines that hold nothing between steps). The executor publishes
+    /// the sum as a gauge, so that operators and tests see what a cancel frees.
+    fn held_blocks(&self) -> usize {
+        0
+    }
 }

@@ -120,6 +120,9 @@ pub struct ExecutorStats {
     pub credit_refusals: AtomicU64,
     /// Streams an engine dropped without a final frame, answered `Internal` by the executor.
     pub lost_streams: AtomicU64,
+    /// Gauge: resources the engines hold for live streams (KV-cache blocks for generation),
+    /// updated after every step and cancel.
+    pub held_blocks: AtomicU64,
 }
 
 /// What all threads share.
@@ -377,6 +380,8 @@ struct Worker {
     external_wait: Option<ExternalWait>,
     /// A frame found the completion ring full in this round.
     ring_full: bool,
+    /// This engine's share of `ExecutorStats::held_blocks`.
+    held: u64,
     /// What this thread last stored in its `PerThread::room`.
     room: bool,
     /// The safety net found fewer live streams than owed but could not tell which: logged
@@ -431,6 +436,7 @@ impl Worker {
             external_wait: cfg.external_wait.clone(),
             room: true,
             ring_full: false,
+            held: 0,
             lost_unidentified: false,
         }
     }
@@ -457,11 +463,26 @@ impl Worker {
                 };
                 busy |= self.engine.step(&mut sink) == Progress::Working;
                 self.check_lost();
+                self.sync_held();
             }
             self.sync_room();
             if !busy {
                 self.idle();
             }
+        }
+    }
+
+    /// Publish the change of this engine's held resources into the shared gauge.
+    fn sync_held(&mut self) {
+        let now = self.engine.held_blocks() as u64;
+        if now != self.held {
+            let g = &self.shared.stats.held_blocks;
+            if now > self.held {
+                g.fetch_add(now - self.held, Ordering::Relaxed);
+            } else {
+                g.fetch_sub(self.held - now, Ordering::Relaxed);
+            }
+            self.held = now;
         }
     }
 
@@ -636,6 +657,7 @@ impl Worker {
     fn cancel_local(&mut self, conn: u64) {
         if self.open > 0 {
             self.engine.cancel(conn);
+            self.sync_held();
         }
         if self.backlog.iter().any(|j| j.conn == conn) {
             let mut kept = VecDeque::with_capacity(self.backlog.len());

@@ -586,6 +586,10 @@ impl<M: StepModel> Engine for GenerationEngine<M> {
         self.seqs.len() + self.oneshots.len()
     }
 
+    fn held_blocks(&self) -> usize {
+        self.kv.used_blocks()
+    }
+
     fn holds(&self, stream: StreamId) -> Option<bool> {
         Some(
             self.seqs.iter().any(|s| s.stream == stream)

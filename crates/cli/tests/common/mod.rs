@@ -15,6 +15,23 @@ pub struct Server {
 impl Server {
     /// Start `bgs serve --listen 127.0.0.1:0 EXTRA...` and wait for its address line.
     pub fn start(extra: &[&str]) -> Server {
+        Server::start_reading(extra, 0).0
+    }
+
+    /// As [`Server::start`], with `--model` and `--api-listen 127.0.0.1:0` in `extra`: also
+    /// waits for the API's address line and returns that address.
+    pub fn start_with_api(extra: &[&str]) -> (Server, SocketAddr) {
+        let (server, lines) = Server::start_reading(extra, 1);
+        let api = lines[0]
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("http://"))
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no API address in {:?}", lines[0]));
+        (server, api)
+    }
+
+    /// Start the server and read `more` stdout lines after the address line.
+    fn start_reading(extra: &[&str], more: usize) -> (Server, Vec<String>) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_bgs"))
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(extra)
@@ -23,20 +40,26 @@ impl Server {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn bgs serve");
-        let stdout = child.stdout.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("read address line");
+        stdout.read_line(&mut line).expect("read address line");
         let addr = line
             .split_whitespace()
             .nth(3)
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("no address in {line:?}"));
-        Server {
+        let lines = (0..more)
+            .map(|_| {
+                let mut l = String::new();
+                stdout.read_line(&mut l).expect("read stdout line");
+                l
+            })
+            .collect();
+        let server = Server {
             child: Some(child),
             addr,
-        }
+        };
+        (server, lines)
     }
 
     pub fn pid(&self) -> u32 {
