@@ -18,7 +18,7 @@
 //! counters are never shared between threads.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -142,9 +142,50 @@ struct PerThread {
     room: AtomicBool,
     /// `conns` has entries.
     pending: AtomicBool,
+    /// Requests this thread holds that still owe a final frame (`Worker::open`), published
+    /// when it changes, after intake and after each step, for [`SlotUsage`].
+    open: AtomicUsize,
     /// Cancel markers popped by other threads (a connection's streams may live in any
     /// thread's engine).
     conns: Mutex<Vec<u64>>,
+}
+
+/// Reads how busy the executor's threads are, from any thread. Values are published by each
+/// thread after it takes requests and after each step, so they lag by at most one step.
+#[derive(Clone)]
+pub struct SlotUsage(Arc<Shared>);
+
+impl std::fmt::Debug for SlotUsage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotUsage")
+            .field("threads", &self.0.threads.len())
+            .finish()
+    }
+}
+
+impl SlotUsage {
+    /// Threads (slots) holding at least one request that still owes a final frame.
+    pub fn busy_slots(&self) -> usize {
+        self.0
+            .threads
+            .iter()
+            .filter(|t| t.open.load(Ordering::Relaxed) > 0)
+            .count()
+    }
+
+    /// Requests (one-shot or streamed) held by all threads that still owe a final frame.
+    pub fn live(&self) -> usize {
+        self.0
+            .threads
+            .iter()
+            .map(|t| t.open.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Threads (slots).
+    pub fn slots(&self) -> usize {
+        self.0.threads.len()
+    }
 }
 
 /// The embedded CPU executor.
@@ -240,6 +281,11 @@ impl CpuExecutor {
     /// Counters.
     pub fn stats(&self) -> &Arc<ExecutorStats> {
         &self.shared.stats
+    }
+
+    /// A reader of slot use for other threads (a metrics scrape).
+    pub fn slot_usage(&self) -> SlotUsage {
+        SlotUsage(self.shared.clone())
     }
 
     /// Number of threads (slots, or engines).
@@ -379,6 +425,8 @@ struct Worker {
     ring_full: bool,
     /// What this thread last stored in its `PerThread::room`.
     room: bool,
+    /// What this thread last stored in its `PerThread::open`.
+    open_published: usize,
     /// The safety net found fewer live streams than owed but could not tell which: logged
     /// once per episode.
     lost_unidentified: bool,
@@ -430,6 +478,7 @@ impl Worker {
             credit_poll: cfg.credit_poll,
             external_wait: cfg.external_wait.clone(),
             room: true,
+            open_published: 0,
             ring_full: false,
             lost_unidentified: false,
         }
@@ -442,6 +491,7 @@ impl Worker {
             self.ring_full = false;
             let mut busy = self.intake();
             busy |= self.flush_owed();
+            self.publish_open();
             if self.open > 0 {
                 let mut sink = Sink {
                     region: &self.shared.region,
@@ -470,8 +520,19 @@ impl Worker {
         !self.free.is_empty() && self.engine.live() < self.engine.capacity()
     }
 
+    /// Keep this thread's `PerThread::open` up to date (a plain store, only on changes).
+    fn publish_open(&mut self) {
+        if self.open != self.open_published {
+            self.open_published = self.open;
+            self.shared.threads[self.t]
+                .open
+                .store(self.open, Ordering::Relaxed);
+        }
+    }
+
     /// Keep this thread's `PerThread::room` up to date (stored only when it changes).
     fn sync_room(&mut self) {
+        self.publish_open();
         let room = self.can_admit();
         if room != self.room {
             self.room = room;

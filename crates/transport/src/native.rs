@@ -22,7 +22,7 @@ use rustix::net::SocketFlags;
 use slab::Slab;
 
 use crate::conn::{ConnLimits, ConnState, RequestSink, Submit};
-use crate::stats::TransportStats;
+use crate::stats::{RequestMetrics, TransportStats};
 
 const LISTENER: u64 = u64::MAX;
 const DOORBELL: u64 = u64::MAX - 1;
@@ -121,6 +121,7 @@ pub struct NativeTransport {
     lingering: usize,
     last_sweep: Instant,
     stats: TransportStats,
+    metrics: Arc<RequestMetrics>,
     scratch: Vec<u8>,
 }
 
@@ -188,12 +189,18 @@ impl NativeTransport {
             lingering: 0,
             last_sweep: Instant::now(),
             stats: TransportStats::default(),
+            metrics: Arc::default(),
         })
     }
 
     /// The address actually bound (useful with port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Counters a scrape reads while the transport runs.
+    pub fn metrics(&self) -> Arc<RequestMetrics> {
+        self.metrics.clone()
     }
 
     /// A handle that stops [`run`](Self::run).
@@ -343,10 +350,13 @@ impl NativeTransport {
             {
                 continue;
             }
+            let mut state = ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits);
+            state.set_metrics(self.metrics.clone());
+            self.metrics.conn_opened();
             entry.insert(Conn {
                 stream,
                 generation,
-                state: ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits),
+                state,
                 rbuf: Vec::new(),
                 registered: (true, false),
                 eof: false,
@@ -581,6 +591,7 @@ impl NativeTransport {
             self.outstanding -= conn.state.queued();
             let _ = epoll::delete(&self.epoll, &conn.stream);
             self.stats.conns_closed += 1;
+            self.metrics.conn_closed();
             drop(conn);
         }
     }
@@ -674,5 +685,9 @@ impl RequestSink for RingSink<'_> {
             Ok(()) => Submit::Queued,
             Err(_) => Submit::Busy,
         }
+    }
+
+    fn arrival_ns(&self) -> u64 {
+        self.now_ns
     }
 }

@@ -661,6 +661,13 @@ impl KernelTransport {
         self.rx.region()
     }
 
+    /// A reader of BPF's counters (a per-CPU map lookup) for other threads, e.g. a metrics
+    /// scrape; it keeps the maps alive.
+    pub fn bpf_counters(&self) -> Arc<dyn Fn() -> bgs_bpf::KernelCounters + Send + Sync> {
+        let rx = self.rx.clone();
+        Arc::new(move || rx.counters())
+    }
+
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
