@@ -15,6 +15,7 @@
 //! one thread, and only while a probe or scrape is being answered.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use axum::http::{StatusCode, header};
@@ -71,12 +72,14 @@ struct Readiness {
     waiting: Vec<&'static str>,
     /// Components declared so far (a component reported up before it was expected counts).
     up: Vec<&'static str>,
-    stopping: bool,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     ready: Mutex<Readiness>,
+    /// Shutdown began. An atomic so that a signal handler can set it
+    /// ([`Admin::stopping_flag`]).
+    stopping: Arc<AtomicBool>,
     sources: Mutex<Sources>,
 }
 
@@ -119,13 +122,19 @@ impl Admin {
 
     /// Shutdown began: not ready from now on.
     pub fn stopping(&self) {
-        lock(&self.inner.ready).stopping = true;
+        self.inner.stopping.store(true, Ordering::Relaxed);
+    }
+
+    /// The flag [`stopping`](Self::stopping) sets, for a signal handler to set directly
+    /// (`signal_hook::flag::register`).
+    pub fn stopping_flag(&self) -> Arc<AtomicBool> {
+        self.inner.stopping.clone()
     }
 
     /// `Ok` when ready, else the one-line reason.
     pub fn readiness(&self) -> Result<(), String> {
         let r = lock(&self.inner.ready);
-        if r.stopping {
+        if self.inner.stopping.load(Ordering::Relaxed) {
             Err("shutting down".into())
         } else if !r.waiting.is_empty() {
             Err(format!("starting: waiting for {}", r.waiting.join(", ")))
@@ -526,24 +535,92 @@ fn encode_bpf(enc: &mut DescriptorEncoder<'_>, c: &bgs_bpf::KernelCounters) -> s
         i64::try_from(c.conns_opened.saturating_sub(c.conns_closed)).unwrap_or(i64::MAX),
     )?;
     let rows: [(&str, &str, u64); 18] = [
-        ("bgs_bpf_frames", "Items BPF framed (requests and rejections)", c.frames),
-        ("bgs_bpf_requests", "Valid requests BPF published into the request ring", c.requests),
-        ("bgs_bpf_rejects", "Rejections BPF published into the request ring", c.rejects),
-        ("bgs_bpf_rejects_direct", "Rejections BPF answered straight into the completion ring (request ring full)", c.rejects_direct),
-        ("bgs_bpf_busy", "Busy replies BPF published (request ring full)", c.busy),
-        ("bgs_bpf_completion_ring_full", "Items lost because both rings were full (connection failed)", c.completion_ring_full),
-        ("bgs_bpf_connections_opened", "Connections that entered the sockhash", c.conns_opened),
-        ("bgs_bpf_connections_closed", "Connections whose BPF state was removed at TCP_CLOSE", c.conns_closed),
-        ("bgs_bpf_connections_refused", "Connections refused (state map or sockhash full)", c.conns_refused),
-        ("bgs_bpf_eof_markers", "EOF markers published", c.eof_markers),
-        ("bgs_bpf_reset_markers", "RESET markers published", c.reset_markers),
-        ("bgs_bpf_bytes", "Bytes seen by the verdict program", c.bytes),
-        ("bgs_bpf_dropped_bytes", "Bytes dropped after a closing item or a failure", c.dropped_bytes),
-        ("bgs_bpf_no_state", "skbs of sockets without state (forgotten connections)", c.no_state),
+        (
+            "bgs_bpf_frames",
+            "Items BPF framed (requests and rejections)",
+            c.frames,
+        ),
+        (
+            "bgs_bpf_requests",
+            "Valid requests BPF published into the request ring",
+            c.requests,
+        ),
+        (
+            "bgs_bpf_rejects",
+            "Rejections BPF published into the request ring",
+            c.rejects,
+        ),
+        (
+            "bgs_bpf_rejects_direct",
+            "Rejections BPF answered straight into the completion ring (request ring full)",
+            c.rejects_direct,
+        ),
+        (
+            "bgs_bpf_busy",
+            "Busy replies BPF published (request ring full)",
+            c.busy,
+        ),
+        (
+            "bgs_bpf_completion_ring_full",
+            "Items lost because both rings were full (connection failed)",
+            c.completion_ring_full,
+        ),
+        (
+            "bgs_bpf_connections_opened",
+            "Connections that entered the sockhash",
+            c.conns_opened,
+        ),
+        (
+            "bgs_bpf_connections_closed",
+            "Connections whose BPF state was removed at TCP_CLOSE",
+            c.conns_closed,
+        ),
+        (
+            "bgs_bpf_connections_refused",
+            "Connections refused (state map or sockhash full)",
+            c.conns_refused,
+        ),
+        (
+            "bgs_bpf_eof_markers",
+            "EOF markers published",
+            c.eof_markers,
+        ),
+        (
+            "bgs_bpf_reset_markers",
+            "RESET markers published",
+            c.reset_markers,
+        ),
+        (
+            "bgs_bpf_bytes",
+            "Bytes seen by the verdict program",
+            c.bytes,
+        ),
+        (
+            "bgs_bpf_dropped_bytes",
+            "Bytes dropped after a closing item or a failure",
+            c.dropped_bytes,
+        ),
+        (
+            "bgs_bpf_no_state",
+            "skbs of sockets without state (forgotten connections)",
+            c.no_state,
+        ),
         ("bgs_bpf_doorbells", "Doorbell records written", c.doorbells),
-        ("bgs_bpf_marker_failed", "EOF/RESET markers that found the completion ring full", c.marker_failed),
-        ("bgs_bpf_claim_contended", "Ring claims that gave up after many lost CAS races", c.claim_contended),
-        ("bgs_bpf_internal", "BPF helper failures (should stay 0)", c.internal),
+        (
+            "bgs_bpf_marker_failed",
+            "EOF/RESET markers that found the completion ring full",
+            c.marker_failed,
+        ),
+        (
+            "bgs_bpf_claim_contended",
+            "Ring claims that gave up after many lost CAS races",
+            c.claim_contended,
+        ),
+        (
+            "bgs_bpf_internal",
+            "BPF helper failures (should stay 0)",
+            c.internal,
+        ),
     ];
     for (name, help, v) in rows {
         counter(enc, name, help, &one(v))?;
@@ -601,10 +678,7 @@ mod tests {
     #[test]
     fn readiness_goes_starting_ready_stopping() {
         let a = Admin::new();
-        assert_eq!(
-            a.readiness().unwrap_err(),
-            "starting: nothing declared yet"
-        );
+        assert_eq!(a.readiness().unwrap_err(), "starting: nothing declared yet");
         a.expect(&["transport", "executor"]);
         assert_eq!(
             a.readiness().unwrap_err(),
@@ -651,7 +725,10 @@ mod tests {
         assert!(text.contains("bgs_requests_total{op=\"other\",status=\"unknown_op\"} 1\n"));
         assert!(text.contains("# TYPE bgs_request_duration_seconds histogram\n"));
         assert!(text.contains("bgs_request_duration_seconds_count 3\n"));
-        assert!(text.contains("bgs_request_duration_seconds_bucket{le=\"0.00001\"} 1\n"), "{text}");
+        assert!(
+            text.contains("bgs_request_duration_seconds_bucket{le=\"0.00001\"} 1\n"),
+            "{text}"
+        );
         assert!(text.contains("bgs_request_duration_seconds_bucket{le=\"0.00005\"} 2\n"));
         assert!(text.contains("bgs_request_duration_seconds_bucket{le=\"+Inf\"} 3\n"));
         assert!(text.contains("bgs_connections_open 1\n"));

@@ -1,5 +1,6 @@
 //! `bgs`: serve, load and demo for bpf-gpu-server.
 
+mod admin;
 mod affinity;
 mod demo;
 mod meta;

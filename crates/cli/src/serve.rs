@@ -13,6 +13,8 @@ use bgs_transport::conn::ConnLimits;
 use bgs_transport::{NativeConfig, NativeTransport};
 use clap::ValueEnum;
 
+use crate::admin::{self, AdminHook};
+
 /// Transports.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum TransportKind {
@@ -134,6 +136,14 @@ pub struct ServeArgs {
     /// Longest epoll wait while requests are outstanding, in microseconds.
     #[arg(long, default_value_t = 100)]
     pub poll_us: u64,
+    /// Serve `/healthz`, `/readyz` and `/metrics` (Prometheus) over HTTP on this address
+    /// (off by default; see docs/operations.md).
+    #[arg(long)]
+    pub admin_listen: Option<SocketAddr>,
+    /// On SIGINT/SIGTERM, make `/readyz` answer 503 at once but keep serving this many
+    /// seconds before stopping, so that a load balancer takes the server out first.
+    #[arg(long, default_value_t = 0.0)]
+    pub shutdown_grace: f64,
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
@@ -163,6 +173,20 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.slots == Some(0) {
         bail!("--slots must be at least 1");
     }
+    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
+        bail!(
+            "--shutdown-grace must be a number of seconds, 0 or more (got {})",
+            args.shutdown_grace
+        );
+    }
+    let admin = AdminHook::start(
+        args.admin_listen,
+        match (args.transport, args.floor) {
+            (TransportKind::Kernel, _) => &[admin::BPF, admin::TRANSPORT, admin::EXECUTOR],
+            (TransportKind::Native, true) => &[admin::TRANSPORT],
+            (TransportKind::Native, false) => &[admin::TRANSPORT, admin::EXECUTOR],
+        },
+    )?;
     let gpu_cfg = bgs_executor_gpu::GpuExecutorConfig {
         slots: args.slots.unwrap_or(16),
         dispatcher: match args.dispatcher {
@@ -193,8 +217,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         ..FramerConfig::default()
     };
     match args.transport {
-        TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg),
-        TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg),
+        TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg, &admin),
+        TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg, &admin),
     }
 }
 
@@ -206,12 +230,26 @@ fn stats_every(args: &ServeArgs) -> Result<Option<Duration>> {
     }
 }
 
-fn install_signals(shutdown: &bgs_transport::ShutdownHandle) -> Result<()> {
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::low_level::pipe::register(sig, shutdown.signal_pipe()?)
-            .context("installing signal handlers")?;
+fn install_signals(
+    shutdown: &bgs_transport::ShutdownHandle,
+    admin: &AdminHook,
+    args: &ServeArgs,
+) -> Result<()> {
+    admin.install_signals(shutdown, Duration::from_secs_f64(args.shutdown_grace))
+}
+
+/// The executor is up: hand its counters to the admin endpoints.
+fn admin_executor(admin: &AdminHook, executor: Option<&Executor>) {
+    match executor {
+        Some(Executor::Cpu(e)) => admin.sources(|s| {
+            s.executor = Some(e.stats().clone());
+            s.slots = Some(e.slot_usage());
+            s.slot_count = Some(e.slots());
+        }),
+        Some(Executor::Gpu(e)) => admin.sources(|s| s.slot_count = Some(e.slots())),
+        None => {}
     }
-    Ok(())
+    admin.up(admin::EXECUTOR);
 }
 
 fn start_executor(
@@ -288,6 +326,7 @@ fn serve_native(
     framer: FramerConfig,
     executor_kind: ExecutorKind,
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
+    admin: &AdminHook,
 ) -> Result<()> {
     let cfg = NativeConfig {
         listen: args.listen,
@@ -319,7 +358,9 @@ fn serve_native(
     };
     let transport = NativeTransport::bind(cfg, region.clone())
         .with_context(|| format!("binding {}", args.listen))?;
-    install_signals(&transport.shutdown_handle())?;
+    install_signals(&transport.shutdown_handle(), admin, args)?;
+    admin.sources(|s| (s.rings, s.requests) = (region.clone(), Some(transport.metrics())));
+    admin.up(admin::TRANSPORT);
     let executor = match &region {
         Some(region) => Some(start_executor(
             args,
@@ -332,8 +373,11 @@ fn serve_native(
         )?),
         None => None,
     };
+    admin_executor(admin, executor.as_ref());
     announce(transport.local_addr(), "native", executor.as_ref())?;
-    let stats = transport.run().context("transport failed")?;
+    let stats = transport.run().context("transport failed");
+    admin.stopping();
+    let stats = stats?;
     stop_executor(executor)?;
     eprintln!("bgs: shut down\n{stats}");
     Ok(())
@@ -344,6 +388,7 @@ fn serve_kernel(
     framer: FramerConfig,
     executor_kind: ExecutorKind,
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
+    admin: &AdminHook,
 ) -> Result<()> {
     use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
     if args.floor {
@@ -385,8 +430,11 @@ fn serve_kernel(
             args.listen
         )
     })?;
-    install_signals(&transport.shutdown_handle())?;
+    install_signals(&transport.shutdown_handle(), admin, args)?;
     let region = transport.region();
+    admin.sources(|s| (s.rings, s.bpf) = (Some(region.clone()), Some(transport.bpf_counters())));
+    admin.up(admin::BPF);
+    admin.up(admin::TRANSPORT);
     // The GPU holds raw addresses into the send table and its io_uring ring: they must live
     // until the executor has stopped, after `run` consumed the transport.
     let gpu_tx_owner = transport.gpu_tx_owner();
@@ -406,8 +454,11 @@ fn serve_kernel(
         ReplyKind::ExecutorSqe if gpu_sends => "kernel, reply executor-sqe, GPU-written sends",
         ReplyKind::ExecutorSqe => "kernel, reply executor-sqe",
     };
+    admin_executor(admin, Some(&executor));
     announce(transport.local_addr(), mode, Some(&executor))?;
-    let stats = transport.run().context("transport failed")?;
+    let stats = transport.run().context("transport failed");
+    admin.stopping();
+    let stats = stats?;
     let stopped = stop_executor(Some(executor));
     if stopped.is_err() {
         // A GPU that did not stop may still touch the table and the ring: keep them mapped.

@@ -350,7 +350,8 @@ impl NativeTransport {
             {
                 continue;
             }
-            let mut state = ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits);
+            let mut state =
+                ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits);
             state.set_metrics(self.metrics.clone());
             self.metrics.conn_opened();
             entry.insert(Conn {
