@@ -51,6 +51,8 @@ pub struct Sources {
     pub slot_count: Option<usize>,
     /// BPF counters (kernel transport).
     pub bpf: Option<BpfReader>,
+    /// Open connections, where the transport has no [`RequestMetrics`] (kernel transport).
+    pub open_connections: Option<Arc<dyn Fn() -> usize + Send + Sync>>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -62,6 +64,7 @@ impl std::fmt::Debug for Sources {
             .field("slots", &self.slots)
             .field("slot_count", &self.slot_count)
             .field("bpf", &self.bpf.is_some())
+            .field("open_connections", &self.open_connections.is_some())
             .finish()
     }
 }
@@ -382,6 +385,14 @@ impl Collector for Scrape {
         if let Some(e) = &s.executor {
             encode_executor(&mut enc, e)?;
         }
+        if let Some(open) = &s.open_connections {
+            gauge(
+                &mut enc,
+                "bgs_connections_open",
+                "Client connections open now",
+                as_i64(open()),
+            )?;
+        }
         if let Some(read) = &s.bpf {
             encode_bpf(&mut enc, &read())?;
         }
@@ -501,22 +512,22 @@ fn encode_executor(enc: &mut DescriptorEncoder<'_>, e: &ExecutorStats) -> std::f
             e.sleeps.load(Relaxed),
         ),
         (
-            "bgs_generation_streams",
-            "Requests admitted into a generation engine (streams started)",
+            "bgs_executor_streams",
+            "Requests admitted into an engine (adapters run as engines too, so every request counts; for generate: streams started)",
             e.streams.load(Relaxed),
         ),
         (
-            "bgs_generation_cancels",
+            "bgs_executor_cancels",
             "Cancel markers taken from the request ring (client went away)",
             e.cancels.load(Relaxed),
         ),
         (
-            "bgs_generation_credit_refusals",
+            "bgs_executor_credit_refusals",
             "Streamed frames held back because their stream had no credit left",
             e.credit_refusals.load(Relaxed),
         ),
         (
-            "bgs_generation_lost_streams",
+            "bgs_executor_lost_streams",
             "Streams an engine dropped without a final frame (answered internal)",
             e.lost_streams.load(Relaxed),
         ),
@@ -528,12 +539,6 @@ fn encode_executor(enc: &mut DescriptorEncoder<'_>, e: &ExecutorStats) -> std::f
 }
 
 fn encode_bpf(enc: &mut DescriptorEncoder<'_>, c: &bgs_bpf::KernelCounters) -> std::fmt::Result {
-    gauge(
-        enc,
-        "bgs_connections_open",
-        "Client connections open now (BPF sockhash: opened - closed)",
-        i64::try_from(c.conns_opened.saturating_sub(c.conns_closed)).unwrap_or(i64::MAX),
-    )?;
     let rows: [(&str, &str, u64); 18] = [
         (
             "bgs_bpf_frames",

@@ -432,7 +432,11 @@ fn serve_kernel(
     })?;
     install_signals(&transport.shutdown_handle(), admin, args)?;
     let region = transport.region();
-    admin.sources(|s| (s.rings, s.bpf) = (Some(region.clone()), Some(transport.bpf_counters())));
+    admin.sources(|s| {
+        s.rings = Some(region.clone());
+        s.bpf = Some(transport.bpf_counters());
+        s.open_connections = Some(transport.open_connections());
+    });
     admin.up(admin::BPF);
     admin.up(admin::TRANSPORT);
     // The GPU holds raw addresses into the send table and its io_uring ring: they must live
