@@ -532,7 +532,7 @@ fn parse(text: &str) -> Result<Exposition, String> {
         if fam.ty == "histogram" && suffix == "_bucket" && !labels.contains_key("le") {
             return Err(format!("bucket without le: {line:?}"));
         }
-        if fam.ty == "counter" && !(value >= 0.0) {
+        if fam.ty == "counter" && (value.is_nan() || value < 0.0) {
             return Err(format!("negative or NaN counter: {line:?}"));
         }
         if !seen_samples.insert(format!("{name}{labels:?}")) {
