@@ -13,6 +13,10 @@ use bgs_admin::{Admin, AdminServer, Sources};
 pub const TRANSPORT: &str = "transport";
 pub const EXECUTOR: &str = "executor";
 pub const BPF: &str = "bpf";
+/// For `--model`: declare it with [`AdminHook::expect`] before loading, report it
+/// [`AdminHook::up`] once loaded.
+#[allow(dead_code)] // Used once the serve path loads a model.
+pub const MODEL: &str = "model";
 
 /// The admin endpoints of one `bgs serve`, if enabled.
 #[derive(Debug, Default)]
@@ -53,6 +57,14 @@ impl AdminHook {
             admin: Some(admin),
             _server: Some(server),
         })
+    }
+
+    /// Declare more components readiness waits for.
+    #[allow(dead_code)] // Used once the serve path loads a model.
+    pub fn expect(&self, components: &[&'static str]) {
+        if let Some(a) = &self.admin {
+            a.expect(components);
+        }
     }
 
     /// A component is up.

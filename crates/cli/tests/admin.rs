@@ -610,3 +610,65 @@ fn parser_rejects_malformed_expositions() {
         assert!(parse(bad).is_err(), "accepted {bad:?}");
     }
 }
+
+#[test]
+fn kernel_transport_readiness_and_bpf_metrics() {
+    for reply in ["loop", "executor-sqe"] {
+        let mut srv = Served::start(&["--transport", "kernel", "--reply", reply], Some(500));
+        let (code, body) = srv.get("/readyz");
+        assert_eq!(
+            (code, body.as_str()),
+            (503, "starting: waiting for bpf, transport, executor\n")
+        );
+        let addr = srv.listening();
+        wait_for_code(srv.admin, "/readyz", 200, Duration::from_secs(10));
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        for id in 1..=50 {
+            assert_eq!(request(&mut c, Op::Gemm8, id, 64), Status::Ok);
+        }
+        let m = parse(&srv.get("/metrics").1).expect("valid metrics");
+        for (name, ty) in [
+            ("bgs_ready", "gauge"),
+            ("bgs_connections_open", "gauge"),
+            ("bgs_bpf_frames", "counter"),
+            ("bgs_bpf_requests", "counter"),
+            ("bgs_bpf_busy", "counter"),
+            ("bgs_bpf_rejects_by_status", "counter"),
+            ("bgs_request_ring_occupancy", "gauge"),
+            ("bgs_completion_ring_occupancy", "gauge"),
+            ("bgs_executor_requests", "counter"),
+            ("process_cpu_seconds", "counter"),
+        ] {
+            assert_eq!(m.family(name).ty, ty, "{reply}: type of {name}");
+        }
+        // The kernel path does not measure per-request durations (docs/operations.md).
+        assert!(!m.families.contains_key("bgs_requests"));
+        assert_eq!(
+            m.value("bgs_bpf_requests_total", &[]),
+            Some(50.0),
+            "{reply}"
+        );
+        assert_eq!(m.value("bgs_request_ring_published_total", &[]), Some(50.0));
+        assert_eq!(m.value("bgs_executor_requests_total", &[]), Some(50.0));
+        assert_eq!(m.value("bgs_connections_open", &[]), Some(1.0), "{reply}");
+        drop(c);
+        let end = Instant::now() + Duration::from_secs(10);
+        while parse(&srv.get("/metrics").1)
+            .unwrap()
+            .value("bgs_connections_open", &[])
+            != Some(0.0)
+        {
+            assert!(
+                Instant::now() < end,
+                "{reply}: connection count never went back to 0"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        srv.sigterm();
+        assert!(
+            srv.wait_exit(Duration::from_secs(15)),
+            "{reply}: clean exit"
+        );
+    }
+}

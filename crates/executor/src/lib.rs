@@ -1285,6 +1285,45 @@ mod tests {
         exec.shutdown();
     }
 
+    /// Poll `f` until it holds, up to 10 s.
+    fn eventually(mut f: impl FnMut() -> bool) -> bool {
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            if f() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        f()
+    }
+
+    #[test]
+    fn slot_usage_counts_requests_owing_a_final_frame() {
+        let region = region();
+        let (e0, _) = FakeGen::boxed(4, Duration::ZERO);
+        let (e1, _) = FakeGen::boxed(4, Duration::ZERO);
+        let exec = CpuExecutor::start_engines(region.clone(), &cfg(2), None, vec![e0, e1]).unwrap();
+        let usage = exec.slot_usage();
+        assert_eq!(usage.slots(), 2);
+        assert_eq!((usage.busy_slots(), usage.live()), (0, 0));
+        // Three streams of 10 tokens with a window of 2 and no acknowledgements: they stall
+        // on credit and stay live.
+        for c in 0..3 {
+            push(&region, c + 1, 0, GEN, 10, &[1]);
+        }
+        assert!(eventually(|| usage.live() == 3), "live {}", usage.live());
+        assert!((1..=2).contains(&usage.busy_slots()));
+        // Acknowledge everything until all three streams have ended.
+        let mut finals = 0;
+        while finals < 3 {
+            let g = next(&region, true, Duration::from_secs(10)).expect("frames");
+            finals += usize::from(g.final_);
+        }
+        assert!(eventually(|| usage.live() == 0), "live {}", usage.live());
+        assert_eq!(usage.busy_slots(), 0);
+        exec.shutdown();
+    }
+
     #[test]
     fn streamed_frames_take_credit_and_stop_at_the_window() {
         let region = region();
