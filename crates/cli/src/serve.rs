@@ -356,10 +356,10 @@ fn serve_native(
             RingRegion::new(ring).context("creating the shared rings")?,
         ))
     };
-    let transport = NativeTransport::bind(cfg, region.clone())
+    let mut transport = NativeTransport::bind(cfg, region.clone())
         .with_context(|| format!("binding {}", args.listen))?;
     install_signals(&transport.shutdown_handle(), admin, args)?;
-    admin.sources(|s| (s.rings, s.requests) = (region.clone(), Some(transport.metrics())));
+    admin.sources(|s| (s.rings, s.requests) = (region.clone(), Some(transport.enable_metrics())));
     admin.up(admin::TRANSPORT);
     let executor = match &region {
         Some(region) => Some(start_executor(

@@ -121,7 +121,8 @@ pub struct NativeTransport {
     lingering: usize,
     last_sweep: Instant,
     stats: TransportStats,
-    metrics: Arc<RequestMetrics>,
+    /// Set by [`NativeTransport::enable_metrics`]; without it nothing is measured.
+    metrics: Option<Arc<RequestMetrics>>,
     scratch: Vec<u8>,
 }
 
@@ -189,7 +190,7 @@ impl NativeTransport {
             lingering: 0,
             last_sweep: Instant::now(),
             stats: TransportStats::default(),
-            metrics: Arc::default(),
+            metrics: None,
         })
     }
 
@@ -198,9 +199,10 @@ impl NativeTransport {
         self.local_addr
     }
 
-    /// Counters a scrape reads while the transport runs.
-    pub fn metrics(&self) -> Arc<RequestMetrics> {
-        self.metrics.clone()
+    /// Measure answered requests, their durations and open connections into counters that
+    /// another thread can read while the transport runs (call before [`run`](Self::run)).
+    pub fn enable_metrics(&mut self) -> Arc<RequestMetrics> {
+        self.metrics.get_or_insert_default().clone()
     }
 
     /// A handle that stops [`run`](Self::run).
@@ -352,8 +354,10 @@ impl NativeTransport {
             }
             let mut state =
                 ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits);
-            state.set_metrics(self.metrics.clone());
-            self.metrics.conn_opened();
+            if let Some(m) = &self.metrics {
+                state.set_metrics(m.clone());
+                m.conn_opened();
+            }
             entry.insert(Conn {
                 stream,
                 generation,
@@ -592,7 +596,9 @@ impl NativeTransport {
             self.outstanding -= conn.state.queued();
             let _ = epoll::delete(&self.epoll, &conn.stream);
             self.stats.conns_closed += 1;
-            self.metrics.conn_closed();
+            if let Some(m) = &self.metrics {
+                m.conn_closed();
+            }
             drop(conn);
         }
     }

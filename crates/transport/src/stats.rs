@@ -231,6 +231,7 @@ impl RequestMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn observe_counts_by_op_status_and_bucket() {
@@ -254,6 +255,71 @@ mod tests {
         assert_eq!(*s.buckets.last().unwrap(), 1);
         assert_eq!(s.buckets.iter().sum::<u64>(), 4);
         assert_eq!(s.sum_ns, 10_000 + 10_001 + 20_000_000_000);
+    }
+
+    /// Queues every request except echo ops with request id 3, which it refuses (busy).
+    struct Sink;
+    impl crate::conn::RequestSink for Sink {
+        fn submit(
+            &mut self,
+            _token: u64,
+            _seq: u32,
+            r: &bgs_protocol::Request<'_>,
+        ) -> crate::conn::Submit {
+            if r.header.request_id == 3 {
+                crate::conn::Submit::Busy
+            } else {
+                crate::conn::Submit::Queued
+            }
+        }
+        fn arrival_ns(&self) -> u64 {
+            // Long before now: every duration lands in the +Inf bucket.
+            1
+        }
+    }
+
+    #[test]
+    fn only_final_frames_of_requests_are_counted() {
+        use crate::conn::{ConnLimits, ConnState};
+        use bgs_protocol::reply::encode_request;
+        use bgs_protocol::{FramerConfig, Op, RequestHeader};
+        let m = Arc::new(RequestMetrics::default());
+        let framer = FramerConfig {
+            generate: true,
+            ..FramerConfig::default()
+        };
+        let mut c = ConnState::new(1, framer, ConnLimits::default());
+        c.set_metrics(m.clone());
+        let mut input = Vec::new();
+        encode_request(&mut input, &RequestHeader::new(Op::Generate, 1, 1, 4), &[1]);
+        encode_request(&mut input, &RequestHeader::new(Op::Echo, 2, 1, 0), &[2]);
+        encode_request(&mut input, &RequestHeader::new(Op::Echo, 3, 1, 0), &[3]);
+        // An unknown op is rejected by the framer: input, not a request.
+        let mut bad = RequestHeader::new(Op::Echo, 4, 0, 0);
+        bad.op = 77;
+        encode_request(&mut input, &bad, &[]);
+        let mut st = TransportStats::default();
+        assert_eq!(c.ingest(&input, &mut Sink, &mut st), input.len());
+        // Busy was answered at once: counted.
+        assert_eq!(m.snapshot().answered, vec![(Some(0), Status::Busy as u16, 1)]);
+        // Streamed tokens are not final: not counted until the stream ends.
+        assert!(c.complete(0, Status::Token, false, 0, 1, &[5]));
+        assert!(c.complete(0, Status::Token, false, 1, 1, &[6]));
+        assert!(c.complete(1, Status::Ok, true, 0, 2, &[2]));
+        assert_eq!(m.snapshot().buckets.iter().sum::<u64>(), 2);
+        assert!(c.complete(0, Status::EndOfStream, true, 2, 1, &[]));
+        let s = m.snapshot();
+        assert_eq!(
+            s.answered,
+            vec![
+                (Some(0), Status::Ok as u16, 1),
+                (Some(0), Status::Busy as u16, 1),
+                (Some(3), Status::EndOfStream as u16, 1),
+            ]
+        );
+        assert_eq!(s.buckets.iter().sum::<u64>(), 3);
+        assert_eq!(*s.buckets.last().unwrap(), 3);
+        assert!(s.sum_ns > 0);
     }
 
     #[test]
