@@ -301,7 +301,10 @@ mod tests {
         let mut st = TransportStats::default();
         assert_eq!(c.ingest(&input, &mut Sink, &mut st), input.len());
         // Busy was answered at once: counted.
-        assert_eq!(m.snapshot().answered, vec![(Some(0), Status::Busy as u16, 1)]);
+        assert_eq!(
+            m.snapshot().answered,
+            vec![(Some(0), Status::Busy as u16, 1)]
+        );
         // Streamed tokens are not final: not counted until the stream ends.
         assert!(c.complete(0, Status::Token, false, 0, 1, &[5]));
         assert!(c.complete(0, Status::Token, false, 1, 1, &[6]));
