@@ -1,5 +1,6 @@
 //! `bgs`: serve, load, demo, generate and model tools for bpf-gpu-server.
 
+mod admin;
 mod affinity;
 mod args;
 mod demo;

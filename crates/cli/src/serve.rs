@@ -16,6 +16,8 @@ use clap::{ArgMatches, ValueEnum};
 
 use crate::args;
 
+use crate::admin::{self, AdminHook};
+
 /// Transports.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum TransportKind {
@@ -160,6 +162,14 @@ pub struct ServeArgs {
     /// Native transport: longest epoll wait while requests are outstanding (us), 1..=1000000.
     #[arg(long, default_value_t = 100, value_parser = args::int(1u64, 1_000_000))]
     pub poll_us: u64,
+    /// Serve `/healthz`, `/readyz` and `/metrics` (Prometheus) over HTTP on this address
+    /// (off by default; see docs/operations.md).
+    #[arg(long)]
+    pub admin_listen: Option<SocketAddr>,
+    /// On SIGINT/SIGTERM, make `/readyz` answer 503 at once but keep serving this many
+    /// seconds before stopping, so that a load balancer takes the server out first.
+    #[arg(long, default_value_t = 0.0)]
+    pub shutdown_grace: f64,
 }
 
 /// Refuse flags that do nothing in the combination given, naming both (ranges are checked by
@@ -282,6 +292,21 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if let Some(list) = &args.cpus {
         crate::affinity::pin(list)?;
     }
+    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
+        bail!(
+            "--shutdown-grace must be a number of seconds, 0 or more (got {})",
+            args.shutdown_grace
+        );
+    }
+    let mut expected = match (args.transport, args.floor) {
+        (TransportKind::Kernel, _) => vec![admin::BPF, admin::TRANSPORT, admin::EXECUTOR],
+        (TransportKind::Native, true) => vec![admin::TRANSPORT],
+        (TransportKind::Native, false) => vec![admin::TRANSPORT, admin::EXECUTOR],
+    };
+    if args.generation.model.is_some() {
+        expected.push(admin::MODEL);
+    }
+    let admin = AdminHook::start(args.admin_listen, &expected)?;
     let gpu_cfg = bgs_executor_gpu::GpuExecutorConfig {
         slots: args.slots.unwrap_or(16),
         dispatcher: match args.dispatcher {
@@ -320,9 +345,12 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         )?),
         None => None,
     };
+    if model.is_some() {
+        admin.up(admin::MODEL);
+    }
     match args.transport {
-        TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg, model),
-        TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg, model),
+        TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg, model, &admin),
+        TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg, model, &admin),
     }
 }
 
@@ -334,17 +362,20 @@ fn stats_every(args: &ServeArgs) -> Result<Option<Duration>> {
     }
 }
 
-/// From here on SIGINT/SIGTERM stop the transport's `run` (through its pipe) instead of
-/// killing the process. The returned flag is set by the same signals, so that start-up steps
-/// after this point (starting the executor: GPU initialisation takes seconds) can see a stop
-/// that arrived before `run` and stop there.
-fn install_signals(shutdown: &bgs_transport::ShutdownHandle) -> Result<Arc<AtomicBool>> {
+/// From here on SIGINT/SIGTERM stop the transport's `run` (through its pipe, after the
+/// `--shutdown-grace` period) instead of killing the process. The returned flag is set by the
+/// same signals at once, so that start-up steps after this point (starting the executor: GPU
+/// initialisation takes seconds) can see a stop that arrived before `run` and stop there.
+fn install_signals(
+    shutdown: &bgs_transport::ShutdownHandle,
+    admin: &AdminHook,
+    args: &ServeArgs,
+) -> Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::low_level::pipe::register(sig, shutdown.signal_pipe()?)
-            .context("installing signal handlers")?;
         signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
     }
+    admin.install_signals(shutdown, Duration::from_secs_f64(args.shutdown_grace))?;
     Ok(stop)
 }
 
@@ -356,6 +387,20 @@ fn stopped_during_startup(stop: &AtomicBool, executor: &mut Option<Executor>) ->
     stop_executor(executor.take())?;
     eprintln!("bgs: stopped during start-up");
     Ok(true)
+}
+
+/// The executor is up: hand its counters to the admin endpoints.
+fn admin_executor(admin: &AdminHook, executor: Option<&Executor>) {
+    match executor {
+        Some(Executor::Cpu(e)) => admin.sources(|s| {
+            s.executor = Some(e.stats().clone());
+            s.slots = Some(e.slot_usage());
+            s.slot_count = Some(e.slots());
+        }),
+        Some(Executor::Gpu(e)) => admin.sources(|s| s.slot_count = Some(e.slots())),
+        None => {}
+    }
+    admin.up(admin::EXECUTOR);
 }
 
 /// How the transport wakes and stops the executor.
@@ -530,6 +575,7 @@ fn serve_native(
     executor_kind: ExecutorKind,
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
     mut model: Option<crate::llm::Loaded>,
+    admin: &AdminHook,
 ) -> Result<()> {
     let codec = api_codec(model.as_ref());
     let cfg = NativeConfig {
@@ -563,9 +609,11 @@ fn serve_native(
             RingRegion::new(ring).context("creating the shared rings")?,
         ))
     };
-    let transport = NativeTransport::bind(cfg, region.clone())
+    let mut transport = NativeTransport::bind(cfg, region.clone())
         .with_context(|| format!("binding {}", args.listen))?;
-    let stop = install_signals(&transport.shutdown_handle())?;
+    let stop = install_signals(&transport.shutdown_handle(), admin, args)?;
+    admin.sources(|s| (s.rings, s.requests) = (region.clone(), Some(transport.enable_metrics())));
+    admin.up(admin::TRANSPORT);
     let mut executor = match &region {
         Some(region) => Some(start_executor(
             args,
@@ -584,10 +632,13 @@ fn serve_native(
     if stopped_during_startup(&stop, &mut executor)? {
         return Ok(());
     }
+    admin_executor(admin, executor.as_ref());
     announce(args, transport.local_addr(), "native", executor.as_ref())?;
     let api = start_api(args, transport.local_addr(), codec)?;
-    let stats = transport.run().context("transport failed")?;
+    let stats = transport.run().context("transport failed");
+    admin.stopping();
     drop(api);
+    let stats = stats?;
     stop_executor(executor)?;
     eprintln!("bgs: shut down\n{stats}");
     Ok(())
@@ -599,6 +650,7 @@ fn serve_kernel(
     executor_kind: ExecutorKind,
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
     model: Option<crate::llm::Loaded>,
+    admin: &AdminHook,
 ) -> Result<()> {
     use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
     let codec = api_codec(model.as_ref());
@@ -653,8 +705,15 @@ fn serve_kernel(
             )));
         }
     };
-    let stop = install_signals(&transport.shutdown_handle())?;
+    let stop = install_signals(&transport.shutdown_handle(), admin, args)?;
     let region = transport.region();
+    admin.sources(|s| {
+        s.rings = Some(region.clone());
+        s.bpf = Some(transport.bpf_counters());
+        s.open_connections = Some(transport.open_connections());
+    });
+    admin.up(admin::BPF);
+    admin.up(admin::TRANSPORT);
     // The GPU holds raw addresses into the send table and its io_uring ring: they must live
     // until the executor has stopped, after `run` consumed the transport.
     let gpu_tx_owner = transport.gpu_tx_owner();
@@ -681,10 +740,13 @@ fn serve_kernel(
         ReplyKind::ExecutorSqe if gpu_sends => "kernel, reply executor-sqe, GPU-written sends",
         ReplyKind::ExecutorSqe => "kernel, reply executor-sqe",
     };
+    admin_executor(admin, Some(&executor));
     announce(args, transport.local_addr(), mode, Some(&executor))?;
     let api = start_api(args, transport.local_addr(), codec)?;
-    let stats = transport.run().context("transport failed")?;
+    let stats = transport.run().context("transport failed");
+    admin.stopping();
     drop(api);
+    let stats = stats?;
     let stopped = stop_executor(Some(executor));
     if stopped.is_err() {
         // A GPU that did not stop may still touch the table and the ring: keep them mapped.

@@ -18,7 +18,7 @@
 //! counters are never shared between threads.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -145,9 +145,50 @@ struct PerThread {
     room: AtomicBool,
     /// `conns` has entries.
     pending: AtomicBool,
+    /// Requests this thread holds that still owe a final frame (`Worker::open`), published
+    /// when it changes, after intake and after each step, for [`SlotUsage`].
+    open: AtomicUsize,
     /// Cancel markers popped by other threads (a connection's streams may live in any
     /// thread's engine).
     conns: Mutex<Vec<u64>>,
+}
+
+/// Reads how busy the executor's threads are, from any thread. Values are published by each
+/// thread after it takes requests and after each step, so they lag by at most one step.
+#[derive(Clone)]
+pub struct SlotUsage(Arc<Shared>);
+
+impl std::fmt::Debug for SlotUsage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotUsage")
+            .field("threads", &self.0.threads.len())
+            .finish()
+    }
+}
+
+impl SlotUsage {
+    /// Threads (slots) holding at least one request that still owes a final frame.
+    pub fn busy_slots(&self) -> usize {
+        self.0
+            .threads
+            .iter()
+            .filter(|t| t.open.load(Ordering::Relaxed) > 0)
+            .count()
+    }
+
+    /// Requests (one-shot or streamed) held by all threads that still owe a final frame.
+    pub fn live(&self) -> usize {
+        self.0
+            .threads
+            .iter()
+            .map(|t| t.open.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Threads (slots).
+    pub fn slots(&self) -> usize {
+        self.0.threads.len()
+    }
 }
 
 /// The embedded CPU executor.
@@ -243,6 +284,11 @@ impl CpuExecutor {
     /// Counters.
     pub fn stats(&self) -> &Arc<ExecutorStats> {
         &self.shared.stats
+    }
+
+    /// A reader of slot use for other threads (a metrics scrape).
+    pub fn slot_usage(&self) -> SlotUsage {
+        SlotUsage(self.shared.clone())
     }
 
     /// Number of threads (slots, or engines).
@@ -384,6 +430,8 @@ struct Worker {
     held: u64,
     /// What this thread last stored in its `PerThread::room`.
     room: bool,
+    /// What this thread last stored in its `PerThread::open`.
+    open_published: usize,
     /// The safety net found fewer live streams than owed but could not tell which: logged
     /// once per episode.
     lost_unidentified: bool,
@@ -435,6 +483,7 @@ impl Worker {
             credit_poll: cfg.credit_poll,
             external_wait: cfg.external_wait.clone(),
             room: true,
+            open_published: 0,
             ring_full: false,
             held: 0,
             lost_unidentified: false,
@@ -448,6 +497,7 @@ impl Worker {
             self.ring_full = false;
             let mut busy = self.intake();
             busy |= self.flush_owed();
+            self.publish_open();
             if self.open > 0 {
                 let mut sink = Sink {
                     region: &self.shared.region,
@@ -491,8 +541,19 @@ impl Worker {
         !self.free.is_empty() && self.engine.live() < self.engine.capacity()
     }
 
+    /// Keep this thread's `PerThread::open` up to date (a plain store, only on changes).
+    fn publish_open(&mut self) {
+        if self.open != self.open_published {
+            self.open_published = self.open;
+            self.shared.threads[self.t]
+                .open
+                .store(self.open, Ordering::Relaxed);
+        }
+    }
+
     /// Keep this thread's `PerThread::room` up to date (stored only when it changes).
     fn sync_room(&mut self) {
+        self.publish_open();
         let room = self.can_admit();
         if room != self.room {
             self.room = room;
@@ -1243,6 +1304,45 @@ mod tests {
         assert_eq!(got, want);
         assert!(next(&region, true, Duration::from_millis(50)).is_none());
         assert!(exec.stats().completion_stalls.load(Ordering::Relaxed) > 0);
+        exec.shutdown();
+    }
+
+    /// Poll `f` until it holds, up to 10 s.
+    fn eventually(mut f: impl FnMut() -> bool) -> bool {
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            if f() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        f()
+    }
+
+    #[test]
+    fn slot_usage_counts_requests_owing_a_final_frame() {
+        let region = region();
+        let (e0, _) = FakeGen::boxed(4, Duration::ZERO);
+        let (e1, _) = FakeGen::boxed(4, Duration::ZERO);
+        let exec = CpuExecutor::start_engines(region.clone(), &cfg(2), None, vec![e0, e1]).unwrap();
+        let usage = exec.slot_usage();
+        assert_eq!(usage.slots(), 2);
+        assert_eq!((usage.busy_slots(), usage.live()), (0, 0));
+        // Three streams of 10 tokens with a window of 2 and no acknowledgements: they stall
+        // on credit and stay live.
+        for c in 0..3 {
+            push(&region, c + 1, 0, GEN, 10, &[1]);
+        }
+        assert!(eventually(|| usage.live() == 3), "live {}", usage.live());
+        assert!((1..=2).contains(&usage.busy_slots()));
+        // Acknowledge everything until all three streams have ended.
+        let mut finals = 0;
+        while finals < 3 {
+            let g = next(&region, true, Duration::from_secs(10)).expect("frames");
+            finals += usize::from(g.final_);
+        }
+        assert!(eventually(|| usage.live() == 0), "live {}", usage.live());
+        assert_eq!(usage.busy_slots(), 0);
         exec.shutdown();
     }
 

@@ -8,11 +8,12 @@
 //! exactly one final frame (its result, an error frame, or busy).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use bgs_protocol::reply::{encode_reply, http_response_head};
 use bgs_protocol::{Decoded, Framer, FramerConfig, Framing, HEADER_LEN, Reject, Request, Status};
 
-use crate::stats::TransportStats;
+use crate::stats::{RequestMetrics, TransportStats};
 
 /// What the executor side did with a framed request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +32,12 @@ pub enum Submit {
 pub trait RequestSink {
     /// Offer one request of connection `token` with sequence `conn_seq`.
     fn submit(&mut self, token: u64, conn_seq: u32, request: &Request<'_>) -> Submit;
+
+    /// CLOCK_MONOTONIC ns at which the requests being offered arrived (request-duration
+    /// metrics; only asked for when the connection has them).
+    fn arrival_ns(&self) -> u64 {
+        bgs_ring::monotonic_ns()
+    }
 }
 
 /// Per-connection limits.
@@ -65,6 +72,9 @@ struct Pending {
     /// For HTTP: the response head has been written (a chunked stream is open).
     http_started: bool,
     done: bool,
+    /// Wire op and arrival time (ns), for [`RequestMetrics::observe`] at the final frame.
+    op: u16,
+    arrival_ns: u64,
 }
 
 /// The state of one connection.
@@ -85,6 +95,8 @@ pub struct ConnState {
     read_closed: bool,
     /// Requests published and not yet finally completed.
     queued: usize,
+    /// Where answered requests are counted (`None`: not measured).
+    metrics: Option<Arc<RequestMetrics>>,
 }
 
 impl ConnState {
@@ -101,7 +113,13 @@ impl ConnState {
             parked_bytes: 0,
             read_closed: false,
             queued: 0,
+            metrics: None,
         }
+    }
+
+    /// Count this connection's answered requests and their durations in `metrics`.
+    pub fn set_metrics(&mut self, metrics: Arc<RequestMetrics>) {
+        self.metrics = Some(metrics);
     }
 
     /// The token completions carry for this connection.
@@ -200,6 +218,12 @@ impl ConnState {
                         buf: Vec::new(),
                         http_started: false,
                         done: false,
+                        op: request.header.op,
+                        arrival_ns: if self.metrics.is_some() {
+                            sink.arrival_ns()
+                        } else {
+                            0
+                        },
                     });
                     let id = request.header.request_id;
                     match sink.submit(self.token, seq, &request) {
@@ -277,6 +301,8 @@ impl ConnState {
             buf: bytes,
             http_started: true,
             done: true,
+            op: 0,
+            arrival_ns: 0,
         });
     }
 
@@ -329,6 +355,10 @@ impl ConnState {
         }
         if final_ {
             p.done = true;
+            if let Some(m) = &self.metrics {
+                let elapsed = bgs_ring::monotonic_ns().saturating_sub(p.arrival_ns);
+                m.observe(p.op, status, elapsed);
+            }
         }
         if idx == 0 {
             self.flush_front();

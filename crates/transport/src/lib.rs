@@ -15,4 +15,4 @@ pub mod native;
 pub mod stats;
 
 pub use native::{NativeConfig, NativeTransport, ShutdownHandle};
-pub use stats::TransportStats;
+pub use stats::{RequestMetrics, TransportStats};

@@ -30,7 +30,7 @@ use slab::Slab;
 
 use crate::conn::{ConnLimits, ConnState, RequestSink, Submit};
 use crate::credit::{Withheld, ack, publish_cancel};
-use crate::stats::TransportStats;
+use crate::stats::{RequestMetrics, TransportStats};
 
 const LISTENER: u64 = u64::MAX;
 const DOORBELL: u64 = u64::MAX - 1;
@@ -142,6 +142,8 @@ pub struct NativeTransport {
     lingering: usize,
     last_sweep: Instant,
     stats: TransportStats,
+    /// Set by [`NativeTransport::enable_metrics`]; without it nothing is measured.
+    metrics: Option<Arc<RequestMetrics>>,
     scratch: Vec<u8>,
     /// Tokens of ended connections whose cancel marker found the request ring full.
     owed_cancels: VecDeque<u64>,
@@ -212,12 +214,19 @@ impl NativeTransport {
             last_sweep: Instant::now(),
             stats: TransportStats::default(),
             owed_cancels: VecDeque::new(),
+            metrics: None,
         })
     }
 
     /// The address actually bound (useful with port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Measure answered requests, their durations and open connections into counters that
+    /// another thread can read while the transport runs (call before [`run`](Self::run)).
+    pub fn enable_metrics(&mut self) -> Arc<RequestMetrics> {
+        self.metrics.get_or_insert_default().clone()
     }
 
     /// A handle that stops [`run`](Self::run).
@@ -372,10 +381,16 @@ impl NativeTransport {
             {
                 continue;
             }
+            let mut state =
+                ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits);
+            if let Some(m) = &self.metrics {
+                state.set_metrics(m.clone());
+                m.conn_opened();
+            }
             entry.insert(Conn {
                 stream,
                 generation,
-                state: ConnState::new(token_of(generation, idx), self.cfg.framer, self.cfg.limits),
+                state,
                 rbuf: Vec::new(),
                 registered: (true, false, true),
                 eof: false,
@@ -720,6 +735,9 @@ impl NativeTransport {
             self.outstanding -= conn.state.queued();
             let _ = epoll::delete(&self.epoll, &conn.stream);
             self.stats.conns_closed += 1;
+            if let Some(m) = &self.metrics {
+                m.conn_closed();
+            }
             drop(conn);
         }
     }
@@ -819,5 +837,9 @@ impl RequestSink for RingSink<'_> {
             Ok(()) => Submit::Queued,
             Err(_) => Submit::Busy,
         }
+    }
+
+    fn arrival_ns(&self) -> u64 {
+        self.now_ns
     }
 }

@@ -851,6 +851,21 @@ impl KernelTransport {
         self.rx.region()
     }
 
+    /// A reader of BPF's counters (a per-CPU map lookup) for other threads, e.g. a metrics
+    /// scrape; it keeps the maps alive.
+    pub fn bpf_counters(&self) -> Arc<dyn Fn() -> bgs_bpf::KernelCounters + Send + Sync> {
+        let rx = self.rx.clone();
+        Arc::new(move || rx.counters())
+    }
+
+    /// A counter of open connections for other threads: the sockhash's entries (one map walk,
+    /// O(connections); BPF's own opened/closed counters miss connections the server closes,
+    /// which are forgotten before their TCP_CLOSE).
+    pub fn open_connections(&self) -> Arc<dyn Fn() -> usize + Send + Sync> {
+        let rx = self.rx.clone();
+        Arc::new(move || rx.sockhash_len())
+    }
+
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
