@@ -13,8 +13,7 @@ use bgs_admin::{Admin, AdminServer, Sources};
 pub const TRANSPORT: &str = "transport";
 pub const EXECUTOR: &str = "executor";
 pub const BPF: &str = "bpf";
-/// For `--model`: declare it with [`AdminHook::expect`] before loading, report it
-/// [`AdminHook::up`] once loaded.
+/// For `--model`: expected from the start, [`AdminHook::up`] once the model is loaded.
 pub const MODEL: &str = "model";
 
 /// The admin endpoints of one `bgs serve`, if enabled.
@@ -56,13 +55,6 @@ impl AdminHook {
             admin: Some(admin),
             _server: Some(server),
         })
-    }
-
-    /// Declare more components readiness waits for.
-    pub fn expect(&self, components: &[&'static str]) {
-        if let Some(a) = &self.admin {
-            a.expect(components);
-        }
     }
 
     /// A component is up.
