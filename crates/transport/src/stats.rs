@@ -297,11 +297,7 @@ mod tests {
         use bgs_protocol::reply::encode_request;
         use bgs_protocol::{FramerConfig, Op, RequestHeader};
         let m = Arc::new(RequestMetrics::default());
-        let framer = FramerConfig {
-            generate: true,
-            ..FramerConfig::default()
-        };
-        let mut c = ConnState::new(1, framer, ConnLimits::default());
+        let mut c = ConnState::new(1, FramerConfig::default(), ConnLimits::default());
         c.set_metrics(m.clone());
         let mut input = Vec::new();
         encode_request(&mut input, &RequestHeader::new(Op::Generate, 1, 1, 4), &[1]);
