@@ -9,12 +9,11 @@
 
 use std::net::SocketAddr;
 
-use bgs_protocol::{HEADER_LEN, Op, ReplyHeader, RequestHeader, Status, encode_request};
+use bgs_protocol::{
+    FINISH_EOS, FLAG_IGNORE_EOS, HEADER_LEN, Op, ReplyHeader, RequestHeader, Status, encode_request,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
-
-/// Request flag bit 0 of generate: do not stop at EOS (docs/protocol.md).
-const FLAG_IGNORE_EOS: u32 = 1;
 
 /// One event of a generation stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,7 +136,7 @@ impl Generation {
             Some(Status::EndOfStream) => {
                 self.done = true;
                 Ok(Some(Event::End {
-                    eos: word(0) == Some(0),
+                    eos: word(0) == Some(FINISH_EOS),
                 }))
             }
             Some(s) => {

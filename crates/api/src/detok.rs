@@ -54,3 +54,60 @@ impl Detokenizer {
             .filter(|s| !s.is_empty()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Detokenizer;
+    use crate::{ChatMessage, TextCodec};
+
+    /// One byte per token: multi-byte characters span several tokens, as in byte-level BPE.
+    struct Bytes;
+
+    impl TextCodec for Bytes {
+        fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+            Ok(text.bytes().map(u32::from).collect())
+        }
+        fn encode_chat(&self, text: &str) -> Result<Vec<u32>, String> {
+            self.encode(text)
+        }
+        fn decode(&self, ids: &[u32]) -> Result<String, String> {
+            let b: Vec<u8> = ids.iter().map(|&i| i as u8).collect();
+            Ok(String::from_utf8_lossy(&b).into_owned())
+        }
+        fn render_chat(&self, _: &[ChatMessage]) -> Result<String, String> {
+            Err("none".into())
+        }
+    }
+
+    #[test]
+    fn never_splits_a_character() {
+        let text = "ab 😀 ü and ñ";
+        let mut d = Detokenizer::default();
+        let mut out = String::new();
+        let mut silent = 0;
+        for id in Bytes.encode(text).unwrap() {
+            match d.push(&Bytes, id).unwrap() {
+                Some(p) => {
+                    assert!(!p.contains('\u{fffd}'), "{p:?}");
+                    out.push_str(&p);
+                }
+                None => silent += 1,
+            }
+        }
+        assert_eq!(d.finish(&Bytes).unwrap(), None);
+        assert_eq!(out, text);
+        // The emoji is 4 bytes, ü and ñ 2 each: 3 + 1 + 1 pushes complete nothing.
+        assert_eq!(silent, 5);
+    }
+
+    #[test]
+    fn finish_releases_an_incomplete_tail() {
+        let mut d = Detokenizer::default();
+        assert_eq!(
+            d.push(&Bytes, u32::from(b'a')).unwrap().as_deref(),
+            Some("a")
+        );
+        assert_eq!(d.push(&Bytes, 0xF0).unwrap(), None);
+        assert_eq!(d.finish(&Bytes).unwrap().as_deref(), Some("\u{fffd}"));
+    }
+}

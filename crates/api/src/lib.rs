@@ -48,7 +48,7 @@ pub struct ApiConfig {
 }
 
 /// Largest `max_tokens` (the generate op's param limit).
-pub const MAX_TOKENS: u32 = 4096;
+pub const MAX_TOKENS: u32 = bgs_protocol::MAX_NEW_TOKENS;
 
 /// Serve the API on `listener` until `shutdown` resolves.
 pub async fn serve(

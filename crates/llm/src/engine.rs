@@ -11,14 +11,7 @@ use crate::kv::BlockAllocator;
 use crate::model::{Item, StepModel};
 use crate::policy::{self, Decision, Limits, SeqState, SeqView};
 
-/// Request flag bit 0: keep generating past EOS ids (generate only).
-pub const FLAG_IGNORE_EOS: u32 = 1;
-/// `finish_reason` of a final frame: an EOS id was produced (and not sent as a token).
-pub const FINISH_EOS: u32 = 0;
-/// `finish_reason` of a final frame: max new tokens or the context limit was reached.
-pub const FINISH_LENGTH: u32 = 1;
-/// Largest `param` (max new tokens) of a generate request.
-pub const MAX_NEW_TOKENS: u32 = 4096;
+pub use bgs_protocol::{FINISH_EOS, FINISH_LENGTH, FLAG_IGNORE_EOS, MAX_NEW_TOKENS};
 /// Credit a sequence needs to take part in a step: its token frame and possibly its final.
 pub const STEP_CREDIT: u32 = 2;
 

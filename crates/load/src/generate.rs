@@ -15,16 +15,9 @@ use serde::Serialize;
 
 use crate::client::{FrameClient, Reply, decode_reply};
 
-/// Request flag bit 0 of generate: keep generating past EOS tokens.
-pub const FLAG_IGNORE_EOS: u32 = 1;
+pub use bgs_protocol::{FINISH_EOS, FINISH_LENGTH, FLAG_IGNORE_EOS, MAX_NEW_TOKENS};
 /// Most prompt tokens a request may carry (a ring slot holds 256 words).
 pub const MAX_PROMPT_TOKENS: u32 = 256;
-/// Most new tokens a request may ask for.
-pub const MAX_NEW_TOKENS: u32 = 4096;
-/// Finish reason: the model produced an EOS token (not sent as a token frame).
-pub const FINISH_EOS: u32 = 0;
-/// Finish reason: max new tokens or the model's context limit reached.
-pub const FINISH_LENGTH: u32 = 1;
 
 /// What the generate op asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -22,4 +22,4 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use checkpoint::{Checkpoint, LoadError, load};
 pub use synth::{DType, SynthArch, synth};
-pub use tokenizer::{StreamDecoder, Tokenizer};
+pub use tokenizer::Tokenizer;

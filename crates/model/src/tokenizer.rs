@@ -66,79 +66,6 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
-
-    /// A streaming decoder over this tokenizer.
-    pub fn stream_decoder(&self, skip_special_tokens: bool) -> StreamDecoder<'_> {
-        StreamDecoder::new(self, skip_special_tokens)
-    }
-}
-
-/// Incremental detokenization: [`StreamDecoder::push`] returns the text that one more id
-/// adds, never splitting a UTF-8 character (bytes of an incomplete character are held back
-/// until the ids that complete it arrive).
-///
-/// It decodes a short window (`ids[prefix..]`) against its prefix (`ids[prefix..read]`) and
-/// emits the difference once it does not end in U+FFFD (what the byte-level decoder produces
-/// for an incomplete character); decoding a window rather than a single id keeps decoders
-/// that strip a leading space (SentencePiece-style) correct.
-#[derive(Debug)]
-pub struct StreamDecoder<'t> {
-    tok: &'t Tokenizer,
-    skip_special: bool,
-    ids: Vec<u32>,
-    prefix: usize,
-    read: usize,
-}
-
-impl<'t> StreamDecoder<'t> {
-    /// A decoder with no ids yet.
-    pub fn new(tok: &'t Tokenizer, skip_special_tokens: bool) -> StreamDecoder<'t> {
-        StreamDecoder {
-            tok,
-            skip_special: skip_special_tokens,
-            ids: Vec::new(),
-            prefix: 0,
-            read: 0,
-        }
-    }
-
-    /// Append `id`; returns the new text (empty while a character is incomplete).
-    pub fn push(&mut self, id: u32) -> Result<String, TokenizerError> {
-        self.ids.push(id);
-        let before = self
-            .tok
-            .decode(&self.ids[self.prefix..self.read], self.skip_special)?;
-        let after = self
-            .tok
-            .decode(&self.ids[self.prefix..], self.skip_special)?;
-        if after.len() > before.len() && !after.ends_with('\u{fffd}') {
-            // The window normally extends its prefix; if a decoder rewrote earlier text,
-            // emit from the first differing character instead of slicing mid-character.
-            let start = if after.starts_with(&before) {
-                before.len()
-            } else {
-                common_prefix_len(&before, &after)
-            };
-            let new = after[start..].to_string();
-            self.prefix = self.read;
-            self.read = self.ids.len();
-            Ok(new)
-        } else {
-            Ok(String::new())
-        }
-    }
-
-    /// All ids pushed so far.
-    pub fn ids(&self) -> &[u32] {
-        &self.ids
-    }
-}
-
-fn common_prefix_len(a: &str, b: &str) -> usize {
-    a.char_indices()
-        .zip(b.chars())
-        .find(|((_, x), y)| x != y)
-        .map_or(a.len().min(b.len()), |((i, _), _)| i)
 }
 
 /// GPT-2's byte → printable character map used by byte-level BPE vocabularies.
@@ -369,25 +296,6 @@ mod tests {
             t.decode(&ids, true).unwrap(),
             "hello wörld, user\nabc 123 ünïcode 😀"
         );
-    }
-
-    #[test]
-    fn stream_decoder_never_splits_characters() {
-        let t = tiny();
-        let text = "ab 😀 ü and ñ";
-        let ids = t.encode(text, false).unwrap();
-        let mut d = t.stream_decoder(false);
-        let mut out = String::new();
-        let mut pieces = Vec::new();
-        for &id in &ids {
-            let p = d.push(id).unwrap();
-            assert!(!p.contains('\u{fffd}'));
-            out.push_str(&p);
-            pieces.push(p);
-        }
-        assert_eq!(out, text);
-        // The emoji spans 4 byte tokens: three pushes emit nothing.
-        assert!(pieces.iter().filter(|p| p.is_empty()).count() >= 3);
     }
 
     #[test]

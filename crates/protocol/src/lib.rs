@@ -13,7 +13,7 @@ pub mod reply;
 pub mod wire;
 
 pub use framer::{Decoded, Framer, FramerConfig, Framing, Reject, Request};
-pub use ops::{FLAG_IGNORE_EOS, MAX_NEW_TOKENS, OPS, OpSpec};
+pub use ops::{FINISH_EOS, FINISH_LENGTH, FLAG_IGNORE_EOS, MAX_NEW_TOKENS, OPS, OpSpec};
 pub use reply::{encode_reply, encode_request, http_response_head};
 pub use wire::{
     HEADER_LEN, MAX_REPEAT, Op, REPLY_MAGIC, REQUEST_MAGIC, ReplyHeader, RequestHeader, Status,

@@ -17,6 +17,12 @@ pub const KNOWN_FLAGS: u32 = FLAG_IGNORE_EOS;
 /// Largest `param` (max new tokens) of a generate request.
 pub const MAX_NEW_TOKENS: u32 = 4096;
 
+/// `finish_reason`, word 0 of a generate stream's final (end of stream) frame: an EOS token
+/// was produced (it is not sent as a token frame).
+pub const FINISH_EOS: u32 = 0;
+/// `finish_reason`: max new tokens or the model's context limit was reached.
+pub const FINISH_LENGTH: u32 = 1;
+
 /// How many payload words a request may carry: `min..=max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WordsRule {
