@@ -94,14 +94,31 @@ pub fn nvrtc_version() -> Result<String, GpuError> {
 
 /// Compile the kernel source to a relocatable cubin. NVRTC must be loaded.
 pub fn nvrtc_compile(options: &[String]) -> Result<Vec<u8>, GpuError> {
-    let src = CString::new(KERNEL_SOURCE).map_err(|e| GpuError::Compile(e.to_string()))?;
-    let name = c"bgs_kernels.cu";
-    let headers = [
-        CString::new(RING_HEADER).map_err(|e| GpuError::Compile(e.to_string()))?,
-        CString::new(PROTOCOL_HEADER).map_err(|e| GpuError::Compile(e.to_string()))?,
-    ];
-    let header_names = [c"bgs_ring.h", c"bgs_protocol.h"];
-    let hp: Vec<*const c_char> = headers.iter().map(|h| h.as_ptr()).collect();
+    nvrtc_compile_source(
+        "bgs_kernels.cu",
+        KERNEL_SOURCE,
+        &[
+            ("bgs_ring.h", RING_HEADER),
+            ("bgs_protocol.h", PROTOCOL_HEADER),
+        ],
+        options,
+    )
+}
+
+/// Compile `source` (named `name`, with `headers` as (include name, text) pairs) to a
+/// relocatable cubin. NVRTC must be loaded.
+pub fn nvrtc_compile_source(
+    name: &str,
+    source: &str,
+    headers: &[(&str, &str)],
+    options: &[String],
+) -> Result<Vec<u8>, GpuError> {
+    let c = |s: &str| CString::new(s).map_err(|e| GpuError::Compile(e.to_string()));
+    let src = c(source)?;
+    let name = c(name)?;
+    let header_text: Vec<CString> = headers.iter().map(|h| c(h.1)).collect::<Result<_, _>>()?;
+    let header_names: Vec<CString> = headers.iter().map(|h| c(h.0)).collect::<Result<_, _>>()?;
+    let hp: Vec<*const c_char> = header_text.iter().map(|h| h.as_ptr()).collect();
     let hn: Vec<*const c_char> = header_names.iter().map(|h| h.as_ptr()).collect();
     let opts: Vec<CString> = options
         .iter()

@@ -72,6 +72,41 @@ fn kernels_compile_with_nvrtc_and_link_with_nvjitlink() {
     }
 }
 
+/// The generation step policy (portable C, run by the host engine today) compiles for the
+/// GPU's step loop too: NVRTC, device functions called from a kernel.
+#[test]
+fn step_policy_compiles_with_nvrtc() {
+    let Some(dir) = wheel_lib_dir() else {
+        missing("NVRTC 13 not found; step policy NVRTC check skipped");
+        return;
+    };
+    let dirs = vec![dir];
+    libs::load(&libs::NVRTC_BUILTINS, &dirs).expect("libnvrtc-builtins");
+    libs::load(&libs::NVRTC, &dirs).expect("libnvrtc");
+    let header = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../include/bgs_step_policy.h"),
+    )
+    .unwrap();
+    let source = r#"
+#define BGS_STEP_POLICY_API __device__
+#define BGS_STEP_POLICY_IMPL
+#include "bgs_step_policy.h"
+extern "C" __global__ void plan_once(const struct bgs_sp_limits *l,
+                                     const struct bgs_sp_seq *s, unsigned n,
+                                     struct bgs_sp_out *o, int *r) {
+    *r = bgs_step_plan(l, s, n, o);
+}
+"#;
+    let cubin = compile::nvrtc_compile_source(
+        "step_policy.cu",
+        source,
+        &[("bgs_step_policy.h", &header)],
+        &compile::nvrtc_options(9, 0),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"));
+}
+
 const STUB_PRELUDE: &str = r#"
 /* Stand-ins for what the CUDA headers / NVRTC provide; enough for -fsyntax-only. */
 #define __global__ __attribute__((global))
