@@ -43,7 +43,9 @@ for c in ${CHECK-kloop-gpu native-gpu}; do
   for spec in "gemm8 1" "gemm8 16" "gemm8 256" "fft32 1" "fft32 16" "fft32 256" "echo 1"; do
     set -- $spec
     for http in "" "--http"; do
-      timeout 120 "$bgs" load --target 127.0.0.1:$port --op "$1" --repeat "$2" --rate 5000 \
+      # --repeat is refused with echo (it does nothing there).
+      rep=(--repeat "$2"); [ "$1" = echo ] && rep=()
+      timeout 120 "$bgs" load --target 127.0.0.1:$port --op "$1" "${rep[@]}" --rate 5000 \
         --requests 5000 --warmup 0.5 --connections 64 --strict $http --cpus "$client_cpus" \
         >"$out/check-$c-$1-$2${http:+-http}.txt" 2>&1
       echo "check $c $1 r=$2 $http rc=$?" | tee -a "$out/steps.log"

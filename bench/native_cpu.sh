@@ -29,7 +29,8 @@ stop_server() { kill -TERM "$server_pid"; wait "$server_pid" || true; }
 
 run_load() { # name op rate extra...
   local name=$1 op=$2 rate=$3; shift 3
-  "$bgs" load --target 127.0.0.1:$port --op "$op" --repeat 1 --rate "$rate" --connections 128 \
+  local rep=(--repeat 1); [ "$op" = echo ] && rep=() # --repeat is refused with echo
+  "$bgs" load --target 127.0.0.1:$port --op "$op" "${rep[@]}" --rate "$rate" --connections 128 \
     --duration "$secs" --warmup 2 --cpus "$client_cpus" --server-pid "$server_pid" \
     --json "$out/$name.json" "$@" >"$out/$name.txt" 2>&1 || true
 }
