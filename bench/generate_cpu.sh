@@ -37,24 +37,27 @@ BGS_BENCH_MODEL="$BGS_SMOLLM2_GGUF" BGS_BENCH_STEPS=16 BGS_BENCH_BATCHES=1,4,16 
 port=7820
 start_server() { # model slots
   port=$((port + 1))
+  log="$out/server-$port.log"
+  rm -f "$log" # a fresh file: the wait below must not see an earlier server's line
   "$bgs" serve --listen 127.0.0.1:$port --cpus 0 --model "$1" --slots "$2" \
-    --api-listen off >"$out/server.log" 2>&1 &
+    --api-listen off >"$log" 2>&1 &
   server_pid=$!
-  for _ in $(seq 100); do grep -q listening "$out/server.log" 2>/dev/null && return; sleep 0.1; done
-  echo "server did not start" >&2; cat "$out/server.log" >&2; exit 1
+  for _ in $(seq 300); do grep -q listening "$log" 2>/dev/null && return; sleep 0.1; done
+  echo "server did not start" >&2; cat "$log" >&2; exit 1
 }
 stop_server() { kill -TERM "$server_pid"; wait "$server_pid"; }
-run_load() { # name rate max_tokens
-  "$bgs" load --target 127.0.0.1:$port --op generate --prompt-tokens 16 --max-tokens "$3" \
-    --ignore-eos --rate "$2" --connections 16 --duration "$secs" --warmup 2 \
-    --cpus "$client_cpus" --server-pid "$server_pid" --json "$out/$1.json" --strict \
-    >"$out/$1.txt" 2>&1
+run_load() { # name rate max_tokens [extra load flags]
+  local name=$1 rate=$2 max=$3; shift 3
+  "$bgs" load --target 127.0.0.1:$port --op generate --prompt-tokens 16 --max-tokens "$max" \
+    --ignore-eos --rate "$rate" --connections 16 --duration "$secs" --warmup 2 \
+    --cpus "$client_cpus" --server-pid "$server_pid" --json "$out/$name.json" --strict "$@" \
+    >"$out/$name.txt" 2>&1
 }
 for rate in 20 100 400; do
   start_server "$tiny" 16; run_load "tcp-tiny-r$rate" "$rate" 64; stop_server
 done
 for rate in 0.5 2; do
-  start_server "$BGS_SMOLLM2_GGUF" 16; run_load "tcp-smollm2-r$rate" "$rate" 32; stop_server
+  start_server "$BGS_SMOLLM2_GGUF" 16; run_load "tcp-smollm2-r$rate" "$rate" 32 --prompts 16; stop_server
 done
 
 python3 - "$out" "$rev" "$*" >"$out/summary.json" <<'EOF'

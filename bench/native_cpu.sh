@@ -20,6 +20,7 @@ rev=$(git rev-parse --short=12 HEAD)
 port=7790
 start_server() { # args...
   port=$((port + 1))
+  rm -f "$out/server.log" # the wait below must not see an earlier server's line
   "$bgs" serve --listen 127.0.0.1:$port --cpus 0 "$@" >"$out/server.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 50); do grep -q listening "$out/server.log" 2>/dev/null && return; sleep 0.1; done

@@ -37,7 +37,7 @@ impl OneShotCpu {
             *d = f32::from_bits(*s);
         }
         let mut c = [0f32; 64];
-        for _ in 0..repeat.max(1) {
+        for _ in 0..Op::Gemm8.spec().param_value(repeat) {
             gemm::gemm8(std::hint::black_box(&af), &self.b, &mut c);
         }
         for (d, s) in self.out.iter_mut().zip(&c) {
@@ -53,7 +53,9 @@ impl OneShotCpu {
     /// that bypasses it gets an error status instead of a panic. `generate` is not a one-shot
     /// op: a server without a model answers it `UnknownOp`.
     pub fn run<'a>(&'a mut self, op: Op, param: u32, payload: &'a [u32]) -> (Status, &'a [u32]) {
-        let one_shot_ok = payload.len() == 64 && param <= bgs_protocol::MAX_REPEAT;
+        // The op table's rules (the framer checked them; a repeat of 0 means 1).
+        let one_shot_ok =
+            bgs_protocol::ops::check(op.spec(), payload.len() as u32, param, 0).is_ok();
         match op {
             Op::Echo => (Status::Ok, payload),
             Op::Gemm8 if one_shot_ok => (Status::Ok, &self.gemm8(payload, param)[..]),
@@ -70,7 +72,7 @@ impl OneShotCpu {
             *d = f32::from_bits(*s);
         }
         let mut y = [0f32; 64];
-        for _ in 0..repeat.max(1) {
+        for _ in 0..Op::Fft32.spec().param_value(repeat) {
             self.plan.forward(std::hint::black_box(&xf), &mut y);
         }
         for (d, s) in self.out.iter_mut().zip(&y) {

@@ -606,13 +606,7 @@ impl<M: StepModel> Engine for GenerationEngine<M> {
                 self.seqs.push(seq);
             }
             Op::Echo | Op::Gemm8 | Op::Fft32 => {
-                if r.flags != 0 {
-                    return Err(Status::BadFlags);
-                }
-                let one_shot_ok = r.payload.len() == 64 && r.param <= bgs_protocol::MAX_REPEAT;
-                if r.op != Op::Echo && !one_shot_ok {
-                    return Err(Status::BadParam);
-                }
+                bgs_protocol::ops::check(r.op.spec(), r.payload.len() as u32, r.param, r.flags)?;
                 self.oneshots.push_back(OneShot {
                     stream: r.stream,
                     op: r.op,
