@@ -68,13 +68,14 @@ s = {
     "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.platform()})",
     "command": f"bash bench/generate_cpu.sh {args}".strip(),
     "revision": rev,
+    "load_average_at_end": open("/proc/loadavg").read().split()[:3],
     "engine": [],
     "tcp": [],
 }
 for f in sorted(glob.glob(f"{out}/engine-*.jsonl")):
     s["engine"] += [json.loads(l) for l in open(f) if l.startswith("{")]
 for f in sorted(glob.glob(f"{out}/tcp-*.json")):
-    r = json.load(open(f))
+    r = json.load(open(f))["report"]
     g = r.get("generate") or {}
     tokens = g.get("tokens") or 0
     cpu = (r.get("server_cpu") or {})
