@@ -2,6 +2,7 @@
 
 mod affinity;
 mod demo;
+mod lab;
 mod meta;
 mod serve;
 
@@ -31,6 +32,8 @@ enum Command {
     Load(LoadArgs),
     /// Start a CPU-executor server on loopback, load it briefly, print a table.
     Demo(demo::DemoArgs),
+    /// Run experiment files (paired blocks, CPU in every scope) and report on them.
+    Lab(lab::LabArgs),
 }
 
 /// Request kinds the load generator sends.
@@ -203,6 +206,7 @@ fn main() {
         Command::Serve(args) => serve::run(&args),
         Command::Load(args) => load(&args),
         Command::Demo(args) => demo::run(&args),
+        Command::Lab(args) => lab::run(&args),
     };
     if let Err(e) = result {
         eprintln!("bgs: error: {e:#}");
