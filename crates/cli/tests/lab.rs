@@ -37,10 +37,28 @@ fn ci_smoke_runs_end_to_end_and_the_report_matches_the_raw_records() {
     let _ = std::fs::remove_dir_all(&dir);
     let exp = repo().join("experiments/ci-smoke.toml");
     let d = dir.to_str().unwrap();
-    let run = bgs(&["lab", "run", exp.to_str().unwrap(), "--out", d, "--no-report"]);
+    let run = bgs(&[
+        "lab",
+        "run",
+        exp.to_str().unwrap(),
+        "--out",
+        d,
+        "--no-report",
+    ]);
     assert!(run.status.success());
     // A second run into the same directory is refused (results are never overwritten).
-    assert!(!bgs(&["lab", "run", exp.to_str().unwrap(), "--out", d, "--no-report"]).status.success());
+    assert!(
+        !bgs(&[
+            "lab",
+            "run",
+            exp.to_str().unwrap(),
+            "--out",
+            d,
+            "--no-report"
+        ])
+        .status
+        .success()
+    );
     let rep = bgs(&["lab", "report", d]);
     assert!(rep.status.success());
 
@@ -61,7 +79,11 @@ fn ci_smoke_runs_end_to_end_and_the_report_matches_the_raw_records() {
         .collect();
     assert!(!svgs.is_empty());
     for s in &svgs {
-        assert!(std::fs::read_to_string(s).unwrap().contains("<svg"), "{}", s.display());
+        assert!(
+            std::fs::read_to_string(s).unwrap().contains("<svg"),
+            "{}",
+            s.display()
+        );
     }
 
     // Recompute from the raw records: per-run server CPU per request, the per-condition
@@ -77,9 +99,17 @@ fn ci_smoke_runs_end_to_end_and_the_report_matches_the_raw_records() {
     // Counterbalanced: native first in block 0, floor first in block 1; a block shares a seed.
     let order: Vec<(u64, &str)> = runs
         .iter()
-        .map(|r| (r["block"].as_u64().unwrap(), r["condition"].as_str().unwrap()))
+        .map(|r| {
+            (
+                r["block"].as_u64().unwrap(),
+                r["condition"].as_str().unwrap(),
+            )
+        })
         .collect();
-    assert_eq!(order, [(0, "native"), (0, "floor"), (1, "floor"), (1, "native")]);
+    assert_eq!(
+        order,
+        [(0, "native"), (0, "floor"), (1, "floor"), (1, "native")]
+    );
     assert_eq!(runs[0]["seed"], runs[1]["seed"]);
     assert_ne!(runs[0]["seed"], runs[2]["seed"]);
     let cpu = |r: &Value| {
@@ -92,7 +122,12 @@ fn ci_smoke_runs_end_to_end_and_the_report_matches_the_raw_records() {
             .map(cpu)
             .unwrap()
     };
-    let (n0, n1, f0, f1) = (of("native", 0), of("native", 1), of("floor", 0), of("floor", 1));
+    let (n0, n1, f0, f1) = (
+        of("native", 0),
+        of("native", 1),
+        of("floor", 0),
+        of("floor", 1),
+    );
     for v in [n0, n1, f0, f1] {
         assert!(v.is_finite() && v > 0.0, "server CPU per request {v}");
     }
@@ -130,7 +165,12 @@ fn ci_smoke_runs_end_to_end_and_the_report_matches_the_raw_records() {
     // The verdict is decided from the throughput ratio, recomputed here too.
     let tp = |r: &Value| f(&r["load"]["report"]["achieved_rate"]);
     let tpr = |b: u64| {
-        let g = |c: &str| runs.iter().find(|r| r["condition"] == c && r["block"] == b).map(tp).unwrap();
+        let g = |c: &str| {
+            runs.iter()
+                .find(|r| r["condition"] == c && r["block"] == b)
+                .map(tp)
+                .unwrap()
+        };
         (g("floor") / g("native")).ln()
     };
     let tratio = ((tpr(0) + tpr(1)) / 2.0).exp();
@@ -154,8 +194,14 @@ fn bad_experiment_files_are_rejected_naming_the_key() {
     std::fs::create_dir_all(&dir).unwrap();
     let good = std::fs::read_to_string(repo().join("experiments/ci-smoke.toml")).unwrap();
     for (bad, key) in [
-        (good.replace("blocks = 2", "blocks = 2\nblokcs = 3"), "blokcs"),
-        (good.replace("treatment = \"floor\"", "treatment = \"flor\""), "criterion.treatment"),
+        (
+            good.replace("blocks = 2", "blocks = 2\nblokcs = 3"),
+            "blokcs",
+        ),
+        (
+            good.replace("treatment = \"floor\"", "treatment = \"flor\""),
+            "criterion.treatment",
+        ),
         (good.replace("rate = 500", "rate = 0"), "load.rate"),
     ] {
         let p = dir.join("bad.toml");
@@ -166,10 +212,24 @@ fn bad_experiment_files_are_rejected_naming_the_key() {
         assert!(err.contains(key), "{key}: {err}");
         // Nothing ran: no results directory was created.
         let o = dir.join("out");
-        assert!(!bgs(&["lab", "run", p.to_str().unwrap(), "--out", o.to_str().unwrap()]).status.success());
+        assert!(
+            !bgs(&[
+                "lab",
+                "run",
+                p.to_str().unwrap(),
+                "--out",
+                o.to_str().unwrap()
+            ])
+            .status
+            .success()
+        );
         assert!(!o.exists());
     }
-    let ok = bgs(&["lab", "check", repo().join("experiments/ci-smoke.toml").to_str().unwrap()]);
+    let ok = bgs(&[
+        "lab",
+        "check",
+        repo().join("experiments/ci-smoke.toml").to_str().unwrap(),
+    ]);
     assert!(ok.status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }

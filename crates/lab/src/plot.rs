@@ -184,12 +184,15 @@ fn series(a: &Analysis, metric: &str) -> BTreeMap<String, Vec<(f64, f64)>> {
     out
 }
 
+/// A labelled line (label, points, drawn thin).
+type Line = (String, Vec<(f64, f64)>, bool);
+
 fn line_plot(
     dir: &Path,
     name: &str,
     title: &str,
     ylabel: &str,
-    lines: &[(String, Vec<(f64, f64)>, bool)],
+    lines: &[Line],
 ) -> Result<Option<String>> {
     let pts: Vec<(f64, f64)> = lines.iter().flat_map(|l| l.1.iter().copied()).collect();
     if pts.is_empty() {

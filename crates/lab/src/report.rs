@@ -456,7 +456,7 @@ fn fint(i: &Interval) -> String {
     }
 }
 
-fn get<'a>(m: &'a BTreeMap<String, Interval>, k: &str) -> f64 {
+fn get(m: &BTreeMap<String, Interval>, k: &str) -> f64 {
     m.get(k).map_or(f64::NAN, |i| i.point)
 }
 

@@ -91,10 +91,7 @@ fn list_string(v: &[usize]) -> String {
 
 /// Resolve "auto" CPU sets: the server gets the first allowed CPU and the load generator the
 /// rest, when there are at least two; otherwise neither is pinned.
-fn resolve_cpus(
-    server: Option<&str>,
-    client: Option<&str>,
-) -> Result<(Option<Vec<usize>>, Option<Vec<usize>>)> {
+fn resolve_cpus(server: Option<&str>, client: Option<&str>) -> Result<(CpuSet, CpuSet)> {
     let allowed = allowed_cpus();
     let auto_ok = allowed.len() >= 2;
     let s = match server {
@@ -118,6 +115,9 @@ fn resolve_cpus(
     };
     Ok((s, c.filter(|v| !v.is_empty())))
 }
+
+/// A resolved CPU set (None: not pinned).
+type CpuSet = Option<Vec<usize>>;
 
 fn now_unix_ms() -> u64 {
     SystemTime::now()

@@ -115,7 +115,7 @@ pub fn paired_ratio(baseline: &[f64], treatment: &[f64]) -> Interval {
     if baseline
         .iter()
         .chain(treatment)
-        .any(|v| !(*v > 0.0) || !v.is_finite())
+        .any(|v| v.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) || !v.is_finite())
     {
         return Interval::undefined(n);
     }
