@@ -197,7 +197,13 @@ pub fn load_args(e: &Experiment, cell: &Cell, cond: usize, seed: u64) -> Vec<Str
         a.push(k.into());
         a.push(v);
     };
-    let op = o.op.clone().unwrap_or_else(|| l.op.clone());
+    let op = o.op.clone().unwrap_or_else(|| {
+        if cell.op.is_empty() {
+            l.op.clone()
+        } else {
+            cell.op.clone()
+        }
+    });
     push("--op", op);
     push("--repeat", o.repeat.unwrap_or(cell.repeat).to_string());
     push("--words", o.words.unwrap_or(cell.words).to_string());

@@ -187,6 +187,9 @@ pub struct LoadSpec {
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Grid {
+    /// Operations (work kinds; a condition's `load.op` still wins).
+    #[serde(default)]
+    pub op: Vec<String>,
     /// Offered rates.
     #[serde(default)]
     pub rate: Vec<f64>,
@@ -294,6 +297,9 @@ pub struct Cell {
     pub id: String,
     /// File-name form of the id.
     pub slug: String,
+    /// Operation.
+    #[serde(default)]
+    pub op: String,
     /// Offered rate.
     pub rate: f64,
     /// Repeat count.
@@ -435,6 +441,11 @@ impl Experiment {
             bail!("load.repeat: must be 1..=256 (got {})", l.repeat);
         }
         check_owned("load.extra", &l.extra, LOAD_OWNED)?;
+        for (i, op) in self.grid.op.iter().enumerate() {
+            if !OPS.contains(&op.as_str()) {
+                bail!("grid.op[{i}]: unknown operation {op:?} (one of {OPS:?})");
+            }
+        }
         for (i, r) in self.grid.rate.iter().enumerate() {
             positive(&format!("grid.rate[{i}]"), *r)?;
         }
@@ -547,6 +558,7 @@ impl Experiment {
         }
         let rates: Vec<f64> = or(&g.rate, l.rate.unwrap_or(f64::NAN));
         let repeats = or(&g.repeat, l.repeat);
+        let ops = or(&g.op, l.op.clone());
         let words = or(&g.words, l.words);
         let conns = or(&g.connections, l.connections);
         let cpus: Vec<Option<String>> = if g.server_cpus.is_empty() {
@@ -555,52 +567,60 @@ impl Experiment {
             g.server_cpus.iter().cloned().map(Some).collect()
         };
         let mut out = Vec::new();
-        for c in &cpus {
-            for &n in &conns {
-                for &w in &words {
-                    for &r in &repeats {
-                        for &rate in &rates {
-                            let mut parts = Vec::new();
-                            if !g.rate.is_empty() {
-                                parts.push(format!("rate={rate}"));
+        for op in &ops {
+            for c in &cpus {
+                for &n in &conns {
+                    for &w in &words {
+                        for &r in &repeats {
+                            for &rate in &rates {
+                                let mut parts = Vec::new();
+                                if !g.op.is_empty() {
+                                    parts.push(format!("op={op}"));
+                                }
+                                if !g.rate.is_empty() {
+                                    parts.push(format!("rate={rate}"));
+                                }
+                                if !g.repeat.is_empty() {
+                                    parts.push(format!("repeat={r}"));
+                                }
+                                if !g.words.is_empty() {
+                                    parts.push(format!("words={w}"));
+                                }
+                                if !g.connections.is_empty() {
+                                    parts.push(format!("connections={n}"));
+                                }
+                                if !g.server_cpus.is_empty() {
+                                    parts.push(format!(
+                                        "server_cpus={}",
+                                        c.as_deref().unwrap_or("all")
+                                    ));
+                                }
+                                let id = if parts.is_empty() {
+                                    "main".to_string()
+                                } else {
+                                    parts.join(",")
+                                };
+                                let slug = id
+                                    .chars()
+                                    .map(|ch| {
+                                        if ch.is_ascii_alphanumeric() || ch == '.' {
+                                            ch
+                                        } else {
+                                            '_'
+                                        }
+                                    })
+                                    .collect();
+                                out.push(Cell {
+                                    id,
+                                    slug,
+                                    op: op.clone(),
+                                    rate,
+                                    repeat: r,
+                                    words: w,
+                                    connections: n,
+                                    server_cpus: c.clone(),
+                                });
                             }
-                            if !g.repeat.is_empty() {
-                                parts.push(format!("repeat={r}"));
-                            }
-                            if !g.words.is_empty() {
-                                parts.push(format!("words={w}"));
-                            }
-                            if !g.connections.is_empty() {
-                                parts.push(format!("connections={n}"));
-                            }
-                            if !g.server_cpus.is_empty() {
-                                parts
-                                    .push(format!("server_cpus={}", c.as_deref().unwrap_or("all")));
-                            }
-                            let id = if parts.is_empty() {
-                                "main".to_string()
-                            } else {
-                                parts.join(",")
-                            };
-                            let slug = id
-                                .chars()
-                                .map(|ch| {
-                                    if ch.is_ascii_alphanumeric() || ch == '.' {
-                                        ch
-                                    } else {
-                                        '_'
-                                    }
-                                })
-                                .collect();
-                            out.push(Cell {
-                                id,
-                                slug,
-                                rate,
-                                repeat: r,
-                                words: w,
-                                connections: n,
-                                server_cpus: c.clone(),
-                            });
                         }
                     }
                 }
