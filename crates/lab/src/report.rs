@@ -511,7 +511,11 @@ pub fn markdown(a: &Analysis, e: &Experiment, plots: &[String]) -> String {
         "- design: {} paired blocks per cell; every block starts a fresh server process per condition; \
          order counterbalanced (two conditions: AB, BA, AB, ...; more: rotated, odd blocks reversed); \
          both conditions of a block share its payload seed.",
-        e.blocks
+        a.cells
+            .iter()
+            .flat_map(|c| c.runs.iter().map(|r| r.block + 1))
+            .max()
+            .unwrap_or(e.blocks)
     );
     let _ = writeln!(
         s,

@@ -295,8 +295,8 @@ pub fn run(e: &Experiment, source: &str, opts: &RunOptions) -> Result<Vec<RunRec
         "phase": phase,
         "cells": cells,
         "conditions": e.conditions.iter().map(|c| &c.name).collect::<Vec<_>>(),
+        // In execution order.
         "runs": runs,
-        "lab_revision_note": "runs are executed in this order",
     });
     fs::write(
         out.join("plan.json"),
