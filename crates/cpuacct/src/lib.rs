@@ -709,21 +709,33 @@ mod tests {
         let pid = std::process::id();
         let before = ProcessCpu::sample(pid).unwrap();
         assert!(before.thread_count >= 1);
+        // The burner stops at 50 ms of its own CPU time (not wall time: on a loaded machine a
+        // wall-clock burn can get a fraction of that), says so, and stays alive until the
+        // second sample so that it is still in task/.
+        let (burnt_tx, burnt_rx) = std::sync::mpsc::channel();
+        let (sampled_tx, sampled_rx) = std::sync::mpsc::channel::<()>();
         let h = std::thread::Builder::new()
             .name("burner".into())
-            .spawn(|| {
-                let start = Instant::now();
+            .spawn(move || {
+                let cpu = || {
+                    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+                    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+                };
                 let mut x = 0u64;
-                while start.elapsed() < Duration::from_millis(50) {
+                while cpu() < Duration::from_millis(50) {
                     x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
                 }
-                // Stay alive so the thread is still in task/ at the second sample.
-                std::thread::sleep(Duration::from_millis(200));
+                burnt_tx.send(()).unwrap();
+                let _ = sampled_rx.recv();
                 x
             })
             .unwrap();
-        std::thread::sleep(Duration::from_millis(100));
+        let started = Instant::now();
+        burnt_rx.recv().unwrap();
+        // At least 90 ms of wall time between the samples (the wall_ns check below).
+        std::thread::sleep(Duration::from_millis(100).saturating_sub(started.elapsed()));
         let after = ProcessCpu::sample(pid).unwrap();
+        sampled_tx.send(()).unwrap();
         h.join().unwrap();
         let d = after.delta(&before);
         assert!(d.run_ns >= 20_000_000, "run_ns grew by only {}", d.run_ns);

@@ -184,8 +184,8 @@ fn series(a: &Analysis, metric: &str) -> BTreeMap<String, Vec<(f64, f64)>> {
     out
 }
 
-/// A labelled line (label, points, drawn thin).
-type Line = (String, Vec<(f64, f64)>, bool);
+/// A labelled line: label, points, drawn thin, colour index (one colour per condition).
+type Line = (String, Vec<(f64, f64)>, bool, usize);
 
 fn line_plot(
     dir: &Path,
@@ -216,8 +216,8 @@ fn line_plot(
         .y_desc(ylabel)
         .draw()
         .map_err(e)?;
-    for (i, (label, v, dashed)) in lines.iter().enumerate() {
-        let color = PALETTE[i % PALETTE.len()];
+    for (label, v, dashed, ci) in lines {
+        let color = PALETTE[ci % PALETTE.len()];
         let style = if *dashed {
             color.stroke_width(1)
         } else {
@@ -326,12 +326,17 @@ pub fn write_plots(dir: &Path, a: &Analysis) -> Result<Vec<String>> {
     for ci in 0..a.cells.len() {
         out.extend(cpu_bars(dir, a, ci)?);
     }
+    // One colour per series key (condition and other cell dimensions), p50 thin, p99 thick.
+    let keys: Vec<String> = series(a, "p99").into_keys().collect();
+    let colour = |k: &str| keys.iter().position(|x| x == k).unwrap_or(keys.len());
     let mut lat = Vec::new();
     for (k, v) in series(a, "p50") {
-        lat.push((format!("{k} p50"), v, true));
+        let c = colour(&k);
+        lat.push((format!("{k} p50"), v, true, c));
     }
     for (k, v) in series(a, "p99") {
-        lat.push((format!("{k} p99"), v, false));
+        let c = colour(&k);
+        lat.push((format!("{k} p99"), v, false, c));
     }
     out.extend(line_plot(
         dir,
@@ -342,7 +347,8 @@ pub fn write_plots(dir: &Path, a: &Analysis) -> Result<Vec<String>> {
     )?);
     let tp: Vec<_> = series(a, "throughput")
         .into_iter()
-        .map(|(k, v)| (k, v, false))
+        .enumerate()
+        .map(|(i, (k, v))| (k, v, false, i))
         .collect();
     out.extend(line_plot(
         dir,
@@ -353,7 +359,8 @@ pub fn write_plots(dir: &Path, a: &Analysis) -> Result<Vec<String>> {
     )?);
     let tok: Vec<_> = series(a, "tokens_per_s")
         .into_iter()
-        .map(|(k, v)| (k, v, false))
+        .enumerate()
+        .map(|(i, (k, v))| (k, v, false, i))
         .collect();
     out.extend(line_plot(
         dir,

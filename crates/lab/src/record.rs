@@ -186,3 +186,80 @@ pub fn invalid_reasons(rec: &RunRecord, asked_rate: f64, behind_fraction: f64) -
     }
     why
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(report: Value) -> RunRecord {
+        RunRecord {
+            experiment: "t".into(),
+            phase: "screen".into(),
+            cell: Cell {
+                id: "main".into(),
+                slug: "main".into(),
+                op: "gemm8".into(),
+                rate: 1000.0,
+                repeat: 1,
+                words: 64,
+                connections: 1,
+                server_cpus: None,
+            },
+            block: 0,
+            position: 0,
+            condition: "a".into(),
+            seed: 1,
+            server_args: vec![],
+            load_args: vec![],
+            server_cpu_set: None,
+            client_cpu_set: None,
+            started_unix_ms: 0,
+            wall_s: 1.0,
+            server: ServerOutcome {
+                addr: Some("127.0.0.1:1".into()),
+                ..Default::default()
+            },
+            load_exit: Some(0),
+            load_timed_out: false,
+            load_output_tail: vec![],
+            load: Some(serde_json::json!({ "report": report })),
+            observer: None,
+            metrics: BTreeMap::new(),
+            valid: true,
+            invalid_reasons: vec![],
+        }
+    }
+
+    fn report(ok: u64, timed_out: u64, offered: f64) -> Value {
+        serde_json::json!({
+            "scheduled": ok + timed_out,
+            "failures": timed_out,
+            "warmup_failures": 0,
+            "counts": { "ok": ok, "busy": 0, "wrong": 0, "error": 0, "timed_out": timed_out, "conn_failed": 0, "cancelled": 0 },
+            "warmup_counts": { "ok": 10 },
+            "offered_rate": offered,
+            "server_cpu": { "delta": { "run_ns": 1000 } },
+        })
+    }
+
+    #[test]
+    fn clean_runs_are_valid_and_bad_ones_say_why() {
+        assert!(invalid_reasons(&rec(report(1000, 0, 999.0)), 1000.0, 0.95).is_empty());
+        let why = invalid_reasons(&rec(report(990, 10, 999.0)), 1000.0, 0.95);
+        assert_eq!(why.len(), 1, "{why:?}");
+        assert!(why[0].contains("10 failed requests") && why[0].contains("timed out 10"));
+        let why = invalid_reasons(&rec(report(1000, 0, 800.0)), 1000.0, 0.95);
+        assert!(why[0].contains("fell behind schedule"), "{why:?}");
+        let mut r = rec(report(1000, 0, 1000.0));
+        r.load_timed_out = true;
+        r.load_exit = None;
+        assert!(invalid_reasons(&r, 1000.0, 0.95)[0].contains("past its deadline"));
+        let mut r = rec(report(1000, 0, 1000.0));
+        r.server.addr = None;
+        r.load = None;
+        assert_eq!(
+            invalid_reasons(&r, 1000.0, 0.95),
+            vec!["the server did not start".to_string()]
+        );
+    }
+}
