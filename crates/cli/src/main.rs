@@ -132,6 +132,11 @@ pub struct LoadArgs {
     /// Exit with status 1 if any request failed (wrong, error, timed out, connection failed).
     #[arg(long)]
     strict: bool,
+    /// Closed loop (as wrk): each connection sends its next request when the previous reply
+    /// arrives, for --warmup then --duration seconds; finds saturation throughput (--rate,
+    /// --pipeline and --threads are ignored; echo, gemm8 and fft32, binary frames).
+    #[arg(long)]
+    closed_loop: bool,
 }
 
 impl LoadArgs {
@@ -220,7 +225,12 @@ fn load(args: &LoadArgs) -> Result<()> {
     if let Some(list) = &args.cpus {
         affinity::pin(list)?;
     }
-    let report = bgs_load::run(&cfg).context("load run failed")?;
+    let report = if args.closed_loop {
+        bgs_load::run_closed(&cfg)
+    } else {
+        bgs_load::run(&cfg)
+    }
+    .context("load run failed")?;
     println!("{report}");
     if let Some(path) = &args.json {
         let doc = meta::with_metadata(serde_json::to_value(&report)?);

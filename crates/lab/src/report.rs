@@ -243,7 +243,7 @@ pub fn analyse(dir: &Path) -> Result<Analysis> {
             .iter()
             .map(|(p, r)| {
                 // Recompute from the raw contents: the report never trusts stored summaries.
-                let why = invalid_reasons(r, r.cell.rate, e.load.behind_fraction);
+                let why = invalid_reasons(r, e.asked_rate(&r.cell), e.load.behind_fraction);
                 if let Some(doc) = &r.load {
                     if let Some(rev) = doc.get("git_revision").and_then(Value::as_str)
                         && !revisions.iter().any(|x| x == rev)

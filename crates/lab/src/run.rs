@@ -243,6 +243,9 @@ pub fn load_args(e: &Experiment, cell: &Cell, cond: usize, seed: u64) -> Vec<Str
     if l.http {
         a.push("--http".into());
     }
+    if l.closed_loop {
+        a.push("--closed-loop".into());
+    }
     a.extend(l.extra.iter().cloned());
     a.extend(o.extra);
     a
@@ -550,7 +553,7 @@ fn run_one(
         invalid_reasons: Vec::new(),
     };
     rec.metrics = crate::metrics::compute(&rec);
-    rec.invalid_reasons = invalid_reasons(&rec, cell.rate, e.load.behind_fraction);
+    rec.invalid_reasons = invalid_reasons(&rec, e.asked_rate(cell), e.load.behind_fraction);
     rec.valid = rec.invalid_reasons.is_empty();
     Ok(rec)
 }

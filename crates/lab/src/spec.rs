@@ -174,6 +174,10 @@ pub struct LoadSpec {
     /// Generate: token id range of prompts.
     #[serde(default)]
     pub token_range: Option<u32>,
+    /// Closed loop (`bgs load --closed-loop`): saturation throughput; there is no schedule, so
+    /// runs are never "behind" and latency is service time.
+    #[serde(default)]
+    pub closed_loop: bool,
     /// Any further `bgs load` flags, verbatim.
     #[serde(default)]
     pub extra: Vec<String>,
@@ -538,6 +542,15 @@ impl Experiment {
             }
         }
         Ok(())
+    }
+
+    /// The rate a run of `cell` must keep to be on schedule (0 in closed loop: no schedule).
+    pub fn asked_rate(&self, cell: &Cell) -> f64 {
+        if self.load.closed_loop {
+            0.0
+        } else {
+            cell.rate
+        }
     }
 
     /// The seed of block `b`.

@@ -9,6 +9,7 @@
 //! helpers for tests.
 
 pub mod client;
+mod closed;
 pub mod discover;
 mod engine;
 mod generate;
@@ -28,6 +29,7 @@ use bgs_protocol::reply::{encode_http_request, encode_request};
 use bgs_protocol::{HEADER_LEN, MAX_REPEAT, Op, RequestHeader, Status};
 
 pub use client::{FrameClient, HttpResponse, Reply};
+pub use closed::run_closed;
 pub use engine::Counts;
 pub use generate::{FLAG_IGNORE_EOS, GenerateConfig, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS};
 pub use payload::{check_reference, golden_reference, make_payload, make_prompt, payload_words};
