@@ -137,6 +137,18 @@ pub struct LoadArgs {
     /// --pipeline and --threads are ignored; echo, gemm8 and fft32, binary frames).
     #[arg(long)]
     closed_loop: bool,
+    /// Drive an external OpenAI-compatible completions endpoint instead of --target
+    /// (`http://HOST:PORT[/v1/completions]`), with the generate flags (--prompt-tokens,
+    /// --max-tokens, --ignore-eos, --prompts) and the same schedule; --server-pid accounts its
+    /// CPU.
+    #[arg(long, value_name = "URL")]
+    openai: Option<String>,
+    /// With --openai: the `model` field.
+    #[arg(long, requires = "openai", default_value = "")]
+    model: String,
+    /// With --openai: ask for one JSON response instead of a server-sent event stream.
+    #[arg(long, requires = "openai")]
+    no_stream: bool,
 }
 
 impl LoadArgs {
@@ -225,7 +237,14 @@ fn load(args: &LoadArgs) -> Result<()> {
     if let Some(list) = &args.cpus {
         affinity::pin(list)?;
     }
-    let report = if args.closed_loop {
+    let report = if let Some(url) = &args.openai {
+        let oa = bgs_load::OpenAiConfig {
+            url: url.clone(),
+            model: args.model.clone(),
+            stream: !args.no_stream,
+        };
+        bgs_load::run_openai(&cfg, &oa)
+    } else if args.closed_loop {
         bgs_load::run_closed(&cfg)
     } else {
         bgs_load::run(&cfg)

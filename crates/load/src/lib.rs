@@ -14,6 +14,7 @@ pub mod discover;
 mod engine;
 mod generate;
 mod http;
+mod openai;
 mod payload;
 pub mod report;
 
@@ -32,6 +33,7 @@ pub use client::{FrameClient, HttpResponse, Reply};
 pub use closed::run_closed;
 pub use engine::Counts;
 pub use generate::{FLAG_IGNORE_EOS, GenerateConfig, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS};
+pub use openai::{OpenAiConfig, run_openai};
 pub use payload::{check_reference, golden_reference, make_payload, make_prompt, payload_words};
 pub use report::{GenerateReport, Latency, LoadReport, ReportConfig};
 
