@@ -26,14 +26,21 @@ start_server() { # args...
   for _ in $(seq 50); do grep -q listening "$out/server.log" 2>/dev/null && return; sleep 0.1; done
   echo "server did not start" >&2; exit 1
 }
-stop_server() { kill -TERM "$server_pid"; wait "$server_pid" || true; }
+# Failures are recorded, not hidden: every non-zero exit lands in failures.log and the script
+# exits non-zero at the end (after the summary, so partial results are still written).
+: >"$out/failures.log"
+stop_server() {
+  kill -TERM "$server_pid"
+  wait "$server_pid" || echo "server on port $port: exit $?" >>"$out/failures.log"
+}
 
 run_load() { # name op rate extra...
   local name=$1 op=$2 rate=$3; shift 3
   local rep=(--repeat 1); [ "$op" = echo ] && rep=() # --repeat is refused with echo
   "$bgs" load --target 127.0.0.1:$port --op "$op" "${rep[@]}" --rate "$rate" --connections 128 \
     --duration "$secs" --warmup 2 --cpus "$client_cpus" --server-pid "$server_pid" \
-    --json "$out/$name.json" "$@" >"$out/$name.txt" 2>&1 || true
+    --json "$out/$name.json" "$@" >"$out/$name.txt" 2>&1 ||
+    echo "$name: bgs load exit $? ($(tail -1 "$out/$name.txt"))" >>"$out/failures.log"
 }
 
 # (1) CPU per request at 1,000 req/s, alternating full / floor, two rounds.
@@ -59,3 +66,6 @@ done
 
 python3 bench/summarize_native.py "$out" "$rev" >"$out/summary.json"
 cat "$out/summary.json"
+if [ -s "$out/failures.log" ]; then
+  echo "failures:" >&2; cat "$out/failures.log" >&2; exit 1
+fi

@@ -26,6 +26,8 @@ args_for() {
   esac
 }
 port=7800
+# Failures are recorded, not hidden: the script exits non-zero at the end if any step failed.
+: >"$out/failures.log"
 for round in $(seq "$rounds"); do
   for i in 0 1 2; do
     cond=${conds[$(((i + round) % 3))]}
@@ -37,10 +39,15 @@ for round in $(seq "$rounds"); do
       for _ in $(seq 50); do grep -q listening "$out/server.log" 2>/dev/null && break; sleep 0.1; done
       "$bgs" load --target 127.0.0.1:$port --op gemm8 --repeat 1 --rate "$rate" --connections 128 \
         --duration "$secs" --warmup 2 --cpus "$client_cpus" --server-pid "$spid" \
-        --json "$out/$cond-$rate-r$round.json" >"$out/$cond-$rate-r$round.txt" 2>&1 || true
-      kill -TERM "$spid"; wait "$spid" || true
+        --json "$out/$cond-$rate-r$round.json" >"$out/$cond-$rate-r$round.txt" 2>&1 ||
+        echo "$cond-$rate-r$round: bgs load exit $?" >>"$out/failures.log"
+      kill -TERM "$spid"
+      wait "$spid" || echo "$cond-$rate-r$round: server exit $?" >>"$out/failures.log"
     done
   done
 done
 python3 bench/summarize_compare.py "$out" "$rev" >"$out/summary.json"
 cat "$out/summary.json"
+if [ -s "$out/failures.log" ]; then
+  echo "failures:" >&2; cat "$out/failures.log" >&2; exit 1
+fi

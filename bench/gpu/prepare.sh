@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build here (no Rust on the GPU machine) and stage the binaries in .gpu-carry/ (git-ignored
 # through .git/info/exclude), which the device tool's `carry` sends along.
-# Usage: bash bench/gpu/prepare.sh ; then on the device: bash bench/gpu/run.sh .gpu-carry "$OUT"
+# Usage: bash bench/gpu/prepare.sh ; then on the device: bash bench/gpu/inprocess.sh .gpu-carry "$OUT"
+# and .gpu-carry/bgs lab run experiments/gpu-e2e.toml --out "$OUT/e2e" (and the other gpu-*.toml)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.gpu-carry/' .git/info/exclude 2>/dev/null || echo '/.gpu-carry/' >> .git/info/exclude
@@ -9,5 +10,5 @@ cargo build --release -p bgs -p bgs-executor-gpu --bins
 mkdir -p .gpu-carry
 cp target/release/bgs target/release/bgs-gpu-bench .gpu-carry/
 git rev-parse HEAD > .gpu-carry/REVISION
-git status --porcelain -- crates/executor-gpu bench/gpu | sed 's/^/dirty: /' >> .gpu-carry/REVISION || true
+git status --porcelain -- crates/executor-gpu bench/gpu | sed 's/^/dirty: /' >> .gpu-carry/REVISION
 ls -la .gpu-carry

@@ -4,6 +4,7 @@ mod admin;
 mod affinity;
 mod args;
 mod demo;
+mod lab;
 mod llm;
 mod meta;
 mod model;
@@ -39,6 +40,8 @@ enum Command {
     Load(LoadArgs),
     /// Start a CPU-executor server on loopback, load it briefly, print a table.
     Demo(demo::DemoArgs),
+    /// Run experiment files (paired blocks, CPU in every scope) and report on them.
+    Lab(lab::LabArgs),
     /// Synthesize or inspect model checkpoints.
     #[command(subcommand)]
     Model(model::ModelCommand),
@@ -156,6 +159,23 @@ pub struct LoadArgs {
     /// Exit with status 1 if any request failed (wrong, error, timed out, connection failed).
     #[arg(long)]
     strict: bool,
+    /// Closed loop (as wrk): each connection sends its next request when the previous reply
+    /// arrives, for --warmup then --duration seconds; finds saturation throughput (--rate,
+    /// --pipeline and --threads are ignored; echo, gemm8 and fft32, binary frames).
+    #[arg(long)]
+    closed_loop: bool,
+    /// Drive an external OpenAI-compatible completions endpoint instead of --target
+    /// (`http://HOST:PORT[/v1/completions]`), with the generate flags (--prompt-tokens,
+    /// --max-tokens, --ignore-eos, --prompts) and the same schedule; --server-pid accounts its
+    /// CPU.
+    #[arg(long, value_name = "URL")]
+    openai: Option<String>,
+    /// With --openai: the `model` field.
+    #[arg(long, requires = "openai", default_value = "")]
+    model: String,
+    /// With --openai: ask for one JSON response instead of a server-sent event stream.
+    #[arg(long, requires = "openai")]
+    no_stream: bool,
 }
 
 impl LoadArgs {
@@ -242,6 +262,7 @@ fn main() {
         }
         Command::Load(args) => args.check_combinations(&sub).and_then(|()| load(&args)),
         Command::Demo(args) => demo::run(&args),
+        Command::Lab(args) => lab::run(&args),
         Command::Model(cmd) => model::run(&cmd),
         Command::Generate(args) => llm::generate(&args),
     };
@@ -308,7 +329,19 @@ fn load(args: &LoadArgs) -> Result<()> {
     if let Some(list) = &args.cpus {
         affinity::pin(list)?;
     }
-    let report = bgs_load::run(&cfg).context("load run failed")?;
+    let report = if let Some(url) = &args.openai {
+        let oa = bgs_load::OpenAiConfig {
+            url: url.clone(),
+            model: args.model.clone(),
+            stream: !args.no_stream,
+        };
+        bgs_load::run_openai(&cfg, &oa)
+    } else if args.closed_loop {
+        bgs_load::run_closed(&cfg)
+    } else {
+        bgs_load::run(&cfg)
+    }
+    .context("load run failed")?;
     println!("{report}");
     if let Some(json) = json {
         let doc = meta::with_metadata(serde_json::to_value(&report)?);

@@ -545,6 +545,88 @@ impl HostDelta {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Softirq counts
+// ---------------------------------------------------------------------------------------------
+
+/// Network softirq counts from `/proc/softirqs` at one instant.
+///
+/// These are exact *event counts* (how many times NET_RX / NET_TX softirqs ran on each CPU),
+/// not time: the only softirq *time* the kernel exposes without tracing is the tick-sampled
+/// softirq column of `/proc/stat` ([`CpuTimes::softirq`]), which misses short bursts between
+/// ticks. Report the counts as precise and the column as an estimate.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SoftirqSample {
+    /// CLOCK_MONOTONIC when the sample was taken.
+    pub taken_ns: u64,
+    /// NET_RX count per CPU (index = column = CPU number in `/proc/softirqs`).
+    pub net_rx: Vec<u64>,
+    /// NET_TX count per CPU.
+    pub net_tx: Vec<u64>,
+}
+
+/// Parse the text of `/proc/softirqs` into (NET_RX, NET_TX) counts per CPU column.
+pub fn parse_softirqs(text: &str) -> io::Result<(Vec<u64>, Vec<u64>)> {
+    let row = |name: &str| -> io::Result<Vec<u64>> {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .ok_or_else(|| invalid("/proc/softirqs: missing row"))?;
+        line.trim_start()[name.len()..]
+            .split_ascii_whitespace()
+            .map(|v| v.parse().map_err(|_| invalid("/proc/softirqs: bad number")))
+            .collect()
+    };
+    Ok((row("NET_RX:")?, row("NET_TX:")?))
+}
+
+impl SoftirqSample {
+    /// Sample `/proc/softirqs`.
+    pub fn sample() -> io::Result<SoftirqSample> {
+        let taken_ns = monotonic_ns();
+        let (net_rx, net_tx) = parse_softirqs(&fs::read_to_string("/proc/softirqs")?)?;
+        Ok(SoftirqSample {
+            taken_ns,
+            net_rx,
+            net_tx,
+        })
+    }
+
+    /// `self - before` (counters that went backwards saturate at zero).
+    pub fn delta(&self, before: &SoftirqSample) -> SoftirqDelta {
+        let sub = |a: &[u64], b: &[u64]| -> Vec<u64> {
+            a.iter()
+                .enumerate()
+                .map(|(i, v)| v.saturating_sub(b.get(i).copied().unwrap_or(0)))
+                .collect()
+        };
+        let net_rx_per_cpu = sub(&self.net_rx, &before.net_rx);
+        let net_tx_per_cpu = sub(&self.net_tx, &before.net_tx);
+        SoftirqDelta {
+            wall_ns: self.taken_ns.saturating_sub(before.taken_ns),
+            net_rx: net_rx_per_cpu.iter().sum(),
+            net_tx: net_tx_per_cpu.iter().sum(),
+            net_rx_per_cpu,
+            net_tx_per_cpu,
+        }
+    }
+}
+
+/// Network softirqs that ran between two samples (exact counts, not time).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SoftirqDelta {
+    /// Wall time between the samples.
+    pub wall_ns: u64,
+    /// NET_RX softirqs, all CPUs.
+    pub net_rx: u64,
+    /// NET_TX softirqs, all CPUs.
+    pub net_tx: u64,
+    /// NET_RX per CPU.
+    pub net_rx_per_cpu: Vec<u64>,
+    /// NET_TX per CPU.
+    pub net_tx_per_cpu: Vec<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -627,21 +709,33 @@ mod tests {
         let pid = std::process::id();
         let before = ProcessCpu::sample(pid).unwrap();
         assert!(before.thread_count >= 1);
+        // The burner stops at 50 ms of its own CPU time (not wall time: on a loaded machine a
+        // wall-clock burn can get a fraction of that), says so, and stays alive until the
+        // second sample so that it is still in task/.
+        let (burnt_tx, burnt_rx) = std::sync::mpsc::channel();
+        let (sampled_tx, sampled_rx) = std::sync::mpsc::channel::<()>();
         let h = std::thread::Builder::new()
             .name("burner".into())
-            .spawn(|| {
-                let start = Instant::now();
+            .spawn(move || {
+                let cpu = || {
+                    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+                    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+                };
                 let mut x = 0u64;
-                while start.elapsed() < Duration::from_millis(50) {
+                while cpu() < Duration::from_millis(50) {
                     x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
                 }
-                // Stay alive so the thread is still in task/ at the second sample.
-                std::thread::sleep(Duration::from_millis(200));
+                burnt_tx.send(()).unwrap();
+                let _ = sampled_rx.recv();
                 x
             })
             .unwrap();
-        std::thread::sleep(Duration::from_millis(100));
+        let started = Instant::now();
+        burnt_rx.recv().unwrap();
+        // At least 90 ms of wall time between the samples (the wall_ns check below).
+        std::thread::sleep(Duration::from_millis(100).saturating_sub(started.elapsed()));
         let after = ProcessCpu::sample(pid).unwrap();
+        sampled_tx.send(()).unwrap();
         h.join().unwrap();
         let d = after.delta(&before);
         assert!(d.run_ns >= 20_000_000, "run_ns grew by only {}", d.run_ns);
@@ -655,5 +749,30 @@ mod tests {
         let host = HostSample::sample().unwrap();
         assert!(!host.cpus.is_empty());
         assert!(host.total.total_ns() > 0);
+    }
+
+    #[test]
+    fn parses_softirqs_and_subtracts() {
+        let t0 = "                    CPU0       CPU1\n          HI:          0          0\n      NET_TX:          4          0\n      NET_RX:    2453498    2778219\n";
+        let t1 = "                    CPU0       CPU1\n          HI:          0          0\n      NET_TX:          6          1\n      NET_RX:    2453598    2778229\n";
+        let (rx, tx) = parse_softirqs(t0).unwrap();
+        assert_eq!(rx, vec![2_453_498, 2_778_219]);
+        assert_eq!(tx, vec![4, 0]);
+        let (rx1, tx1) = parse_softirqs(t1).unwrap();
+        let a = SoftirqSample {
+            taken_ns: 0,
+            net_rx: rx,
+            net_tx: tx,
+        };
+        let b = SoftirqSample {
+            taken_ns: 5,
+            net_rx: rx1,
+            net_tx: tx1,
+        };
+        let d = b.delta(&a);
+        assert_eq!((d.net_rx, d.net_tx, d.wall_ns), (110, 3, 5));
+        assert_eq!(d.net_rx_per_cpu, vec![100, 10]);
+        assert!(parse_softirqs("HI: 1 2\n").is_err());
+        assert!(SoftirqSample::sample().is_ok());
     }
 }

@@ -9,10 +9,12 @@
 //! helpers for tests.
 
 pub mod client;
+mod closed;
 pub mod discover;
 mod engine;
 mod generate;
 mod http;
+mod openai;
 mod payload;
 pub mod report;
 
@@ -23,18 +25,20 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail, ensure};
-use bgs_cpuacct::{HostSample, ProcessCpu, ProcessSample, monotonic_ns};
+use bgs_cpuacct::{HostSample, ProcessCpu, ProcessSample, SoftirqSample, monotonic_ns};
 use bgs_protocol::reply::{encode_http_request, encode_request};
 use bgs_protocol::{HEADER_LEN, MAX_REPEAT, Op, RequestHeader, Status};
 
 pub use client::{FrameClient, HttpResponse, Reply};
+pub use closed::run_closed;
 pub use engine::Counts;
 pub use generate::{FLAG_IGNORE_EOS, GenerateConfig, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS};
+pub use openai::{OpenAiConfig, run_openai};
 pub use payload::{check_reference, golden_reference, make_payload, make_prompt, payload_words};
 pub use report::{GenerateReport, Latency, LoadReport, ReportConfig};
 
 use engine::{GenPlan, GenStats, Plan, STATUS_SLOTS, ThreadResult};
-use report::{HostCpuReport, ProcessCpuReport};
+use report::{HostCpuReport, ProcessCpuReport, SoftirqReport};
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -224,6 +228,7 @@ struct CpuSamples {
     server: Option<ProcessSample>,
     host: Option<HostSample>,
     client: Option<ProcessSample>,
+    softirqs: Option<SoftirqSample>,
 }
 
 fn sample_cpu(server_pid: Option<u32>, notes: &mut Vec<String>) -> CpuSamples {
@@ -233,10 +238,14 @@ fn sample_cpu(server_pid: Option<u32>, notes: &mut Vec<String>) -> CpuSamples {
     let client = ProcessCpu::sample(std::process::id())
         .map_err(|e| note("the load generator", e))
         .ok();
+    let softirqs = SoftirqSample::sample()
+        .map_err(|e| notes.push(format!("sampling /proc/softirqs: {e}")))
+        .ok();
     CpuSamples {
         server,
         host,
         client,
+        softirqs,
     }
 }
 
@@ -565,6 +574,24 @@ fn build_report(
                 .into(),
         );
     }
+    let softirqs = match (&before.softirqs, &after.softirqs) {
+        (Some(a), Some(b)) => {
+            let delta = b.delta(a);
+            let per = |n: u64| {
+                if ok == 0 {
+                    f64::NAN
+                } else {
+                    n as f64 / ok as f64
+                }
+            };
+            Some(SoftirqReport {
+                net_rx_per_request: per(delta.net_rx),
+                net_tx_per_request: per(delta.net_tx),
+                delta,
+            })
+        }
+        _ => None,
+    };
     let generate = match (gen_stats, &plan.streams) {
         (Some(g), Some(gp)) => {
             let lens = gp.golden.iter().map(|s| s.tokens.len() as u64);
@@ -633,6 +660,7 @@ fn build_report(
         reply_bytes,
         server_cpu,
         host_cpu,
+        softirqs,
         generate,
         client_cpu,
         failure_samples: samples,

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use bgs_cpuacct::{HostDelta, HostPerRequest, ProcessDelta, ProcessPerRequest};
+use bgs_cpuacct::{HostDelta, HostPerRequest, ProcessDelta, ProcessPerRequest, SoftirqDelta};
 use serde::Serialize;
 
 pub use crate::engine::Counts;
@@ -138,6 +138,18 @@ pub struct HostCpuReport {
     pub per_request: HostPerRequest,
 }
 
+/// Network softirqs over the measured interval, from `/proc/softirqs`: exact counts of
+/// softirq runs (not time; the tick-sampled time is `host_cpu`'s softirq column).
+#[derive(Clone, Debug, Serialize)]
+pub struct SoftirqReport {
+    /// The raw delta (totals and per CPU).
+    pub delta: SoftirqDelta,
+    /// NET_RX softirq runs per measured ok request.
+    pub net_rx_per_request: f64,
+    /// NET_TX softirq runs per measured ok request.
+    pub net_tx_per_request: f64,
+}
+
 /// Everything a run measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct LoadReport {
@@ -180,6 +192,9 @@ pub struct LoadReport {
     pub server_cpu: Option<ProcessCpuReport>,
     /// Whole-host CPU.
     pub host_cpu: Option<HostCpuReport>,
+    /// Network softirq counts (absent when `/proc/softirqs` could not be read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub softirqs: Option<SoftirqReport>,
     /// Generation metrics (op generate only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub generate: Option<GenerateReport>,
@@ -343,6 +358,14 @@ impl fmt::Display for LoadReport {
                 f(p.system_us),
                 f(p.softirq_us),
                 f(p.irq_us)
+            )?;
+        }
+        if let Some(si) = &self.softirqs {
+            writeln!(
+                out,
+                "  softirqs  NET_RX {} /req, NET_TX {} /req (exact counts, all CPUs)",
+                f(si.net_rx_per_request),
+                f(si.net_tx_per_request)
             )?;
         }
         if let Some(cl) = &self.client_cpu {

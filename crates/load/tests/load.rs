@@ -325,3 +325,31 @@ fn blocking_client_frames_and_http() {
     let e = c.expect_closed(Duration::from_millis(50)).unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
 }
+
+#[test]
+fn closed_loop_checks_every_reply_and_counts_them_all() {
+    let addr = server(Behaviour::default());
+    let mut c = cfg(addr, Op::Gemm8);
+    c.requests = None;
+    c.duration = Some(Duration::from_millis(400));
+    c.connections = 4;
+    let r = bgs_load::run_closed(&c).unwrap();
+    println!("{r}");
+    assert_adds_up(&r);
+    assert_eq!(r.failures + r.warmup_failures, 0, "{r}");
+    assert!(r.counts.ok > 0 && r.latency.is_some(), "{r}");
+    assert!((r.achieved_rate - r.counts.ok as f64 / r.measured_interval_s).abs() < 1e-6);
+    // A request count is refused: closed loop measures how many requests fit in a duration.
+    assert!(bgs_load::run_closed(&cfg(addr, Op::Gemm8)).is_err());
+    // A corrupted reply is wrong, as in the open loop (the connection is then abandoned).
+    let bad = server(Behaviour {
+        corrupt: Some(300),
+        ..Behaviour::default()
+    });
+    let mut c = cfg(bad, Op::Gemm8);
+    c.requests = None;
+    c.duration = Some(Duration::from_millis(400));
+    c.connections = 1;
+    let r = bgs_load::run_closed(&c).unwrap();
+    assert_eq!(r.counts.wrong + r.warmup_counts.wrong, 1, "{r}");
+}

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bgs_adapters::OneShotCpu;
+use bgs_cpuacct::{ProcessCpu, ProcessSample};
 use bgs_executor_gpu::{Dispatcher, GpuExecutor, GpuExecutorConfig};
 use bgs_protocol::{Op, Status};
 use bgs_ring::{OP_CANCEL, OP_REJECT, RingConfig, RingRegion};
@@ -432,6 +433,37 @@ fn check(a: &Args) -> i32 {
     if ok { 0 } else { 1 }
 }
 
+fn cpu_sample() -> Option<ProcessSample> {
+    ProcessCpu::sample(std::process::id()).ok()
+}
+
+/// This process's CPU since `before`, in total and per completed request, with the busiest
+/// threads. It covers every host thread of the bench: the submitting client loop (which spins
+/// while it waits, so it is about one core of wall time), the executor's host threads and
+/// CUDA's; what the GPU executor costs the host without any network.
+fn process_cpu(before: &Option<ProcessSample>, n: u64) -> serde_json::Value {
+    let (Some(b), Some(a)) = (before, cpu_sample()) else {
+        return serde_json::Value::Null;
+    };
+    let d = a.delta(b);
+    let us = |ns: u64| ns as f64 / 1e3;
+    let per = |ns: u64| if n == 0 { f64::NAN } else { us(ns) / n as f64 };
+    let mut threads: Vec<_> = d.threads.iter().filter(|t| t.run_ns > 0).collect();
+    threads.sort_by_key(|t| std::cmp::Reverse(t.run_ns));
+    serde_json::json!({
+        "wall_s": d.wall_ns as f64 / 1e9,
+        "requests": n,
+        "user_us": us(d.user_ns),
+        "system_us": us(d.system_ns),
+        "run_us": us(d.run_ns),
+        "per_request_user_us": per(d.user_ns),
+        "per_request_system_us": per(d.system_ns),
+        "per_request_run_us": per(d.run_ns),
+        "threads": threads.iter().take(12).map(|t| serde_json::json!({"comm": t.comm, "run_us": us(t.run_ns)})).collect::<Vec<_>>(),
+        "note": "user/system: ticks; run: schedstat (ns); includes the spinning client loop",
+    })
+}
+
 fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -452,7 +484,11 @@ fn rtt(a: &Args) -> i32 {
     let mut lat = Vec::with_capacity(a.n);
     let warm = 500;
     let mut lost = 0;
+    let mut cpu_before = None;
     for i in 0..(a.n + warm) {
+        if i == warm {
+            cpu_before = cpu_sample();
+        }
         let t = Instant::now();
         assert!(push(&region, i as u32, &req));
         let deadline = t + Duration::from_secs(2);
@@ -471,6 +507,7 @@ fn rtt(a: &Args) -> i32 {
             lat.push(t.elapsed().as_secs_f64() * 1e6);
         }
     }
+    let cpu = process_cpu(&cpu_before, lat.len() as u64);
     let stats = exec.shutdown_with_stats();
     let mean = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
     println!(
@@ -489,6 +526,7 @@ fn rtt(a: &Args) -> i32 {
             "p99_us": pct(&mut lat, 0.99),
             "p999_us": pct(&mut lat, 0.999),
             "mean_us": mean,
+            "process_cpu": cpu,
             "shutdown": match &stats { Ok(s) => serde_json::to_value(s).unwrap_or_default(), Err(e) => serde_json::json!(e.to_string()) },
         })
     );
@@ -510,6 +548,7 @@ fn throughput(a: &Args) -> i32 {
     let mut measured_from: Option<(Instant, u64)> = None;
     let total = warm + Duration::from_secs_f64(a.seconds);
     let mut bad = 0u64;
+    let mut cpu_before = None;
     while t0.elapsed() < total {
         while sent - done < a.outstanding as u64 && push(&region, sent as u32, &req) {
             sent += 1;
@@ -522,8 +561,11 @@ fn throughput(a: &Args) -> i32 {
         }
         if measured_from.is_none() && t0.elapsed() >= warm {
             measured_from = Some((Instant::now(), done));
+            cpu_before = cpu_sample();
         }
     }
+    // Before the drain: the same interval as completed_per_s.
+    let cpu = process_cpu(&cpu_before, done - measured_from.map_or(0, |m| m.1));
     let (m0, d0) = measured_from.unwrap_or((t0, 0));
     let secs = m0.elapsed().as_secs_f64();
     let rate = (done - d0) as f64 / secs;
@@ -550,6 +592,7 @@ fn throughput(a: &Args) -> i32 {
             "sent": sent,
             "done": done,
             "bad_status": bad,
+            "process_cpu": cpu,
             "shutdown": match &stats { Ok(s) => serde_json::to_value(s).unwrap_or_default(), Err(e) => serde_json::json!(e.to_string()) },
         })
     );
