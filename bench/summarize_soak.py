@@ -2,7 +2,7 @@
 busy, duration, latency) and the churn run (cycles, failures, duration), each with its leak
 checks (server descriptors against the baseline, sockets still holding connection state, BPF
 map entries at stop)."""
-import json, os, sys, datetime, platform
+import json, os, re, sys, datetime, platform
 
 out, rev, cmd, requests, rate, cycles = sys.argv[1:7]
 machine = None
@@ -22,6 +22,20 @@ for line in open(os.path.join(out, "records.tsv")):
                   and int(src) == 0)
     rec = {"client_exit": int(rc), "server_exit": int(src),
            "wall_s": round(float(t1) - float(t0), 1), "leak_check": leak}
+    # The server's own counters at shutdown (the runs include a 16-cycle warm-up and the
+    # client's 64 golden requests): connections accepted/closed, executor requests/completions.
+    try:
+        log = open(os.path.join(out, f"{cond}-{kind}.server.log")).read()
+        ex = re.search(r"executor: (\d+) requests, (\d+) completions", log)
+        co = re.search(r"(\d+) accepted, (\d+) closed", log)
+        rec["server_counters"] = {
+            "executor_requests": int(ex.group(1)) if ex else None,
+            "executor_completions": int(ex.group(2)) if ex else None,
+            "connections_accepted": int(co.group(1)) if co else None,
+            "connections_closed": int(co.group(2)) if co else None,
+        }
+    except OSError:
+        pass
     path = os.path.join(out, f"{cond}-{kind}.json")
     try:
         doc = json.load(open(path))
