@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use bgs_ring::RingRegion;
 
+pub mod c_header;
 pub mod compile;
 mod exec;
 pub mod layout;
