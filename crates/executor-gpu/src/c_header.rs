@@ -308,7 +308,9 @@ pub fn gpu_structs() -> Vec<StructDesc> {
 /// Request-entry bytes before the payload, in u32 words: the metadata the start kernel reads
 /// in one parallel pass (as u64 pairs, so it must be even).
 pub const ENTRY_META_WORDS: usize = offset_of!(RequestEntry, payload) / 4;
-const _: () = assert!(ENTRY_META_WORDS % 2 == 0 && offset_of!(RequestEntry, payload) % 4 == 0);
+const _: () = assert!(
+    ENTRY_META_WORDS.is_multiple_of(2) && offset_of!(RequestEntry, payload).is_multiple_of(4)
+);
 
 /// Every struct whose layout both Rust and the kernels rely on: the ring's and the GPU's.
 fn checked_structs() -> Vec<StructDesc> {

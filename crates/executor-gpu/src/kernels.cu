@@ -495,8 +495,8 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             bgs_u32 *buf = (bgs_u32 *)(tx->table + buf_off);
             const bgs_u32 n = s->out_words > BGS_RING_SLOT_WORDS ? BGS_RING_SLOT_WORDS : s->out_words;
             const bgs_u32 *src = s->from_out ? (const bgs_u32 *)s->out : s->input;
-            /* The binary reply frame: 24-byte header, then the payload words. */
-            for (bgs_u32 i = t; i < n; i += blockDim.x) buf[6 + i] = src[i];
+            /* The binary reply frame: BGS_HEADER_LEN-byte header, then the payload words. */
+            for (bgs_u32 i = t; i < n; i += blockDim.x) buf[BGS_HEADER_LEN / 4 + i] = src[i];
             if (t == 0) {
                 buf[0] = BGS_REPLY_MAGIC;
                 buf[1] = BGS_VERSION | (s->status << 16);
@@ -508,7 +508,7 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             __syncthreads();
             if (t == 0) {
                 struct bgs_tx_entry *e = tx_entry(tx, (bgs_u32)tx_idx);
-                const bgs_u32 len = 24u + 4u * n;
+                const bgs_u32 len = BGS_HEADER_LEN + 4u * n;
                 ((volatile bgs_u32 *)e->reserved)[0] = len; /* the reaper checks the CQE against it */
                 const bgs_u64 ud = (BGS_TX_UD_SEND << 56) | ((bgs_u64)(bgs_u32)tx_idx << 32) | s->conn_seq;
                 tx_submit(tx, BGS_IORING_OP_SEND, tx_fd, 0, tx->table_host + buf_off, len,
