@@ -14,6 +14,9 @@ pub const KERNEL_SOURCE: &str = include_str!("kernels.cu");
 pub const RING_HEADER: &str = include_str!("../../../include/bgs_ring.h");
 /// The generated protocol header (ops, statuses).
 pub const PROTOCOL_HEADER: &str = include_str!("../../../include/bgs_protocol.h");
+/// The generated header of the executor's device structs and the io_uring ABI
+/// (`crate::c_header`).
+pub const GPU_HEADER: &str = include_str!("../../../include/bgs_gpu.h");
 
 /// NVRTC options for compute capability `major.minor`.
 pub fn nvrtc_options(major: i32, minor: i32) -> Vec<String> {
@@ -44,10 +47,11 @@ fn fnv1a(seed: u64, parts: &[&[u8]]) -> u64 {
 /// driver, NVRTC and nvJitLink versions.
 pub fn cache_key(options: &[String], device: &str, arch: &str, versions: &str) -> String {
     let opts = options.join("\u{1}");
-    let parts: [&[u8]; 7] = [
+    let parts: [&[u8]; 8] = [
         KERNEL_SOURCE.as_bytes(),
         RING_HEADER.as_bytes(),
         PROTOCOL_HEADER.as_bytes(),
+        GPU_HEADER.as_bytes(),
         opts.as_bytes(),
         device.as_bytes(),
         arch.as_bytes(),
@@ -100,6 +104,7 @@ pub fn nvrtc_compile(options: &[String]) -> Result<Vec<u8>, GpuError> {
         &[
             ("bgs_ring.h", RING_HEADER),
             ("bgs_protocol.h", PROTOCOL_HEADER),
+            (crate::c_header::GPU_HEADER_NAME, GPU_HEADER),
         ],
         options,
     )
@@ -360,5 +365,22 @@ mod tests {
     fn kernels_include_the_generated_headers() {
         assert!(KERNEL_SOURCE.contains("#include \"bgs_ring.h\""));
         assert!(RING_HEADER.contains("struct bgs_request_slot"));
+        assert!(KERNEL_SOURCE.contains("#include \"bgs_gpu.h\""));
+        assert!(GPU_HEADER.contains("struct bgs_gpu_slot {"));
+        // No hand mirror left: the executor's structs are defined only in the generated header.
+        for tag in [
+            "bgs_gpu_ctl",
+            "bgs_gpu_slot_ctl",
+            "bgs_gpu_slot",
+            "bgs_gpu_sched",
+            "bgs_gpu_tx",
+            "bgs_io_uring_sqe",
+            "bgs_io_uring_cqe",
+        ] {
+            assert!(
+                !KERNEL_SOURCE.contains(&format!("struct {tag} {{")),
+                "kernels.cu defines struct {tag} by hand"
+            );
+        }
     }
 }

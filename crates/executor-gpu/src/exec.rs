@@ -14,7 +14,7 @@ use cudarc::driver::sys as cu;
 
 use crate::compile;
 use crate::layout::{
-    Ctl, FUSED, FUSED_NONE, GpuSlot, MAX_SLOTS, PROBE_LEN, REPEAT_BITS, STAGED, Sched, SlotCtl, Tx,
+    Ctl, FUSED, FUSED_NONE, GpuSlot, MAX_SLOTS, REPEAT_BITS, STAGED, Sched, SlotCtl, Tx,
 };
 use crate::libs;
 use crate::plan::{self, Compute, SlotTable};
@@ -897,24 +897,27 @@ fn build(
 
     // Layout self-check: the kernels' compiler must lay out the structs as Rust does.
     {
-        let probe = dev_alloc(PROBE_LEN * 8, "probe buffer")?;
+        let want = crate::c_header::layout_table();
+        let n = want.len();
+        let probe = dev_alloc(n * 8, "probe buffer")?;
         let mut arg = probe;
         let mut args = [(&mut arg as *mut u64).cast::<c_void>()];
         launch_kernel(f_probe, 1, std::ptr::null_mut(), &mut args)?;
-        let mut got = [0u64; PROBE_LEN];
-        // SAFETY: `probe` holds PROBE_LEN u64; `got` has that size; a context is current.
+        let mut got = vec![0u64; n];
+        // SAFETY: `probe` holds n u64 (BGS_GPU_LAYOUT_LEN, generated from the same table);
+        // `got` has that size; a context is current.
         unsafe {
             ck(cu::cuCtxSynchronize(), "layout probe")?;
             ck(
-                cu::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), probe, PROBE_LEN * 8),
+                cu::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), probe, n * 8),
                 "layout probe",
             )?;
             let _ = cu::cuMemFree_v2(probe);
         }
-        let want = crate::layout::expected_probe();
-        if got != want {
+        if let Some(((what, rust), dev)) = want.iter().zip(&got).find(|((_, w), g)| w != *g) {
             return Err(GpuError::Compile(format!(
-                "layout mismatch between the kernels and Rust: device {got:?}, Rust {want:?}"
+                "layout mismatch between the kernels and Rust: {what} is {dev} on the device, \
+                 {rust} in Rust"
             )));
         }
     }

@@ -2,16 +2,17 @@
  * architecture with -rdc=true and linked against libcudadevrt.a by nvJitLink (device-side
  * graph launch). See docs/gpu.md for the design.
  *
- * The ring layout comes from the generated include/bgs_ring.h (one source of truth); the
- * executor's own structs are mirrored in src/layout.rs and checked at start-up by
- * bgs_layout_probe. Host-shared words are accessed with system-scope acquire/release
+ * Every struct shared with the host comes from a header generated from the Rust definitions:
+ * the ring's from include/bgs_ring.h, the executor's own and the io_uring SQE/CQE from
+ * include/bgs_gpu.h (src/layout.rs, src/c_header.rs); bgs_layout_probe reports their layout as
+ * this compiler laid it out, and start-up compares it with Rust's. Host-shared words are accessed with system-scope acquire/release
  * (docs/ring.md, "CUDA producers and consumers").
  */
 #if defined(__CUDACC_RTC__)
 /* NVRTC has no system headers and no __builtin_offsetof, so the header's static asserts
  * cannot be evaluated here: provide the fixed-width types and turn the asserts off. The same
  * source is compiled with clang (-x cuda) in CI with the asserts on, and bgs_layout_probe
- * checks the offsets on the device at start-up. */
+ * reports the offsets on the device at start-up. */
 #define BGS_FIXED_TYPES
 typedef unsigned char bgs_u8;
 typedef unsigned short bgs_u16;
@@ -22,113 +23,11 @@ typedef unsigned long long bgs_u64;
 #endif
 #include "bgs_ring.h"
 #include "bgs_protocol.h"
+#include "bgs_gpu.h"
 
 #ifndef BGS_VALID_STATUS_MASK
 #error "BGS_VALID_STATUS_MASK (bit s set when status s < 32 is a known status) must be defined"
 #endif
-
-#define BGS_GPU_MAX_SLOTS 64
-#define BGS_GPU_REPEAT_BITS 9 /* repeat counts 1..=256 = sums of 2^0 .. 2^8 */
-#define BGS_GPU_STAGED (~0ull)
-/* Fused work graphs per slot (start -> 2^k library calls -> publish): [compute * 9 + k] for
- * gemm8 (compute 0) and fft32 (compute 1), k = 0..8, and [18]: start -> publish (no compute). */
-#define BGS_GPU_FUSED 19
-#define BGS_GPU_FUSED_NONE 18 /* slot_ctl.pos: the request is staged in slot_ctl.staged */
-
-/* Executor control block, in mapped host memory (host writes stop; the GPU reports errors). */
-struct bgs_gpu_ctl {
-    bgs_u32 stop;          /*  0: host sets 1: the scheduler exits instead of relaunching */
-    bgs_u32 error;         /*  4: cudaError_t of a failed device-side launch, 0 if none */
-    bgs_u32 error_where;   /*  8: 1 work launch, 2 scheduler relaunch, 3 chain launch, 4 publish launch */
-    bgs_u32 stopped;       /* 12: the scheduler saw stop and exited */
-    bgs_u64 full_spins;    /* 16: publish found the completion ring full */
-    bgs_u64 chain_errors;  /* 24: repeat-chain launches that failed (answered Internal) */
-};
-
-/* Per-slot dispatch state: device memory (device launch) or mapped host memory (host launch). */
-struct bgs_gpu_slot_ctl {
-    bgs_u64 pos;                    /*  0: ring position, or BGS_GPU_STAGED */
-    bgs_u32 busy;                   /*  8: 1 from assignment until the completion is published */
-    bgs_u32 pad0;                   /* 12 */
-    bgs_u8 pad1[48];                /* 16 */
-    struct bgs_request_entry staged; /* 64: host launch copies the request here */
-    bgs_u8 pad2[8];                 /* 1144 */
-};
-
-/* Per-slot work state, device memory. in/out are what the captured cuBLAS/cuFFT calls use. */
-struct bgs_gpu_slot {
-    bgs_u64 conn;                   /*   0 */
-    bgs_u32 conn_seq;               /*   8 */
-    bgs_u32 request_id;             /*  12 */
-    bgs_u32 route;                  /*  16 */
-    bgs_u32 status;                 /*  20 */
-    bgs_u32 out_words;              /*  24 */
-    bgs_u32 from_out;               /*  28: 1: reply from out[], 0: from in[] (echo) */
-    bgs_u32 op;                     /*  32 */
-    bgs_u32 param;                  /*  36 */
-    bgs_u32 words;                  /*  40 */
-    bgs_u32 device_chain;           /*  44: 1: the start kernel tail-launches the chain */
-    bgs_u64 chain[2][BGS_GPU_REPEAT_BITS]; /* 48: [gemm|fft][k]: graph of 2^k repeats */
-    bgs_u64 publish;                /* 192: the slot's publish graph */
-    bgs_u64 tail_hint;              /* 200: bgs_u64 * in device memory: a completion_tail guess */
-    bgs_u64 tx;                     /* 208: struct bgs_gpu_tx * (device memory), 0: no GPU sends */
-    bgs_u32 sole_producer;          /* 216: 1: this executor is the completion ring's only producer */
-    bgs_u8 pad[36];                 /* 220 */
-    bgs_u32 in[BGS_RING_SLOT_WORDS]; /* 256 */
-    float out[64];                  /* 1280 */
-};
-
-/* The scheduler's arguments, device memory. */
-struct bgs_gpu_sched {
-    bgs_u64 ring;                   /*   0: region base (device address) */
-    bgs_u64 ctl;                    /*   8: struct bgs_gpu_ctl * */
-    bgs_u64 slot_ctl;               /*  16: struct bgs_gpu_slot_ctl[nslots] */
-    bgs_u64 self;                   /*  24: the scheduler's own graph exec */
-    bgs_u32 nslots;                 /*  32 */
-    bgs_u32 budget;                 /*  36: fire-and-forget launches per execution (< 120) */
-    bgs_u32 next;                   /*  40: round-robin cursor, kept across executions */
-    bgs_u32 retries;                /*  44: launches retried (graph still finishing), all executions */
-    bgs_u64 work[BGS_GPU_MAX_SLOTS]; /* 48: each slot's start graph */
-    bgs_u64 executions;             /* 560: scheduler executions (relaunches + 1) */
-    bgs_u64 dispatched;             /* 568: requests launched by the scheduler */
-    bgs_u64 fused;                  /* 576: bgs_u64[nslots][BGS_GPU_FUSED]: fused work graphs */
-    bgs_u64 tail_hint;              /* 584: completion_tail guess (device memory, publish kernels) */
-    bgs_u32 lanes;                  /* 592: 1: each lane launches its own graph; 0: lane 0 launches all */
-    bgs_u32 batches;                /* 596: claims (one head CAS each), all executions */
-};
-
-/* GPU-written SENDs (`--reply executor-sqe` with the kernel transport; docs/gpu.md): where the
- * send table (crates/ring/src/tx.rs, struct bgs_tx_header / bgs_tx_entry) and the GPU's own
- * io_uring ring live. Device memory; the host fills it once. */
-struct bgs_gpu_tx {
-    bgs_u64 table;        /*   0: send table, device address */
-    bgs_u64 table_host;   /*   8: the same, host address (SQEs carry host addresses) */
-    bgs_u64 rings;        /*  16: io_uring rings region (heads, tails, CQEs), device address */
-    bgs_u64 sqes;         /*  24: SQE array, device address */
-    bgs_u64 futex_host;   /*  32: host address of the completion ring's doorbell word */
-    bgs_u32 sq_mask;      /*  40 */
-    bgs_u32 sq_entries;   /*  44 */
-    bgs_u32 cq_mask;      /*  48 */
-    bgs_u32 off_sq_head;  /*  52: offsets in rings */
-    bgs_u32 off_sq_tail;  /*  56 */
-    bgs_u32 off_cq_head;  /*  60 */
-    bgs_u32 off_cq_tail;  /*  64 */
-    bgs_u32 off_cqes;     /*  68 */
-    bgs_u32 reserve;      /*  72: next SQ index to claim (device atomics among publish kernels) */
-    bgs_u32 committed;    /*  76: SQ tail as last published, in order */
-    bgs_u32 pad0[2];      /*  80 */
-    bgs_u8 pad[40];       /*  88 */
-};
-
-/* The io_uring ABI (include/uapi/linux/io_uring.h, stable): the values the GPU writes. A Rust
- * test (src/layout.rs) checks them against rustix's definitions. */
-#define BGS_IORING_OP_SEND 26
-#define BGS_IORING_OP_FUTEX_WAKE 52
-#define BGS_MSG_WAITALL 0x100
-#define BGS_FUTEX2_FLAGS 0x82 /* FUTEX2_SIZE_U32 | FUTEX2_PRIVATE: the host stage sleeps on a private futex */
-#define BGS_FUTEX_BITSET_MATCH_ANY 0xffffffffull
-#define BGS_SQE_BYTES 64
-#define BGS_CQE_BYTES 16
 
 /* ---- system-scope accessors for host-shared words ---- */
 __device__ __forceinline__ bgs_u64 ld_acquire_sys(const bgs_u64 *p) {
@@ -398,7 +297,7 @@ extern "C" __global__ void bgs_scheduler(struct bgs_gpu_sched *s) {
     s->batches += batches;
     /* Before the 120 fire-and-forget launches per execution: run again after this execution
      * and its children finish. */
-    cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)s->self, cudaStreamGraphTailLaunch);
+    cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)s->self_exec, cudaStreamGraphTailLaunch);
     if (err != cudaSuccess) record_error(ctl, (bgs_u32)err, 2);
 }
 
@@ -409,7 +308,7 @@ extern "C" __global__ void bgs_slot_start(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
     __shared__ const struct bgs_request_entry *e;
     __shared__ struct bgs_request_slot *rs;
     __shared__ bgs_u64 pos;
-    __shared__ bgs_u64 meta_raw[7]; /* the entry's first 56 bytes */
+    __shared__ bgs_u64 meta_raw[BGS_GPU_ENTRY_META_WORDS / 2]; /* the entry before its payload */
     bgs_u32 *meta = (bgs_u32 *)meta_raw;
     __shared__ bgs_u32 words;
     const bgs_u32 t = threadIdx.x;
@@ -431,8 +330,8 @@ extern "C" __global__ void bgs_slot_start(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
     /* One parallel pass over host memory (each read is a PCIe round trip): the header words
      * and every payload word (the slot always has room for 256). */
     const volatile bgs_u32 *src = e->payload;
-    if (t < 14) meta[t] = ((const volatile bgs_u32 *)e)[t];
-    for (bgs_u32 i = t; i < BGS_RING_SLOT_WORDS; i += blockDim.x) s->in[i] = src[i];
+    if (t < BGS_GPU_ENTRY_META_WORDS) meta[t] = ((const volatile bgs_u32 *)e)[t];
+    for (bgs_u32 i = t; i < BGS_RING_SLOT_WORDS; i += blockDim.x) s->input[i] = src[i];
     __syncthreads();
     if (t == 0) {
         const struct bgs_request_entry *m = (const struct bgs_request_entry *)meta;
@@ -529,15 +428,28 @@ __device__ void tx_submit(struct bgs_gpu_tx *tx, bgs_u32 opcode, bgs_u32 fd, bgs
         }
         __nanosleep(1000);
     }
+    /* Built in registers, then stored as whole u64 words in order. */
+    union {
+        struct bgs_io_uring_sqe e;
+        bgs_u64 w[BGS_SQE_BYTES / 8];
+    } sqe;
+    sqe.e.opcode = (bgs_u8)opcode;
+    sqe.e.flags = 0;
+    sqe.e.ioprio = 0;
+    sqe.e.fd = (int)fd;
+    sqe.e.off_or_addr2 = off;
+    sqe.e.addr_or_splice_off_in = addr;
+    sqe.e.len = len;
+    sqe.e.op_flags = op_flags;
+    sqe.e.user_data = user_data;
+    sqe.e.buf = 0;
+    sqe.e.personality = 0;
+    sqe.e.splice_fd_in_or_file_index_or_addr_len = 0;
+    sqe.e.addr3_or_cmd[0] = addr3;
+    sqe.e.addr3_or_cmd[1] = 0;
     volatile bgs_u64 *q = (volatile bgs_u64 *)(tx->sqes + (bgs_u64)(my & tx->sq_mask) * BGS_SQE_BYTES);
-    q[0] = (bgs_u64)opcode | ((bgs_u64)fd << 32); /* opcode, flags 0, ioprio 0, fd */
-    q[1] = off;
-    q[2] = addr;
-    q[3] = (bgs_u64)len | ((bgs_u64)op_flags << 32);
-    q[4] = user_data;
-    q[5] = 0; /* buf_index, personality, file_index */
-    q[6] = addr3;
-    q[7] = 0;
+#pragma unroll
+    for (int i = 0; i < BGS_SQE_BYTES / 8; i++) q[i] = sqe.w[i];
     while (((volatile bgs_u32 *)&tx->committed)[0] != my) {
     }
     __threadfence_system(); /* the payload and the SQE before the tail */
@@ -582,9 +494,9 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             const bgs_u64 buf_off = th->bufs_offset + (bgs_u64)tx_idx * BGS_TX_BUF_BYTES;
             bgs_u32 *buf = (bgs_u32 *)(tx->table + buf_off);
             const bgs_u32 n = s->out_words > BGS_RING_SLOT_WORDS ? BGS_RING_SLOT_WORDS : s->out_words;
-            const bgs_u32 *src = s->from_out ? (const bgs_u32 *)s->out : s->in;
-            /* The binary reply frame: 24-byte header, then the payload words. */
-            for (bgs_u32 i = t; i < n; i += blockDim.x) buf[6 + i] = src[i];
+            const bgs_u32 *src = s->from_out ? (const bgs_u32 *)s->out : s->input;
+            /* The binary reply frame: BGS_HEADER_LEN-byte header, then the payload words. */
+            for (bgs_u32 i = t; i < n; i += blockDim.x) buf[BGS_HEADER_LEN / 4 + i] = src[i];
             if (t == 0) {
                 buf[0] = BGS_REPLY_MAGIC;
                 buf[1] = BGS_VERSION | (s->status << 16);
@@ -596,7 +508,7 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             __syncthreads();
             if (t == 0) {
                 struct bgs_tx_entry *e = tx_entry(tx, (bgs_u32)tx_idx);
-                const bgs_u32 len = 24u + 4u * n;
+                const bgs_u32 len = BGS_HEADER_LEN + 4u * n;
                 ((volatile bgs_u32 *)e->reserved)[0] = len; /* the reaper checks the CQE against it */
                 const bgs_u64 ud = (BGS_TX_UD_SEND << 56) | ((bgs_u64)(bgs_u32)tx_idx << 32) | s->conn_seq;
                 tx_submit(tx, BGS_IORING_OP_SEND, tx_fd, 0, tx->table_host + buf_off, len,
@@ -665,7 +577,7 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
     __syncthreads();
     if (cs != 0) {
         const bgs_u32 n = s->out_words > BGS_RING_SLOT_WORDS ? BGS_RING_SLOT_WORDS : s->out_words;
-        const bgs_u32 *src = s->from_out ? (const bgs_u32 *)s->out : s->in;
+        const bgs_u32 *src = s->from_out ? (const bgs_u32 *)s->out : s->input;
         for (bgs_u32 i = t; i < n; i += blockDim.x) cs->entry.payload[i] = src[i];
         if (t == 0) {
             struct bgs_completion_entry *ce = &cs->entry;
@@ -728,10 +640,10 @@ extern "C" __global__ void bgs_tx_reaper(struct bgs_gpu_tx *tx, struct bgs_gpu_c
         }
         idle = 0;
         while (head != tail) {
-            const volatile bgs_u64 *c =
-                (const volatile bgs_u64 *)(tx->rings + tx->off_cqes + (bgs_u64)(head & tx->cq_mask) * BGS_CQE_BYTES);
-            const bgs_u64 ud = c[0];
-            const int res = (int)(bgs_u32)c[1]; /* res, then flags */
+            const volatile struct bgs_io_uring_cqe *c = (const volatile struct bgs_io_uring_cqe *)(
+                tx->rings + tx->off_cqes + (bgs_u64)(head & tx->cq_mask) * BGS_CQE_BYTES);
+            const bgs_u64 ud = c->user_data;
+            const int res = c->res;
             if ((ud >> 56) == BGS_TX_UD_SEND) {
                 const bgs_u32 idx = (bgs_u32)(ud >> 32) & 0xffffffu;
                 const bgs_u32 seq = (bgs_u32)ud;
@@ -755,39 +667,8 @@ extern "C" __global__ void bgs_tx_reaper(struct bgs_gpu_tx *tx, struct bgs_gpu_c
     }
 }
 
-/* ---- start-up self-check: offsets as this compiler lays them out ---- */
-#define BGS_PROBE(i, type, field) out[i] = (bgs_u64)((const char *)&((type *)base)->field - (const char *)base)
+/* ---- start-up self-check: offsets as this compiler lays them out ----
+ * out: BGS_GPU_LAYOUT_LEN words, in the order of bgs_executor_gpu::c_header::layout_table. */
 extern "C" __global__ void bgs_layout_probe(bgs_u64 *out) {
-    const char *base = (const char *)out; /* any address: only differences are stored */
-    BGS_PROBE(0, struct bgs_ring_header, request_capacity);
-    BGS_PROBE(1, struct bgs_ring_header, request_slots_offset);
-    BGS_PROBE(2, struct bgs_ring_header, request_head);
-    BGS_PROBE(3, struct bgs_ring_header, completion_tail);
-    BGS_PROBE(4, struct bgs_request_slot, entry.words);
-    BGS_PROBE(5, struct bgs_request_slot, entry.route);
-    BGS_PROBE(6, struct bgs_request_slot, entry.payload);
-    BGS_PROBE(7, struct bgs_completion_slot, entry.status);
-    BGS_PROBE(8, struct bgs_completion_slot, entry.route);
-    BGS_PROBE(9, struct bgs_completion_slot, entry.payload);
-    BGS_PROBE(10, struct bgs_gpu_slot_ctl, staged);
-    BGS_PROBE(11, struct bgs_gpu_slot, chain);
-    BGS_PROBE(12, struct bgs_gpu_slot, publish);
-    BGS_PROBE(13, struct bgs_gpu_slot, in);
-    BGS_PROBE(14, struct bgs_gpu_slot, out);
-    BGS_PROBE(15, struct bgs_gpu_sched, work);
-    BGS_PROBE(22, struct bgs_gpu_sched, dispatched);
-    BGS_PROBE(23, struct bgs_gpu_ctl, chain_errors);
-    BGS_PROBE(24, struct bgs_gpu_slot, tail_hint);
-    BGS_PROBE(25, struct bgs_gpu_sched, fused);
-    BGS_PROBE(26, struct bgs_gpu_slot, tx);
-    BGS_PROBE(27, struct bgs_gpu_tx, reserve);
-    BGS_PROBE(28, struct bgs_tx_header, gpu_sends);
-    BGS_PROBE(29, struct bgs_tx_entry, next_seq);
-    out[30] = sizeof(struct bgs_gpu_tx);
-    out[16] = sizeof(struct bgs_request_slot);
-    out[17] = sizeof(struct bgs_completion_slot);
-    out[18] = sizeof(struct bgs_gpu_slot_ctl);
-    out[19] = sizeof(struct bgs_gpu_slot);
-    out[20] = sizeof(struct bgs_gpu_sched);
-    out[21] = sizeof(struct bgs_gpu_ctl);
+    bgs_gpu_layout(out);
 }

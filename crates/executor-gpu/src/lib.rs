@@ -3,9 +3,9 @@
 //! - Libraries are loaded at run time (cudarc with dynamic loading, CUDA 13): one binary runs
 //!   with or without a GPU; without a driver, a device or a library, [`probe`] and
 //!   [`GpuExecutor::start`] return a [`GpuError`] naming what is missing.
-//! - Kernels (`src/kernels.cu`, including the generated `include/bgs_ring.h`) are compiled by
-//!   NVRTC for the device's architecture and linked with `libcudadevrt.a` by nvJitLink; the
-//!   cubin is cached on disk.
+//! - Kernels (`src/kernels.cu`, including the generated `include/bgs_ring.h`, `bgs_protocol.h`
+//!   and `bgs_gpu.h`) are compiled by NVRTC for the device's architecture and linked with
+//!   `libcudadevrt.a` by nvJitLink; the cubin is cached on disk.
 //! - The ring region is registered with `cuMemHostRegister`; the GPU consumes requests and
 //!   publishes completions with the Vyukov protocol of `docs/ring.md` at system scope.
 //! - [`Dispatcher::DeviceLaunch`]: a device-launched scheduler graph polls the request ring,
@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use bgs_ring::RingRegion;
 
+pub mod c_header;
 pub mod compile;
 mod exec;
 pub mod layout;

@@ -3,8 +3,9 @@
 //!   with `libcudadevrt.a` by nvJitLink, when the CUDA 13.0 wheels are installed
 //!   (`pip install 'nvidia-cuda-nvrtc==13.0.*' 'nvidia-cuda-runtime==13.0.*'
 //!   'nvidia-nvjitlink==13.0.*'`, or `BGS_CUDA_LIB_DIR` naming a directory with those files);
-//! - with clang-19 in CUDA mode (`-fsyntax-only`, stub prelude), where the generated header's
-//!   static asserts on every ring offset are evaluated (NVRTC has no `__builtin_offsetof`).
+//! - with clang-19 in CUDA mode (`-fsyntax-only`, stub prelude), where the generated headers'
+//!   static asserts on every ring and GPU struct offset (`bgs_ring.h`, `bgs_gpu.h`) are
+//!   evaluated (NVRTC has no `__builtin_offsetof`).
 //!
 //! Each check prints a notice and passes when its tool is missing, except under CI (`CI` set),
 //! which installs every tool (scripts/setup.sh, scripts/test.sh) and fails instead: a check
@@ -157,13 +158,15 @@ fn clang() -> Option<&'static str> {
 }
 
 /// `clang -x cuda -fsyntax-only` on the kernel source with `extra` appended (after the
-/// headers, so it can use their types).
-fn clang_check(extra: Option<&str>) -> Option<std::process::Output> {
+/// headers, so it can use their types) and, with `gpu_header`, that text as `bgs_gpu.h`
+/// instead of the committed one (a quoted include finds the source's directory first).
+fn clang_check(extra: Option<&str>, gpu_header: Option<&str>) -> Option<std::process::Output> {
     let cc = clang()?;
     let tmp = std::env::temp_dir().join(format!(
-        "bgs-kernels-{}-{}",
+        "bgs-kernels-{}-{}-{}",
         std::process::id(),
-        extra.is_some()
+        extra.is_some(),
+        gpu_header.is_some()
     ));
     std::fs::create_dir_all(&tmp).unwrap();
     std::fs::write(tmp.join("stub.h"), STUB_PRELUDE).unwrap();
@@ -172,6 +175,9 @@ fn clang_check(extra: Option<&str>) -> Option<std::process::Output> {
         src = format!("{src}\n{d}\n");
     }
     std::fs::write(tmp.join("k.cu"), src).unwrap();
+    if let Some(h) = gpu_header {
+        std::fs::write(tmp.join(bgs_executor_gpu::c_header::GPU_HEADER_NAME), h).unwrap();
+    }
     let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../include");
     let mask = format!(
         "-DBGS_VALID_STATUS_MASK={:#x}u",
@@ -207,7 +213,7 @@ fn clang_check(extra: Option<&str>) -> Option<std::process::Output> {
 
 #[test]
 fn kernels_pass_clang_cuda_syntax_check_with_layout_asserts() {
-    let Some(out) = clang_check(None) else {
+    let Some(out) = clang_check(None, None) else {
         missing("clang-19 not found; CUDA syntax check skipped");
         return;
     };
@@ -222,9 +228,10 @@ fn kernels_pass_clang_cuda_syntax_check_with_layout_asserts() {
 fn clang_check_catches_errors() {
     // The check is real: a layout assertion that does not hold fails it, and the diagnostic is
     // that assertion (not some other error, e.g. a type used before its header).
-    let Some(out) = clang_check(Some(
-        "static_assert(sizeof(struct bgs_request_slot) == 1, \"bgs-drift-check\");",
-    )) else {
+    let Some(out) = clang_check(
+        Some("static_assert(sizeof(struct bgs_request_slot) == 1, \"bgs-drift-check\");"),
+        None,
+    ) else {
         missing("clang-19 not found; CUDA syntax check skipped");
         return;
     };
@@ -242,4 +249,27 @@ fn clang_check_catches_errors() {
         1,
         "only the injected assert fails:\n{err}"
     );
+}
+
+#[test]
+fn clang_check_evaluates_the_gpu_header_asserts() {
+    // A bgs_gpu.h whose struct no longer matches its asserts (a field widened by hand, as a
+    // stale or hand-edited header would have it) must fail the kernels' check on those asserts.
+    let rendered = bgs_executor_gpu::c_header::render_gpu();
+    let field = "    bgs_u32 sole_producer;";
+    assert!(rendered.contains(field), "bgs_gpu.h lost {field:?}");
+    let drifted = rendered.replacen(field, "    bgs_u64 sole_producer;", 1);
+    let Some(out) = clang_check(None, Some(&drifted)) else {
+        missing("clang-19 not found; CUDA syntax check skipped");
+        return;
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "clang accepted a drifted bgs_gpu.h");
+    let errors = err.matches("error:").count();
+    assert!(
+        errors > 0 && err.matches("static assertion failed").count() == errors,
+        "clang failed for another reason than the layout asserts:\n{err}"
+    );
+    assert!(err.contains("sizeof bgs_gpu_slot"), "{err}");
+    assert!(err.contains("bgs_gpu_slot.input"), "{err}");
 }

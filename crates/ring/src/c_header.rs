@@ -27,90 +27,131 @@ pub const RING_HEADER_NAME: &str = "bgs_ring.h";
 /// File name of the protocol header inside `include/`.
 pub const PROTOCOL_HEADER_NAME: &str = "bgs_protocol.h";
 
+/// The C type of a field in a generated struct.
 #[derive(Clone, Copy, Debug)]
-enum CType {
+pub enum CType {
     U8,
     U16,
     U32,
     U64,
-    /// A nested struct, by its C tag.
+    /// A nested struct, by its C tag and size.
     Struct(&'static str, usize),
+    /// A plain C type spelled as given (`float`, `int`), by name and size.
+    Plain(&'static str, usize),
 }
 
 impl CType {
-    fn name(self) -> String {
+    /// The C spelling of the type.
+    pub fn name(self) -> String {
         match self {
             CType::U8 => "bgs_u8".into(),
             CType::U16 => "bgs_u16".into(),
             CType::U32 => "bgs_u32".into(),
             CType::U64 => "bgs_u64".into(),
             CType::Struct(tag, _) => format!("struct {tag}"),
+            CType::Plain(name, _) => name.into(),
         }
     }
 
-    fn size(self) -> usize {
+    /// Bytes of one element.
+    pub fn size(self) -> usize {
         match self {
             CType::U8 => 1,
             CType::U16 => 2,
             CType::U32 => 4,
             CType::U64 => 8,
-            CType::Struct(_, size) => size,
+            CType::Struct(_, size) | CType::Plain(_, size) => size,
         }
     }
 }
 
+/// One field of a generated struct (build it with [`c_field!`](crate::c_field)).
 #[derive(Debug)]
-struct Field {
-    name: &'static str,
-    ty: CType,
-    /// Array length; `None` for a scalar.
-    len: Option<usize>,
-    offset: usize,
+pub struct Field {
+    /// C (and Rust) field name.
+    pub name: &'static str,
+    /// Element type.
+    pub ty: CType,
+    /// Array dimensions, outermost first; empty for a scalar.
+    pub dims: Vec<usize>,
+    /// Byte offset in the Rust struct.
+    pub offset: usize,
     /// `size_of` the Rust field, to check the C type against.
-    rust_size: usize,
-    comment: &'static str,
+    pub rust_size: usize,
+    /// Comment after the declaration; may be empty.
+    pub comment: &'static str,
 }
 
+impl Field {
+    /// Bytes the C declaration takes.
+    pub fn c_size(&self) -> usize {
+        self.ty.size() * self.dims.iter().product::<usize>()
+    }
+}
+
+/// A struct to render into a header: emitted with a `_Static_assert` on its size and on
+/// every field offset, after [`check_covers`] compared the table with the Rust layout.
 #[derive(Debug)]
-struct StructDesc {
-    tag: &'static str,
-    comment: &'static str,
-    size: usize,
-    fields: Vec<Field>,
+pub struct StructDesc {
+    /// C struct tag.
+    pub tag: &'static str,
+    /// Comment above the struct.
+    pub comment: &'static str,
+    /// `size_of` the Rust struct.
+    pub size: usize,
+    /// Every field, in offset order, covering every byte.
+    pub fields: Vec<Field>,
 }
 
 /// `size_of` a field's type, given a projection closure (avoids naming the type twice).
-fn field_size<T, F>(_: fn(&T) -> &F) -> usize {
+#[doc(hidden)]
+pub fn field_size<T, F>(_: fn(&T) -> &F) -> usize {
     size_of::<F>()
 }
 
-macro_rules! field {
+/// A [`Field`] of Rust struct `$t` named `$f` (the C name), its offset and size taken from
+/// Rust: `c_field!(T, f, CType::U32, "comment")`, an array `c_field!(T, f, CType::U8; 8, "")`,
+/// a multi-dimensional array `c_field!(T, f, CType::U64; [2, 9], "")`.
+#[macro_export]
+macro_rules! c_field {
     ($t:ty, $f:ident, $ct:expr, $comment:expr) => {
-        Field {
+        $crate::c_header::Field {
             name: stringify!($f),
             ty: $ct,
-            len: None,
-            offset: offset_of!($t, $f),
-            rust_size: field_size(|s: &$t| &s.$f),
+            dims: ::std::vec::Vec::new(),
+            offset: ::core::mem::offset_of!($t, $f),
+            rust_size: $crate::c_header::field_size(|s: &$t| &s.$f),
+            comment: $comment,
+        }
+    };
+    ($t:ty, $f:ident, $ct:expr; [$($n:expr),+], $comment:expr) => {
+        $crate::c_header::Field {
+            name: stringify!($f),
+            ty: $ct,
+            dims: ::std::vec![$($n),+],
+            offset: ::core::mem::offset_of!($t, $f),
+            rust_size: $crate::c_header::field_size(|s: &$t| &s.$f),
             comment: $comment,
         }
     };
     ($t:ty, $f:ident, $ct:expr; $n:expr, $comment:expr) => {
-        Field {
+        $crate::c_header::Field {
             name: stringify!($f),
             ty: $ct,
-            len: Some($n),
-            offset: offset_of!($t, $f),
-            rust_size: field_size(|s: &$t| &s.$f),
+            dims: ::std::vec![$n],
+            offset: ::core::mem::offset_of!($t, $f),
+            rust_size: $crate::c_header::field_size(|s: &$t| &s.$f),
             comment: $comment,
         }
     };
 }
+use crate::c_field as field;
 
 const REQUEST_ENTRY_TAG: &str = "bgs_request_entry";
 const COMPLETION_ENTRY_TAG: &str = "bgs_completion_entry";
 
-fn ring_structs() -> Vec<StructDesc> {
+/// The structs of `include/bgs_ring.h`, in the order they are emitted.
+pub fn ring_structs() -> Vec<StructDesc> {
     use CType::{U8, U16, U32, U64};
     type H = RegionHeader;
     type R = RequestEntry;
@@ -330,10 +371,10 @@ fn ring_structs() -> Vec<StructDesc> {
 }
 
 /// Panics unless the fields tile the struct exactly (no gap, no overlap, right sizes).
-fn check_covers(s: &StructDesc) {
+pub fn check_covers(s: &StructDesc) {
     let mut at = 0;
     for f in &s.fields {
-        let c_size = f.ty.size() * f.len.unwrap_or(1);
+        let c_size = f.c_size();
         assert_eq!(
             f.offset, at,
             "{}.{}: field table has a gap or overlap (a Rust field missing from c_header?)",
@@ -395,21 +436,36 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 "#;
 
 fn banner(out: &mut String, file: &str, what: &str) {
+    banner_with(
+        out,
+        file,
+        what,
+        "bgs_ring::c_header",
+        "BGS_BLESS=1 cargo test -p bgs-ring --test c_headers",
+        "Usable from C11, C++ (CUDA, NVRTC) and BPF C. See docs/ring.md.",
+    );
+}
+
+/// The opening of a generated header: what it is, who generates it (`generator`, a Rust
+/// path), how to regenerate it (`regen`, a command), a usage note, the include guard and the
+/// fixed-width type prelude. Close the guard with `#endif` after the body.
+pub fn banner_with(
+    out: &mut String,
+    file: &str,
+    what: &str,
+    generator: &str,
+    regen: &str,
+    note: &str,
+) {
     let guard = file.to_uppercase().replace('.', "_");
     let _ = writeln!(out, "/* {file}: {what}.");
     let _ = writeln!(out, " *");
     let _ = writeln!(
         out,
-        " * GENERATED by bgs_ring::c_header from the Rust definitions; do not edit."
+        " * GENERATED by {generator} from the Rust definitions; do not edit."
     );
-    let _ = writeln!(
-        out,
-        " * Regenerate with: BGS_BLESS=1 cargo test -p bgs-ring --test c_headers"
-    );
-    let _ = writeln!(
-        out,
-        " * Usable from C11, C++ (CUDA, NVRTC) and BPF C. See docs/ring.md."
-    );
+    let _ = writeln!(out, " * Regenerate with: {regen}");
+    let _ = writeln!(out, " * {note}");
     let _ = writeln!(out, " */");
     let _ = writeln!(out, "#ifndef {guard}");
     let _ = writeln!(out, "#define {guard}\n");
@@ -417,7 +473,8 @@ fn banner(out: &mut String, file: &str, what: &str) {
     out.push('\n');
 }
 
-fn define(out: &mut String, name: &str, value: String, comment: &str) {
+/// `#define name value`, with the comment (if any) aligned after it.
+pub fn define(out: &mut String, name: &str, value: String, comment: &str) {
     let line = format!("#define {name} {value}");
     if comment.is_empty() {
         let _ = writeln!(out, "{line}");
@@ -426,15 +483,14 @@ fn define(out: &mut String, name: &str, value: String, comment: &str) {
     }
 }
 
-fn emit_struct(out: &mut String, s: &StructDesc) {
+/// The struct's C definition and its static asserts (panics if [`check_covers`] fails).
+pub fn emit_struct(out: &mut String, s: &StructDesc) {
     check_covers(s);
     let _ = writeln!(out, "/* {} */", s.comment);
     let _ = writeln!(out, "struct {} {{", s.tag);
     for f in &s.fields {
-        let decl = match f.len {
-            None => format!("    {} {};", f.ty.name(), f.name),
-            Some(n) => format!("    {} {}[{n}];", f.ty.name(), f.name),
-        };
+        let dims: String = f.dims.iter().map(|n| format!("[{n}]")).collect();
+        let decl = format!("    {} {}{dims};", f.ty.name(), f.name);
         let comment = if f.comment.is_empty() {
             format!("/* {:4} */", f.offset)
         } else {
@@ -694,7 +750,7 @@ fn wire_structs() -> Vec<StructDesc> {
     let f = |name, ty: CType, offset, comment| Field {
         name,
         ty,
-        len: None,
+        dims: Vec::new(),
         offset,
         rust_size: ty.size(),
         comment,
