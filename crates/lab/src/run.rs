@@ -204,9 +204,14 @@ pub fn load_args(e: &Experiment, cell: &Cell, cond: usize, seed: u64) -> Vec<Str
             cell.op.clone()
         }
     });
+    // `bgs load` refuses flags that do nothing with the op: --repeat is for gemm8/fft32,
+    // --words for echo.
+    match op.as_str() {
+        "gemm8" | "fft32" => push("--repeat", o.repeat.unwrap_or(cell.repeat).to_string()),
+        "echo" => push("--words", o.words.unwrap_or(cell.words).to_string()),
+        _ => {}
+    }
     push("--op", op);
-    push("--repeat", o.repeat.unwrap_or(cell.repeat).to_string());
-    push("--words", o.words.unwrap_or(cell.words).to_string());
     push("--connections", cell.connections.to_string());
     push("--rate", fmt_num(cell.rate));
     push("--warmup", fmt_num(l.warmup_s));
