@@ -272,8 +272,14 @@ fn http_other(kind: u8) -> Vec<u8> {
         0 => http("GET /x HTTP/1.1\r\n\r\n", b""),
         1 => http("POST /nope HTTP/1.1\r\nContent-Length: 5\r\n\r\n", b"hello"),
         2 => http("GET /v1/submit HTTP/1.1\r\nHost: y\r\n\r\n", b""),
-        3 => http("PUT /v1/submit HTTP/1.1\r\nContent-Length: 2\r\n\r\n", b"ab"),
-        4 => http("DELETE /v1/submit HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", b""),
+        3 => http(
+            "PUT /v1/submit HTTP/1.1\r\nContent-Length: 2\r\n\r\n",
+            b"ab",
+        ),
+        4 => http(
+            "DELETE /v1/submit HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+            b"",
+        ),
         _ => http("GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n", b""),
     }
 }
@@ -372,8 +378,8 @@ fn generated_streams_match_the_rust_framer() {
         .or_else(|| env_u64("BGS_BPF_PROPTEST_CASES"))
         .unwrap_or(400);
     let seed = env_u64("BGS_DIFF_SEED").unwrap_or(0x6267_7364_6966_6631);
-    let deadline = env_u64("BGS_DIFF_SECONDS")
-        .map(|s| std::time::Instant::now() + Duration::from_secs(s));
+    let deadline =
+        env_u64("BGS_DIFF_SECONDS").map(|s| std::time::Instant::now() + Duration::from_secs(s));
     let progress = env_u64("BGS_DIFF_PROGRESS").unwrap_or(0);
     let mut seed_bytes = [0u8; 32];
     seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
