@@ -190,19 +190,18 @@ pub fn check(data: &[u8]) {
 
 /// Items and the closed flag, with the bytes of a closing reject left out (see `check`).
 fn normalized(r: &(Vec<Item>, usize, bool)) -> (Vec<Item>, bool) {
-    let items = r
-        .0
-        .iter()
-        .map(|i| match i {
-            Item::Reject { close: true, .. } => {
-                let mut i = i.clone();
-                if let Item::Reject { raw, .. } = &mut i {
-                    raw.clear();
+    let items =
+        r.0.iter()
+            .map(|i| match i {
+                Item::Reject { close: true, .. } => {
+                    let mut i = i.clone();
+                    if let Item::Reject { raw, .. } = &mut i {
+                        raw.clear();
+                    }
+                    i
                 }
-                i
-            }
-            other => other.clone(),
-        })
-        .collect();
+                other => other.clone(),
+            })
+            .collect();
     (items, r.2)
 }
