@@ -1,36 +1,19 @@
-//! Fuzz the framer: arbitrary bytes, fed in chunks whose sizes come from the input itself.
-//! Run with `cargo +nightly fuzz run framer` (or `RUSTC_BOOTSTRAP=1 cargo fuzz run framer`).
+//! Fuzz the framer: arbitrary bytes, fed in chunks whose size (and the framer's limits) come
+//! from the input's first byte; the invariants are in `framer_check.rs`, which the CI smoke test
+//! (`crates/protocol/tests/fuzz_smoke.rs`) also runs over the seed corpus in `corpus/framer/`.
+//! Run with `cargo +nightly fuzz run framer corpus/framer` (or with `RUSTC_BOOTSTRAP=1`), or
+//! on stable without cargo-fuzz (libFuzzer's coverage hooks through plain codegen flags; the
+//! explicit `--target` keeps the flags off build scripts):
+//! `RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
+//! -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table
+//! -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions
+//! -Coverflow-checks" cargo build --release --bin framer --target x86_64-unknown-linux-gnu`,
+//! then `target/x86_64-unknown-linux-gnu/release/framer NEW_DIR corpus/framer`.
 #![no_main]
 
-use bgs_protocol::{Decoded, Framer, FramerConfig};
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| {
-    let Some((&split, rest)) = data.split_first() else {
-        return;
-    };
-    let chunk = usize::from(split).max(1);
-    let cfg = FramerConfig {
-        max_words: 16,
-        max_http_head: 512,
-    };
-    let mut framer = Framer::new(cfg);
-    let mut buf = Vec::new();
-    for piece in rest.chunks(chunk) {
-        buf.extend_from_slice(piece);
-        loop {
-            match framer.decode(&buf) {
-                Decoded::NeedMore => break,
-                Decoded::Request { consumed, request } => {
-                    assert!(consumed <= buf.len());
-                    assert_eq!(request.payload.len(), request.header.words as usize * 4);
-                    buf.drain(..consumed);
-                }
-                Decoded::Reject { consumed, .. } => {
-                    assert!(consumed <= buf.len() && consumed > 0);
-                    buf.drain(..consumed);
-                }
-            }
-        }
-    }
-});
+#[path = "framer_check.rs"]
+mod framer_check;
+
+fuzz_target!(|data: &[u8]| framer_check::check(data));
