@@ -1,5 +1,5 @@
 //! The fuzz target's smoke run, with no nightly toolchain: every file of the seed corpus
-//! (`fuzz/corpus/framer/`) and a few thousand generated inputs go through the function the fuzz
+//! (`fuzz/seeds/framer/`) and a few thousand generated inputs go through the function the fuzz
 //! target calls (`fuzz/fuzz_targets/framer_check.rs`): no panic, every byte accounted for,
 //! decoded frames re-encode to their bytes, segmenting changes nothing.
 
@@ -12,7 +12,7 @@ use bgs_protocol::{Op, RequestHeader, encode_request};
 use proptest::prelude::*;
 
 fn corpus_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/framer")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/framer")
 }
 
 fn frame(op: u16, id: u32, words: u32, param: u32, flags: u32) -> Vec<u8> {
@@ -245,7 +245,7 @@ fn seeds() -> Vec<(&'static str, u8, Vec<u8>)> {
 /// Rewrite the committed corpus from [`seeds`]: `cargo test -p bgs-protocol --test fuzz_smoke
 /// -- --ignored write_seed_corpus`.
 #[test]
-#[ignore = "writes fuzz/corpus/framer"]
+#[ignore = "writes fuzz/seeds/framer"]
 fn write_seed_corpus() {
     let dir = corpus_dir();
     std::fs::create_dir_all(&dir).unwrap();
@@ -259,7 +259,7 @@ fn write_seed_corpus() {
 #[test]
 fn seed_corpus_passes_the_fuzz_checks() {
     let mut n = 0;
-    for e in std::fs::read_dir(corpus_dir()).expect("fuzz/corpus/framer is committed") {
+    for e in std::fs::read_dir(corpus_dir()).expect("fuzz/seeds/framer is committed") {
         let path = e.unwrap().path();
         let data = std::fs::read(&path).unwrap();
         let r = std::panic::catch_unwind(|| framer_check::check(&data));
