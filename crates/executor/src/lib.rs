@@ -1058,7 +1058,7 @@ mod tests {
             });
             if let Some(g) = got {
                 if ack {
-                    region.ack_stream(g.stream);
+                    region.ack_stream(g.stream, 1);
                 }
                 return Some(g);
             }
@@ -1372,7 +1372,7 @@ mod tests {
         assert!(exec.stats().credit_refusals.load(Ordering::Relaxed) > 0);
         // Acknowledge them; the rest of the stream flows while the test keeps acknowledging.
         for _ in 0..4 {
-            region.ack_stream(stream);
+            region.ack_stream(stream, 1);
         }
         while let Some(g) = next(&region, true, Duration::from_secs(10)) {
             let last = g.final_;

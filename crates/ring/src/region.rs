@@ -417,14 +417,19 @@ impl RingRegion {
         }
     }
 
-    /// Acknowledge one disposed-of completion of credit stream `stream` (the completion's
-    /// `stream` field, index + 1; 0 is ignored). Called by completion consumers.
-    pub fn ack_stream(&self, stream: u32) {
+    /// Acknowledge `n` disposed-of completions of credit stream `stream` (the completion's
+    /// `stream` field, index + 1; 0 and out-of-range values are ignored). Called by
+    /// completion consumers. Release: the executor's acquire load of the counter then also
+    /// sees that the consumer is done with the completions' slots.
+    pub fn ack_stream(&self, stream: u32, n: u32) {
+        if n == 0 {
+            return;
+        }
         if let Some(c) = (stream as usize)
             .checked_sub(1)
             .and_then(|i| self.stream_acks().get(i))
         {
-            c.fetch_add(1, core::sync::atomic::Ordering::Release);
+            c.fetch_add(n, core::sync::atomic::Ordering::Release);
         }
     }
 }

@@ -549,7 +549,7 @@ fn region_round_trip() {
         };
         executor.join().unwrap();
         assert_eq!(done, (9, 3, 1));
-        region.ack_stream(done.2);
+        region.ack_stream(done.2, 1);
         assert_eq!(region.stream_acks()[0].load(Ordering::Acquire), 1);
     });
 }

@@ -12,8 +12,6 @@
 //!   publishes one `OP_CANCEL` request entry with the connection's token
 //!   ([`publish_cancel`]), so that the executor ends and frees that connection's streams.
 
-use std::sync::atomic::Ordering;
-
 use bgs_ring::{OP_CANCEL, RequestEntry, RingRegion};
 
 /// Publish the cancel marker of connection `conn` into the request ring: `conn` set, `op` =
@@ -34,17 +32,7 @@ pub fn publish_cancel(region: &RingRegion, conn: u64) -> bool {
 /// `stream` field, index + 1; 0 and out-of-range values are ignored, as by
 /// [`RingRegion::ack_stream`]).
 pub fn ack(region: &RingRegion, stream: u32, n: u32) {
-    if n == 0 {
-        return;
-    }
-    if let Some(c) = (stream as usize)
-        .checked_sub(1)
-        .and_then(|i| region.stream_acks().get(i))
-    {
-        // Release, like `ack_stream`: the executor's acquire load of the counter then also
-        // sees that the transport is done with the completion's slot.
-        c.fetch_add(n, Ordering::Release);
-    }
+    region.ack_stream(stream, n);
 }
 
 /// Acknowledgements a connection owes but holds back while it is over its unsent-bytes
@@ -127,6 +115,7 @@ impl Withheld {
 mod tests {
     use super::*;
     use bgs_ring::RingConfig;
+    use std::sync::atomic::Ordering;
 
     #[test]
     fn withheld_merges_and_releases_exactly_once() {
