@@ -31,8 +31,9 @@ pub fn nvrtc_options(major: i32, minor: i32) -> Vec<String> {
     ]
 }
 
-/// 64-bit FNV-1a.
-fn fnv1a(seed: u64, parts: &[&[u8]]) -> u64 {
+/// 64-bit FNV-1a over `parts` (each followed by a 0xff separator), from `seed`; also keys
+/// other crates' kernel caches (bgs-model-gpu).
+pub fn fnv1a(seed: u64, parts: &[&[u8]]) -> u64 {
     let mut h = seed;
     for p in parts {
         for b in p.iter().chain(&[0xffu8]) {

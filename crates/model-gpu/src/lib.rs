@@ -1,0 +1,76 @@
+//! The GPU forward pass for generation (docs/gpu-model.md).
+//!
+//! [`GpuModel`] holds a Qwen2/Llama decoder's weights on one CUDA device (in f32, f16 or
+//! bf16, with fused QKV and gate/up projections), a paged KV cache, and one captured CUDA
+//! graph per token-count bucket. It implements [`bgs_llm::StepModel`], so the generation
+//! engine drives it exactly as it drives the CPU oracle ([`bgs_model::CpuModel`]), whose maths
+//! it follows operation by operation. Projections run through cuBLAS (`cublasGemmEx`, f32
+//! output and accumulation); everything else is the NVRTC kernels of `src/llm_kernels.cu`.
+//!
+//! Libraries are loaded at run time (cudarc, dynamic loading): without a driver, a device or
+//! a library, [`GpuModel::new`] returns an error naming what is missing.
+
+pub mod host;
+mod model;
+
+pub use host::{GpuDtype, StepGeometry};
+pub use model::{GpuModel, GpuModelError, GpuModelOptions};
+
+/// The kernels' CUDA C++ source.
+pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
+
+/// NVRTC options for compute capability `major.minor` and `dtype` (no `-rdc`: the kernels
+/// launch nothing themselves, so NVRTC's cubin loads as is).
+pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype) -> Vec<String> {
+    vec![
+        format!("-arch=sm_{major}{minor}"),
+        "-std=c++17".into(),
+        // Keep multiplies and adds separate, as the CPU oracle computes them.
+        "-fmad=false".into(),
+        format!("-DBGS_DT={}", dtype.kernel_id()),
+    ]
+}
+
+/// The kernel cache key: a 128-bit hash of the source, options, device name and the driver
+/// and NVRTC versions.
+pub fn cache_key(options: &[String], device: &str, versions: &str) -> String {
+    let opts = options.join("\u{1}");
+    let parts: [&[u8]; 5] = [
+        b"bgs-model-gpu",
+        KERNEL_SOURCE.as_bytes(),
+        opts.as_bytes(),
+        device.as_bytes(),
+        versions.as_bytes(),
+    ];
+    use bgs_executor_gpu::compile::fnv1a;
+    format!(
+        "llm-{:016x}{:016x}",
+        fnv1a(0xcbf2_9ce4_8422_2325, &parts),
+        fnv1a(0x6c62_272e_07bb_0142, &parts)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_and_cache_keys_follow_dtype_and_device() {
+        let o = nvrtc_options(9, 0, GpuDtype::Bf16);
+        assert!(o.contains(&"-arch=sm_90".to_string()));
+        assert!(o.contains(&"-DBGS_DT=2".to_string()));
+        assert!(o.contains(&"-fmad=false".to_string()));
+        assert!(!o.iter().any(|x| x.contains("rdc")));
+        let k = cache_key(&o, "NVIDIA H200", "driver 13000 nvrtc 13.0");
+        assert_eq!(k, cache_key(&o, "NVIDIA H200", "driver 13000 nvrtc 13.0"));
+        let f32o = nvrtc_options(9, 0, GpuDtype::F32);
+        assert_ne!(
+            k,
+            cache_key(&f32o, "NVIDIA H200", "driver 13000 nvrtc 13.0")
+        );
+        assert_ne!(k, cache_key(&o, "NVIDIA H100", "driver 13000 nvrtc 13.0"));
+        assert_ne!(k, cache_key(&o, "NVIDIA H200", "driver 13010 nvrtc 13.0"));
+        // Not the executor's cache entries.
+        assert!(k.starts_with("llm-"));
+    }
+}

@@ -1,0 +1,281 @@
+// Kernels of the GPU forward pass (crates/model-gpu, docs/gpu-model.md).
+//
+// Compiled by NVRTC for the device's architecture with `-DBGS_DT=0|1|2` (f32, f16, bf16: the
+// type of weights, the KV cache and GEMM inputs) and `-fmad=false` (no contraction of a
+// multiply and an add, so the f32 maths matches the CPU oracle's operation by operation).
+// The residual stream, norm weights, biases, GEMM outputs and every reduction are f32.
+//
+// Every reduction has a fixed order that depends only on the row being reduced (never on
+// which other tokens share the step or on the bucket size): per-thread strided sums in index
+// order, then a fixed shared-memory or butterfly tree. So a token's results are the same
+// bits whatever else is in the batch (the GEMMs are cuBLAS's and are not covered by this).
+//
+// Layouts: activations are row-major `[token][feature]`. The KV cache is
+// `[num_blocks][layers][k|v][kv_heads][block_size][head_dim]` in `wt`, like the CPU model's.
+// Per-step inputs (written by the host before each replay):
+//   tok[T]   token ids          pos[T]  positions        seq[T]  sequence index (0..items)
+//   slot[T]  KV slot (block * block_size + offset), -1 = padding token (writes nothing)
+//   rows[S]  token row of each sampled item              bt_off[items] offset into bt
+//   bt[...]  the block tables of the step's sequences, packed back to back
+
+#ifndef BGS_DT
+#error "BGS_DT must be defined (0 = f32, 1 = f16, 2 = bf16)"
+#endif
+
+#if BGS_DT == 0
+typedef float wt;
+__device__ __forceinline__ float ld(wt v) { return v; }
+__device__ __forceinline__ wt st(float f) { return f; }
+#elif BGS_DT == 1
+typedef unsigned short wt;
+__device__ __forceinline__ float ld(wt v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+__device__ __forceinline__ wt st(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#elif BGS_DT == 2
+typedef unsigned short wt;
+__device__ __forceinline__ float ld(wt v) { return __uint_as_float(((unsigned)v) << 16); }
+// Round to nearest even, NaN stays a (quiet) NaN: the same rounding as the host's
+// `half::bf16::from_f32`.
+__device__ __forceinline__ wt st(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (wt)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (wt)(u >> 16);
+}
+#else
+#error "BGS_DT must be 0, 1 or 2"
+#endif
+
+#define BGS_NEG_INF (__int_as_float(0xff800000))
+#define BGS_MAX_HEAD_DIM 128
+#define BGS_NORM_THREADS 256
+#define BGS_ARGMAX_THREADS 1024
+
+// x[t] = embed[tok[t]] (as f32).
+extern "C" __global__ void bgs_embed(const unsigned *tok, const wt *embed, float *x, int hidden) {
+    const int t = blockIdx.x;
+    const wt *src = embed + (size_t)tok[t] * hidden;
+    float *dst = x + (size_t)t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = ld(src[i]);
+}
+
+// Sum of `v` over the block's BGS_NORM_THREADS threads in a fixed tree; every thread gets it.
+__device__ __forceinline__ float block_sum(float v, float *sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = BGS_NORM_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// x[t] += delta[t] (when delta is not null), then out[t] = w * (x[t] / rms(x[t])), in `wt`.
+// One block of BGS_NORM_THREADS threads per token.
+extern "C" __global__ void bgs_add_rmsnorm(float *x, const float *delta, const float *w,
+                                           wt *out, int hidden, float eps) {
+    __shared__ float sh[BGS_NORM_THREADS];
+    const int t = blockIdx.x;
+    float *xr = x + (size_t)t * hidden;
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += BGS_NORM_THREADS) {
+        float v = xr[i];
+        if (delta) {
+            v = v + delta[(size_t)t * hidden + i];
+            xr[i] = v;
+        }
+        acc = acc + v * v;
+    }
+    const float mean = block_sum(acc, sh) / (float)hidden;
+    const float inv = 1.0f / sqrtf(mean + eps);
+    wt *o = out + (size_t)t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += BGS_NORM_THREADS) o[i] = st(w[i] * (xr[i] * inv));
+}
+
+// After the fused QKV GEMM: add the fused bias (when not null), rotate q and k ("rotate
+// half", angle = pos * inv_freq[i]), write q back in place (f32) and k, v into the paged cache
+// at slot[t] (nothing for a padding token, slot -1). One block per token.
+//   qkv: [T][q_dim + 2 * kv_dim] f32, cache: this layer's base, block_stride in elements.
+extern "C" __global__ void bgs_rope_kv(float *qkv, const float *bias, const int *pos,
+                                       const int *slot, const float *inv_freq, wt *cache,
+                                       int num_heads, int num_kv_heads, int head_dim,
+                                       int block_size, long long block_stride) {
+    const int t = blockIdx.x;
+    const int half = head_dim / 2;
+    const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
+    float *row = qkv + (size_t)t * (qd + 2 * kvd);
+    const float p = (float)pos[t];
+    const int s = slot[t];
+    wt *kc = 0;
+    wt *vc = 0;
+    if (s >= 0) {
+        const long long blk = s / block_size, off = s % block_size;
+        kc = cache + blk * block_stride + off * head_dim;
+        vc = kc + (long long)num_kv_heads * block_size * head_dim;
+    }
+    const int pairs = (num_heads + num_kv_heads) * half;
+    for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+        const int h = j / half, i = j % half;
+        // Heads 0..num_heads are q, the rest k (k starts right after q in the row).
+        const int base = h * head_dim;
+        float x1 = row[base + i], x2 = row[base + i + half];
+        if (bias) {
+            x1 = x1 + bias[base + i];
+            x2 = x2 + bias[base + i + half];
+        }
+        const float a = p * inv_freq[i];
+        const float c = cosf(a), sn = sinf(a);
+        const float r1 = x1 * c + (-x2) * sn;
+        const float r2 = x2 * c + x1 * sn;
+        if (h < num_heads) {
+            row[base + i] = r1;
+            row[base + i + half] = r2;
+        } else if (kc) {
+            const int kh = h - num_heads;
+            wt *k = kc + (long long)kh * block_size * head_dim;
+            k[i] = st(r1);
+            k[i + half] = st(r2);
+        }
+    }
+    if (vc) {
+        for (int j = threadIdx.x; j < kvd; j += blockDim.x) {
+            float v = row[qd + kvd + j];
+            if (bias) v = v + bias[qd + kvd + j];
+            const int kh = j / head_dim, d = j % head_dim;
+            vc[(long long)kh * block_size * head_dim + d] = st(v);
+        }
+    }
+}
+
+// Butterfly sum over the warp: the same fixed tree for every lane, so every lane holds the
+// same bits.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = v + __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Paged attention for decode and ragged prefill: one warp per (query head, token). The token
+// attends to positions 0..=pos[t] of its own sequence through that sequence's block table,
+// in order, with an online softmax in f32 (grouped-query: kv head = head / group). Lane l
+// owns dimensions l, l + 32, ... of the head. out: [T][num_heads * head_dim] in `wt`.
+extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, const int *pos,
+                                         const int *seq, const int *bt_off, const int *bt,
+                                         wt *out, int num_heads, int num_kv_heads,
+                                         int head_dim, int block_size, long long block_stride,
+                                         float scale) {
+    const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
+    const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
+    const int kvh = head / (num_heads / num_kv_heads);
+    const float *q = qkv + (size_t)t * (qd + 2 * kvd) + head * head_dim;
+    const int *table = bt + bt_off[seq[t]];
+    const int last = pos[t];
+    float qv[BGS_MAX_HEAD_DIM / 32], acc[BGS_MAX_HEAD_DIM / 32];
+#pragma unroll
+    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+        const int d = lane + 32 * r;
+        qv[r] = d < head_dim ? q[d] : 0.0f;
+        acc[r] = 0.0f;
+    }
+    float m = BGS_NEG_INF, l = 0.0f;
+    const long long head_off = (long long)kvh * block_size * head_dim;
+    const long long v_off = (long long)num_kv_heads * block_size * head_dim;
+    for (int p = 0; p <= last; p++) {
+        const wt *k = cache + (long long)table[p / block_size] * block_stride + head_off +
+                      (long long)(p % block_size) * head_dim;
+        const wt *v = k + v_off;
+        float part = 0.0f;
+#pragma unroll
+        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+            const int d = lane + 32 * r;
+            if (d < head_dim) part = part + qv[r] * ld(k[d]);
+        }
+        const float sc = warp_sum(part) * scale;
+        const float mn = fmaxf(m, sc);
+        const float corr = expf(m - mn);  // exp(-inf) = 0 on the first position
+        const float e = expf(sc - mn);
+        l = l * corr + e;
+#pragma unroll
+        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+            const int d = lane + 32 * r;
+            if (d < head_dim) acc[r] = acc[r] * corr + e * ld(v[d]);
+        }
+        m = mn;
+    }
+    wt *o = out + (size_t)t * qd + head * head_dim;
+#pragma unroll
+    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+        const int d = lane + 32 * r;
+        if (d < head_dim) o[d] = st(acc[r] / l);
+    }
+}
+
+// gu: [T][2 * inter] f32 (gate then up, the fused GEMM's output); out[t][i] = silu(g) * u.
+extern "C" __global__ void bgs_silu_mul(const float *gu, wt *out, int inter, int tokens) {
+    const long long n = (long long)tokens * inter;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n;
+         j += (long long)gridDim.x * blockDim.x) {
+        const long long t = j / inter, i = j % inter;
+        const float g = gu[t * 2 * inter + i], u = gu[t * 2 * inter + inter + i];
+        const float s = g / (1.0f + expf(-g));
+        out[j] = st(s * u);
+    }
+}
+
+// out[s] = xn[rows[s]]: the sampled tokens' normed rows, the LM head's input.
+extern "C" __global__ void bgs_gather_rows(const wt *xn, const int *rows, wt *out, int hidden) {
+    const int s = blockIdx.x;
+    const wt *src = xn + (size_t)rows[s] * hidden;
+    wt *dst = out + (size_t)s * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
+}
+
+// The better of two candidates: the larger value, the lower index among equal values (NaN
+// never wins: every comparison with it is false).
+__device__ __forceinline__ void better(float &bv, unsigned &bi, float v, unsigned i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+// next[s] = argmax(logits[s]) with ties to the lowest id; one block of BGS_ARGMAX_THREADS
+// threads per row: strided scan in index order, then a fixed shared-memory tree.
+extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int vocab) {
+    __shared__ float sv[BGS_ARGMAX_THREADS];
+    __shared__ unsigned si[BGS_ARGMAX_THREADS];
+    const int s = blockIdx.x;
+    const float *row = logits + (size_t)s * vocab;
+    float bv = BGS_NEG_INF;
+    unsigned bi = 0xffffffffu;
+    for (int i = threadIdx.x; i < vocab; i += BGS_ARGMAX_THREADS) {
+        const float v = row[i];
+        if (v > bv) {
+            bv = v;
+            bi = (unsigned)i;
+        }
+    }
+    sv[threadIdx.x] = bv;
+    si[threadIdx.x] = bi;
+    __syncthreads();
+    for (int h = BGS_ARGMAX_THREADS / 2; h > 0; h >>= 1) {
+        if ((int)threadIdx.x < h) {
+            float v = sv[threadIdx.x];
+            unsigned i = si[threadIdx.x];
+            better(v, i, sv[threadIdx.x + h], si[threadIdx.x + h]);
+            sv[threadIdx.x] = v;
+            si[threadIdx.x] = i;
+        }
+        __syncthreads();
+    }
+    // No value above -inf (all -inf or NaN): id 0, as the CPU's argmax gives.
+    if (threadIdx.x == 0) next[s] = si[0] == 0xffffffffu ? 0u : si[0];
+}

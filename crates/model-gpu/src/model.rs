@@ -1,0 +1,1418 @@
+//! [`GpuModel`]: device set-up, weights, buffers, the step's launches and its graphs.
+
+use std::ffi::{CString, c_void};
+use std::path::{Path, PathBuf};
+
+use bgs_executor_gpu::{GpuError, compile, libs};
+use bgs_llm::{KvShape, StepModel};
+use bgs_model::{ModelConfig, StepItem, Tensor, Weights};
+use cudarc::cublas::sys as cublas;
+use cudarc::driver::sys as cu;
+
+use crate::host::{self, GpuDtype, Packed, StepGeometry};
+
+/// Bytes of the cuBLAS workspace set before capture (32 MiB: NVIDIA's recommendation for
+/// Hopper; a graph-captured cuBLAS call must not allocate).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
+const STREAM_NON_BLOCKING: u32 = 1;
+const NORM_THREADS: u32 = 256;
+const ARGMAX_THREADS: u32 = 1024;
+
+/// Settings of a [`GpuModel`].
+#[derive(Debug, Clone)]
+pub struct GpuModelOptions {
+    /// CUDA device ordinal.
+    pub device: usize,
+    /// Element type of weights, KV cache and GEMM inputs.
+    pub dtype: GpuDtype,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// KV blocks; `None`: `kv_memory_fraction` of the free memory after weights and buffers.
+    pub num_blocks: Option<usize>,
+    /// Share of free device memory for the KV pool when `num_blocks` is `None`.
+    pub kv_memory_fraction: f64,
+    /// Tokens per step (rounded up to a bucket, at most 512).
+    pub max_batched_tokens: usize,
+    /// Items (sequences) per step.
+    pub max_seqs: usize,
+    /// Where CUDA libraries live (else `CUDA_HOME`, `/usr/local/cuda`, the loader's path).
+    pub cuda_home: Option<PathBuf>,
+    /// Kernel cache directory (else `$XDG_CACHE_HOME/bgs`, `~/.cache/bgs`).
+    pub cache_dir: Option<PathBuf>,
+    /// Replay one captured graph per bucket (false: the same launches, uncaptured).
+    pub use_graphs: bool,
+}
+
+impl Default for GpuModelOptions {
+    fn default() -> Self {
+        GpuModelOptions {
+            device: 0,
+            dtype: GpuDtype::Bf16,
+            block_size: 16,
+            num_blocks: None,
+            kv_memory_fraction: 0.5,
+            max_batched_tokens: 512,
+            max_seqs: 256,
+            cuda_home: None,
+            cache_dir: None,
+            use_graphs: true,
+        }
+    }
+}
+
+/// Why the GPU model cannot be built or a step failed; one line naming the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuModelError {
+    /// No driver, no device, a missing library, a failed CUDA/cuBLAS call (by name, with the
+    /// error's name), or a kernel build failure.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// Invalid model or options.
+    #[error("invalid GPU model settings: {0}")]
+    Config(String),
+    /// A device allocation failed for lack of memory.
+    #[error(
+        "out of GPU memory: {what} needs {need} bytes, {free} of {total} bytes free \
+         ({held} already held by this model)"
+    )]
+    OutOfMemory {
+        /// The buffer.
+        what: String,
+        /// Its size.
+        need: usize,
+        /// Free device memory at the failure.
+        free: usize,
+        /// Device memory.
+        total: usize,
+        /// Bytes this model had allocated before.
+        held: usize,
+    },
+    /// The step's items are invalid (nothing ran).
+    #[error("bad step: {0}")]
+    Step(String),
+}
+
+fn ck(r: cu::CUresult, what: &str) -> Result<(), GpuError> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Cuda {
+            what: what.to_string(),
+            name: format!("{r:?}"),
+        })
+    }
+}
+
+fn ck_blas(r: cublas::cublasStatus_t, what: &str) -> Result<(), GpuError> {
+    if r == cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Cuda {
+            what: what.to_string(),
+            name: format!("{r:?}"),
+        })
+    }
+}
+
+/// The device and its libraries, ready to use.
+struct Env {
+    dev: cu::CUdevice,
+    name: String,
+    cc: (i32, i32),
+    driver: i32,
+}
+
+fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
+    // SAFETY: only tries to dlopen the driver library; nothing is called through it yet.
+    if !unsafe { cu::is_culib_present() } {
+        return Err(GpuError::MissingDriver(
+            "libcuda.so.1 (the NVIDIA driver library) could not be loaded".into(),
+        ));
+    }
+    // SAFETY: the driver library is present; cuInit may be called any time.
+    let r = unsafe { cu::cuInit(0) };
+    if r == cu::CUresult::CUDA_ERROR_NO_DEVICE {
+        return Err(GpuError::NoDevice(
+            "cuInit reported CUDA_ERROR_NO_DEVICE (no GPU, or CUDA_VISIBLE_DEVICES hides them)"
+                .into(),
+        ));
+    }
+    ck(r, "cuInit")?;
+    let mut count = 0;
+    // SAFETY: initialized driver; valid out-pointer.
+    ck(
+        unsafe { cu::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+    )?;
+    if count <= 0 || device >= count as usize {
+        return Err(GpuError::NoDevice(format!(
+            "device {device} requested, {count} present"
+        )));
+    }
+    let mut dev: cu::CUdevice = 0;
+    let mut name = [0 as std::ffi::c_char; 256];
+    let (mut major, mut minor, mut driver) = (0, 0, 0);
+    // SAFETY: initialized driver, valid ordinal, valid out-pointers and buffer length.
+    unsafe {
+        use cu::CUdevice_attribute as A;
+        ck(cu::cuDeviceGet(&mut dev, device as i32), "cuDeviceGet")?;
+        ck(
+            cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev),
+            "cuDeviceGetName",
+        )?;
+        ck(
+            cu::cuDeviceGetAttribute(
+                &mut major,
+                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                dev,
+            ),
+            "cuDeviceGetAttribute(compute capability major)",
+        )?;
+        ck(
+            cu::cuDeviceGetAttribute(
+                &mut minor,
+                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                dev,
+            ),
+            "cuDeviceGetAttribute(compute capability minor)",
+        )?;
+        ck(cu::cuDriverGetVersion(&mut driver), "cuDriverGetVersion")?;
+    }
+    // SAFETY: cuDeviceGetName wrote a NUL-terminated string into `name`.
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let env_home = std::env::var("CUDA_HOME").ok();
+    let dirs = libs::search_dirs(cuda_home, env_home.as_deref());
+    for spec in [
+        libs::CUBLASLT,
+        libs::CUBLAS,
+        libs::NVRTC_BUILTINS,
+        libs::NVRTC,
+    ] {
+        libs::load(&spec, &dirs)?;
+    }
+    // cudarc opens the same libraries by soname: make sure it finds them (it panics otherwise).
+    // SAFETY: these only dlopen; the libraries were opened above.
+    let present = unsafe {
+        [
+            ("cuBLAS", cublas::is_culib_present()),
+            ("NVRTC", cudarc::nvrtc::sys::is_culib_present()),
+        ]
+    };
+    for (what, ok) in present {
+        if !ok {
+            return Err(GpuError::MissingLibrary {
+                what: what.into(),
+                detail: "loaded by path but not found by soname (set LD_LIBRARY_PATH)".into(),
+            });
+        }
+    }
+    Ok(Env {
+        dev,
+        name,
+        cc: (major, minor),
+        driver,
+    })
+}
+
+/// Build (or read from the cache) the kernels' cubin for the device and dtype.
+fn kernels(env: &Env, dtype: GpuDtype, cache: Option<&Path>) -> Result<(Vec<u8>, bool), GpuError> {
+    let options = crate::nvrtc_options(env.cc.0, env.cc.1, dtype);
+    let versions = format!("driver {} nvrtc {}", env.driver, compile::nvrtc_version()?);
+    let key = crate::cache_key(&options, &env.name, &versions);
+    let dir = compile::cache_dir(cache);
+    if let Some(c) = dir.as_deref().and_then(|d| compile::cache_read(d, &key)) {
+        return Ok((c, true));
+    }
+    let cubin =
+        compile::nvrtc_compile_source("llm_kernels.cu", crate::KERNEL_SOURCE, &[], &options)?;
+    if let Some(d) = dir.as_deref() {
+        compile::cache_write(d, &key, &cubin);
+    }
+    Ok((cubin, false))
+}
+
+/// A kernel argument, stored in an 8-byte cell (little endian: a 4-byte argument is read
+/// from the cell's first bytes).
+#[derive(Clone, Copy, Debug)]
+enum Arg {
+    /// A device pointer (0 = null).
+    P(u64),
+    I(i32),
+    F(f32),
+    L(i64),
+}
+
+/// One decoder layer on the device.
+#[derive(Debug, Default, Clone, Copy)]
+struct DevLayer {
+    input_norm: u64,
+    qkv: u64,
+    /// 0 when the model has no q/k/v biases.
+    qkv_bias: u64,
+    o: u64,
+    post_norm: u64,
+    gate_up: u64,
+    down: u64,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Kernels {
+    embed: cu::CUfunction,
+    add_rmsnorm: cu::CUfunction,
+    rope_kv: cu::CUfunction,
+    attention: cu::CUfunction,
+    silu_mul: cu::CUfunction,
+    gather_rows: cu::CUfunction,
+    argmax: cu::CUfunction,
+}
+
+/// Per-step activation buffers (sized for the largest bucket) and inputs.
+#[derive(Debug, Default, Clone, Copy)]
+struct Bufs {
+    /// f32 `[T][hidden]`: the residual stream.
+    x: u64,
+    /// dtype `[T][hidden]`: normed activations (GEMM input).
+    xn: u64,
+    /// f32 `[T][q + 2 kv]`.
+    qkv: u64,
+    /// dtype `[T][q]`: attention output.
+    attn: u64,
+    /// f32 `[T][hidden]`: o_proj / down_proj output.
+    tmp: u64,
+    /// f32 `[T][2 inter]`.
+    gu: u64,
+    /// dtype `[T][inter]`.
+    act: u64,
+    /// dtype `[S][hidden]`: the sampled rows, normed.
+    head_in: u64,
+    /// f32 `[S][vocab]`.
+    logits: u64,
+    /// u32 `[S]`.
+    next: u64,
+    /// i32 step inputs (`StepGeometry` layout).
+    inputs: u64,
+    workspace: u64,
+    inv_freq: u64,
+}
+
+/// A decoder-only model on one CUDA device (see the crate docs and docs/gpu-model.md).
+pub struct GpuModel {
+    cfg: ModelConfig,
+    dtype: GpuDtype,
+    geo: StepGeometry,
+    use_graphs: bool,
+    device_name: String,
+    compute_capability: (i32, i32),
+    cache_hit: bool,
+    dev: cu::CUdevice,
+    ctx: cu::CUcontext,
+    module: cu::CUmodule,
+    stream: cu::CUstream,
+    blas: cublas::cublasHandle_t,
+    k: Kernels,
+    allocs: Vec<(u64, usize)>,
+    held: usize,
+    embed: u64,
+    lm_head: u64,
+    final_norm: u64,
+    layers: Vec<DevLayer>,
+    weight_bytes: usize,
+    cache: u64,
+    kv_bytes: usize,
+    b: Bufs,
+    /// Pinned host staging of the step inputs (`geo.words()` i32).
+    staging: *mut i32,
+    /// Pinned host copy of `next` (`geo.max_samples` u32).
+    next_host: *mut u32,
+    /// (bucket, exec) for the body graphs and the LM-head graphs.
+    body_graphs: Vec<(usize, cu::CUgraphExec)>,
+    head_graphs: Vec<(usize, cu::CUgraphExec)>,
+    graphs: Vec<cu::CUgraph>,
+}
+
+// SAFETY: the model owns its context, stream, handles and memory exclusively; every method
+// that touches the device first makes the context current on the calling thread, and `&mut
+// self` keeps calls from two threads at once out. The raw pointers are never shared.
+unsafe impl Send for GpuModel {}
+
+impl std::fmt::Debug for GpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuModel")
+            .field("device", &self.device_name)
+            .field("dtype", &self.dtype)
+            .field("geometry", &self.geo)
+            .field("weight_bytes", &self.weight_bytes)
+            .field("kv_bytes", &self.kv_bytes)
+            .field("use_graphs", &self.use_graphs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuModel {
+    /// Upload `weights` for `cfg` to the device, size the KV pool, compile (or load) the
+    /// kernels and capture the step graphs. Model and option errors come before any device
+    /// work.
+    pub fn new(
+        cfg: ModelConfig,
+        weights: &Weights,
+        opts: &GpuModelOptions,
+    ) -> Result<GpuModel, GpuModelError> {
+        host::check_config(&cfg).map_err(GpuModelError::Config)?;
+        weights.check_shapes(&cfg).map_err(GpuModelError::Config)?;
+        // Checked before any device work (the real pool size comes later).
+        let pre = if let Some(n) = opts.num_blocks {
+            host::geometry(
+                &cfg,
+                opts.block_size,
+                n,
+                opts.max_batched_tokens,
+                opts.max_seqs,
+            )
+        } else {
+            host::blocks_for_budget(
+                &cfg,
+                opts.block_size.max(1),
+                opts.dtype,
+                usize::MAX / 2,
+                opts.kv_memory_fraction,
+                1,
+            )
+            .map_err(GpuModelError::Config)?;
+            host::geometry(
+                &cfg,
+                opts.block_size,
+                1,
+                opts.max_batched_tokens,
+                opts.max_seqs,
+            )
+        }
+        .map_err(GpuModelError::Config)?;
+
+        let env = init(opts.device, opts.cuda_home.as_deref())?;
+        let mut m = GpuModel {
+            cfg,
+            dtype: opts.dtype,
+            geo: pre,
+            use_graphs: opts.use_graphs,
+            device_name: env.name.clone(),
+            compute_capability: env.cc,
+            cache_hit: false,
+            dev: env.dev,
+            ctx: std::ptr::null_mut(),
+            module: std::ptr::null_mut(),
+            stream: std::ptr::null_mut(),
+            blas: std::ptr::null_mut(),
+            k: Kernels::default(),
+            allocs: Vec::new(),
+            held: 0,
+            embed: 0,
+            lm_head: 0,
+            final_norm: 0,
+            layers: Vec::new(),
+            weight_bytes: 0,
+            cache: 0,
+            kv_bytes: 0,
+            b: Bufs::default(),
+            staging: std::ptr::null_mut(),
+            next_host: std::ptr::null_mut(),
+            body_graphs: Vec::new(),
+            head_graphs: Vec::new(),
+            graphs: Vec::new(),
+        };
+        m.build(&env, weights, opts)?;
+        Ok(m)
+    }
+
+    fn build(
+        &mut self,
+        env: &Env,
+        weights: &Weights,
+        opts: &GpuModelOptions,
+    ) -> Result<(), GpuModelError> {
+        // SAFETY: initialized driver, valid device; out-pointer valid; released in Drop.
+        unsafe {
+            ck(
+                cu::cuDevicePrimaryCtxRetain(&mut self.ctx, self.dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
+        }
+        self.make_current()?;
+        let (cubin, hit) = kernels(env, self.dtype, opts.cache_dir.as_deref())?;
+        self.cache_hit = hit;
+        ck(
+            // SAFETY: `cubin` is a complete cubin for this device; out-pointer valid.
+            unsafe { cu::cuModuleLoadData(&mut self.module, cubin.as_ptr().cast()) },
+            "cuModuleLoadData(llm kernels)",
+        )?;
+        let f = |name: &str| get_function(self.module, name);
+        self.k = Kernels {
+            embed: f("bgs_embed")?,
+            add_rmsnorm: f("bgs_add_rmsnorm")?,
+            rope_kv: f("bgs_rope_kv")?,
+            attention: f("bgs_attention")?,
+            silu_mul: f("bgs_silu_mul")?,
+            gather_rows: f("bgs_gather_rows")?,
+            argmax: f("bgs_argmax")?,
+        };
+        ck(
+            // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
+            unsafe { cu::cuStreamCreate(&mut self.stream, STREAM_NON_BLOCKING) },
+            "cuStreamCreate",
+        )?;
+
+        self.upload_weights(weights)?;
+
+        // Activations for the largest bucket (the pool's size does not change them).
+        let cfg = self.cfg.clone();
+        let provisional = host::geometry(
+            &cfg,
+            opts.block_size,
+            opts.num_blocks.unwrap_or(1),
+            opts.max_batched_tokens,
+            opts.max_seqs,
+        )
+        .map_err(GpuModelError::Config)?;
+        let (t, s) = (provisional.max_tokens, provisional.max_samples);
+        let (h, inter, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.kv_dim());
+        let es = self.dtype.size();
+        self.b.x = self.alloc(t * h * 4, "activations x")?;
+        self.b.xn = self.alloc(t * h * es, "activations xn")?;
+        self.b.qkv = self.alloc(t * (qd + 2 * kvd) * 4, "activations qkv")?;
+        self.b.attn = self.alloc(t * qd * es, "activations attn")?;
+        self.b.tmp = self.alloc(t * h * 4, "activations tmp")?;
+        self.b.gu = self.alloc(t * 2 * inter * 4, "activations gate/up")?;
+        self.b.act = self.alloc(t * inter * es, "activations act")?;
+        self.b.head_in = self.alloc(s * h * es, "LM head input")?;
+        self.b.logits = self.alloc(s * vocab * 4, "logits")?;
+        self.b.next = self.alloc(s * 4, "next tokens")?;
+        self.b.workspace = self.alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?;
+        let d = cfg.head_dim;
+        // The CPU oracle's inverse frequencies, bit for bit (computed in f64, rounded).
+        let inv_freq: Vec<f32> = (0..d / 2)
+            .map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32)
+            .collect();
+        self.b.inv_freq = self.upload(&GpuDtype::F32.encode(&inv_freq), "RoPE frequencies")?;
+
+        // The KV pool: given, or a share of what is free now.
+        let num_blocks = match opts.num_blocks {
+            Some(n) => n,
+            None => {
+                let (free, _) = mem_info()?;
+                host::blocks_for_budget(
+                    &cfg,
+                    opts.block_size,
+                    self.dtype,
+                    free,
+                    opts.kv_memory_fraction,
+                    provisional.max_seqs,
+                )
+                .map_err(GpuModelError::Config)?
+            }
+        };
+        self.geo = host::geometry(
+            &cfg,
+            opts.block_size,
+            num_blocks,
+            opts.max_batched_tokens,
+            opts.max_seqs,
+        )
+        .map_err(GpuModelError::Config)?;
+        let kv_bytes = num_blocks * host::kv_block_bytes(&cfg, opts.block_size, self.dtype);
+        self.cache = self.alloc(kv_bytes, &format!("KV cache ({num_blocks} blocks)"))?;
+        self.kv_bytes = kv_bytes;
+        let words = self.geo.words();
+        self.b.inputs = self.alloc(words * 4, "step inputs")?;
+        // SAFETY: a context is current; out-pointers valid; freed in Drop.
+        unsafe {
+            let mut p: *mut c_void = std::ptr::null_mut();
+            ck(
+                cu::cuMemAllocHost_v2(&mut p, words * 4),
+                "cuMemAllocHost(step input staging)",
+            )?;
+            self.staging = p.cast();
+            let mut p: *mut c_void = std::ptr::null_mut();
+            ck(
+                cu::cuMemAllocHost_v2(&mut p, self.geo.max_samples * 4),
+                "cuMemAllocHost(next tokens)",
+            )?;
+            self.next_host = p.cast();
+            std::ptr::write_bytes(self.staging, 0, words);
+        }
+        // Valid all-padding inputs (token 0 at position 0 of block 0, slot -1, row 0) for the
+        // warm-up runs below: they read only block 0 and write no KV.
+        {
+            let g = self.geo;
+            let st = self.staging_mut();
+            st[g.slot()..g.slot() + g.max_tokens].fill(-1);
+        }
+        // SAFETY: `staging` holds `words` i32 and `inputs` as many bytes; synchronous copy.
+        ck(
+            unsafe { cu::cuMemcpyHtoD_v2(self.b.inputs, self.staging.cast(), words * 4) },
+            "cuMemcpyHtoD(step inputs)",
+        )?;
+
+        // SAFETY: cuBLAS is loaded; out-pointer valid; the handle is destroyed in Drop.
+        unsafe {
+            ck_blas(cublas::cublasCreate_v2(&mut self.blas), "cublasCreate")?;
+            ck_blas(
+                cublas::cublasSetStream_v2(self.blas, self.stream.cast()),
+                "cublasSetStream",
+            )?;
+            ck_blas(
+                cublas::cublasSetWorkspace_v2(
+                    self.blas,
+                    self.b.workspace as *mut c_void,
+                    CUBLAS_WORKSPACE,
+                ),
+                "cublasSetWorkspace",
+            )?;
+            // f32: no TF32 or other reduced precision; f16/bf16: f32 accumulation with no
+            // reduced-precision split-K reductions.
+            let mode = match self.dtype {
+                GpuDtype::F32 => cublas::cublasMath_t::CUBLAS_PEDANTIC_MATH,
+                _ => cublas::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+            };
+            ck_blas(
+                cublas::cublasSetMathMode(self.blas, mode),
+                "cublasSetMathMode",
+            )?;
+        }
+
+        // Warm up every bucket uncaptured (loads lazily-loaded kernels outside capture and
+        // surfaces launch errors with their names), then capture.
+        let tb = host::buckets_up_to(self.geo.max_tokens);
+        let sb = host::buckets_up_to(self.geo.max_samples);
+        for &n in &tb {
+            self.enqueue_body(n)?;
+        }
+        for &n in &sb {
+            self.enqueue_head(n)?;
+        }
+        self.sync("warm-up of every bucket")?;
+        if self.use_graphs {
+            for &n in &tb {
+                let e = self.capture(&format!("step body, {n} tokens"), |m| m.enqueue_body(n))?;
+                self.body_graphs.push((n, e));
+            }
+            for &n in &sb {
+                let e = self.capture(&format!("LM head, {n} rows"), |m| m.enqueue_head(n))?;
+                self.head_graphs.push((n, e));
+            }
+            self.sync("graph upload")?;
+        }
+        tracing::info!(
+            device = %self.device_name,
+            dtype = self.dtype.name(),
+            weight_bytes = self.weight_bytes,
+            kv_bytes = self.kv_bytes,
+            num_blocks,
+            cache_hit = self.cache_hit,
+            "GPU model ready"
+        );
+        Ok(())
+    }
+
+    fn upload_weights(&mut self, w: &Weights) -> Result<(), GpuModelError> {
+        let dt = self.dtype;
+        let start = self.held;
+        self.embed = self.upload(&dt.encode(&w.embed.data), "embedding")?;
+        self.lm_head = match &w.lm_head {
+            Some(t) => self.upload(&dt.encode(&t.data), "LM head")?,
+            None => self.embed,
+        };
+        self.final_norm = self.upload(&f32_bytes(&w.final_norm), "final norm")?;
+        for (i, lw) in w.layers.iter().enumerate() {
+            let qkv = host::stack_rows(&[&lw.q_proj, &lw.k_proj, &lw.v_proj])
+                .map_err(GpuModelError::Config)?;
+            let gate_up =
+                host::stack_rows(&[&lw.gate_proj, &lw.up_proj]).map_err(GpuModelError::Config)?;
+            let qkv_bias = match (&lw.q_bias, &lw.k_bias, &lw.v_bias) {
+                (Some(q), Some(k), Some(v)) => {
+                    let b = host::stack_rows(&[q, k, v]).map_err(GpuModelError::Config)?;
+                    self.upload(&GpuDtype::F32.encode(&b), &format!("layer {i} qkv bias"))?
+                }
+                (None, None, None) => 0,
+                _ => {
+                    return Err(GpuModelError::Config(format!(
+                        "layer {i}: q/k/v biases must be all present or all absent"
+                    )));
+                }
+            };
+            let layer = DevLayer {
+                input_norm: self.upload(&f32_bytes(&lw.input_norm), &format!("layer {i} norm"))?,
+                qkv: self.upload(&dt.encode(&qkv), &format!("layer {i} qkv"))?,
+                qkv_bias,
+                o: self.upload(&dt.encode(&lw.o_proj.data), &format!("layer {i} o_proj"))?,
+                post_norm: self
+                    .upload(&f32_bytes(&lw.post_norm), &format!("layer {i} post norm"))?,
+                gate_up: self.upload(&dt.encode(&gate_up), &format!("layer {i} gate/up"))?,
+                down: self.upload(&dt.encode(&lw.down_proj.data), &format!("layer {i} down"))?,
+            };
+            self.layers.push(layer);
+        }
+        self.weight_bytes = self.held - start;
+        Ok(())
+    }
+
+    fn make_current(&self) -> Result<(), GpuError> {
+        // SAFETY: `ctx` is the retained primary context of `dev`.
+        ck(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    fn alloc(&mut self, bytes: usize, what: &str) -> Result<u64, GpuModelError> {
+        let bytes = bytes.max(4);
+        let mut p: cu::CUdeviceptr = 0;
+        // SAFETY: a context is current; out-pointer valid.
+        let r = unsafe { cu::cuMemAlloc_v2(&mut p, bytes) };
+        if r == cu::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            let (free, total) = mem_info().unwrap_or((0, 0));
+            return Err(GpuModelError::OutOfMemory {
+                what: what.to_string(),
+                need: bytes,
+                free,
+                total,
+                held: self.held,
+            });
+        }
+        ck(r, &format!("cuMemAlloc({what}, {bytes} bytes)"))?;
+        self.allocs.push((p, bytes));
+        self.held += bytes;
+        // SAFETY: `p` holds `bytes` bytes.
+        ck(
+            unsafe { cu::cuMemsetD8_v2(p, 0, bytes) },
+            &format!("cuMemsetD8({what})"),
+        )?;
+        Ok(p)
+    }
+
+    fn upload(&mut self, bytes: &[u8], what: &str) -> Result<u64, GpuModelError> {
+        let p = self.alloc(bytes.len(), what)?;
+        // SAFETY: `p` holds at least `bytes.len()` bytes; synchronous copy from host memory.
+        ck(
+            unsafe { cu::cuMemcpyHtoD_v2(p, bytes.as_ptr().cast(), bytes.len()) },
+            &format!("cuMemcpyHtoD({what})"),
+        )?;
+        Ok(p)
+    }
+
+    fn staging_mut(&mut self) -> &mut [i32] {
+        // SAFETY: `staging` is a pinned allocation of `geo.words()` i32 owned by the model;
+        // no copy from it is in flight (every step synchronizes before returning).
+        unsafe { std::slice::from_raw_parts_mut(self.staging, self.geo.words()) }
+    }
+
+    fn sync(&self, what: &str) -> Result<(), GpuError> {
+        // SAFETY: `stream` is live.
+        ck(
+            unsafe { cu::cuStreamSynchronize(self.stream) },
+            &format!("cuStreamSynchronize ({what})"),
+        )
+    }
+
+    fn launch(
+        &self,
+        f: cu::CUfunction,
+        grid: (u32, u32),
+        block: u32,
+        args: &[Arg],
+        what: &str,
+    ) -> Result<(), GpuError> {
+        let mut cells: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::P(p) => p,
+                Arg::I(i) => u64::from(i as u32),
+                Arg::F(f) => u64::from(f.to_bits()),
+                Arg::L(l) => l as u64,
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = cells
+            .iter_mut()
+            .map(|c| (c as *mut u64).cast::<c_void>())
+            .collect();
+        // SAFETY: `f` is a kernel of the loaded module whose parameters are, in order, the
+        // types of `args` (pointers and 8-byte integers read whole; 4-byte values from the
+        // first bytes of their little-endian cell); the cells outlive the call (launch
+        // copies the arguments); `stream` is live.
+        ck(
+            unsafe {
+                cu::cuLaunchKernel(
+                    f,
+                    grid.0,
+                    grid.1,
+                    1,
+                    block,
+                    1,
+                    1,
+                    0,
+                    self.stream,
+                    ptrs.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            &format!("cuLaunchKernel({what})"),
+        )
+    }
+
+    /// `y[n][out] = x[n][in] · w[out][in]ᵀ` (w in dtype, x in dtype, y in f32).
+    fn gemm(
+        &self,
+        w: u64,
+        x: u64,
+        y: u64,
+        out: usize,
+        inp: usize,
+        n: usize,
+        what: &str,
+    ) -> Result<(), GpuError> {
+        let (ty, compute) = match self.dtype {
+            GpuDtype::F32 => (
+                cublas::cudaDataType::CUDA_R_32F,
+                cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            ),
+            GpuDtype::F16 => (
+                cublas::cudaDataType::CUDA_R_16F,
+                cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            GpuDtype::Bf16 => (
+                cublas::cudaDataType::CUDA_R_16BF,
+                cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Column-major view: C (out × n, ldc out) = Wᵀ-as-stored (op T of the in × out
+        // matrix W, lda in) × X (in × n, ldb in).
+        // SAFETY: `w` holds out × in, `x` n × in elements of the dtype, `y` n × out f32
+        // (buffers sized for the largest bucket); alpha/beta are host f32 (host pointer
+        // mode) read during the call.
+        ck_blas(
+            unsafe {
+                cublas::cublasGemmEx(
+                    self.blas,
+                    cublas::cublasOperation_t::CUBLAS_OP_T,
+                    cublas::cublasOperation_t::CUBLAS_OP_N,
+                    out as i32,
+                    n as i32,
+                    inp as i32,
+                    (&alpha as *const f32).cast(),
+                    w as *const c_void,
+                    ty,
+                    inp as i32,
+                    x as *const c_void,
+                    ty,
+                    inp as i32,
+                    (&beta as *const f32).cast(),
+                    y as *mut c_void,
+                    cublas::cudaDataType::CUDA_R_32F,
+                    out as i32,
+                    compute,
+                    cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                )
+            },
+            &format!("cublasGemmEx({what}, m={out} n={n} k={inp})"),
+        )
+    }
+
+    /// Enqueue the decoder over `n` tokens (a bucket): embedding to the final norm's output
+    /// in `xn`, writing every real token's K/V.
+    fn enqueue_body(&self, n: usize) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        let g = &self.geo;
+        let b = &self.b;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let eps = c.rms_norm_eps as f32;
+        let bs = g.block_size;
+        let layer_elems = 2 * nkv * bs * hd;
+        let block_stride = (c.num_layers * layer_elems) as i64;
+        let es = self.dtype.size() as u64;
+        let inp = |off: usize| b.inputs + (off * 4) as u64;
+        let (tok, pos, seq, slot) = (
+            inp(StepGeometry::TOK),
+            inp(g.pos()),
+            inp(g.seq()),
+            inp(g.slot()),
+        );
+        let (bt_off, bt) = (inp(g.bt_off()), inp(g.bt()));
+        let nu = n as u32;
+        let scale = 1.0 / (hd as f32).sqrt();
+        self.launch(
+            self.k.embed,
+            (nu, 1),
+            256,
+            &[
+                Arg::P(tok),
+                Arg::P(self.embed),
+                Arg::P(b.x),
+                Arg::I(h as i32),
+            ],
+            "bgs_embed",
+        )?;
+        for (l, lw) in self.layers.iter().enumerate() {
+            if l == 0 {
+                self.launch(
+                    self.k.add_rmsnorm,
+                    (nu, 1),
+                    NORM_THREADS,
+                    &[
+                        Arg::P(b.x),
+                        Arg::P(0),
+                        Arg::P(lw.input_norm),
+                        Arg::P(b.xn),
+                        Arg::I(h as i32),
+                        Arg::F(eps),
+                    ],
+                    "bgs_add_rmsnorm(input norm)",
+                )?;
+            }
+            self.gemm(lw.qkv, b.xn, b.qkv, qd + 2 * kvd, h, n, "qkv")?;
+            let cache_l = self.cache + (l * layer_elems) as u64 * es;
+            self.launch(
+                self.k.rope_kv,
+                (nu, 1),
+                128,
+                &[
+                    Arg::P(b.qkv),
+                    Arg::P(lw.qkv_bias),
+                    Arg::P(pos),
+                    Arg::P(slot),
+                    Arg::P(b.inv_freq),
+                    Arg::P(cache_l),
+                    Arg::I(nh as i32),
+                    Arg::I(nkv as i32),
+                    Arg::I(hd as i32),
+                    Arg::I(bs as i32),
+                    Arg::L(block_stride),
+                ],
+                "bgs_rope_kv",
+            )?;
+            self.launch(
+                self.k.attention,
+                (nh as u32, nu),
+                32,
+                &[
+                    Arg::P(b.qkv),
+                    Arg::P(cache_l),
+                    Arg::P(pos),
+                    Arg::P(seq),
+                    Arg::P(bt_off),
+                    Arg::P(bt),
+                    Arg::P(b.attn),
+                    Arg::I(nh as i32),
+                    Arg::I(nkv as i32),
+                    Arg::I(hd as i32),
+                    Arg::I(bs as i32),
+                    Arg::L(block_stride),
+                    Arg::F(scale),
+                ],
+                "bgs_attention",
+            )?;
+            self.gemm(lw.o, b.attn, b.tmp, h, qd, n, "o_proj")?;
+            self.launch(
+                self.k.add_rmsnorm,
+                (nu, 1),
+                NORM_THREADS,
+                &[
+                    Arg::P(b.x),
+                    Arg::P(b.tmp),
+                    Arg::P(lw.post_norm),
+                    Arg::P(b.xn),
+                    Arg::I(h as i32),
+                    Arg::F(eps),
+                ],
+                "bgs_add_rmsnorm(post-attention norm)",
+            )?;
+            self.gemm(lw.gate_up, b.xn, b.gu, 2 * inter, h, n, "gate/up")?;
+            let elems = n * inter;
+            let blocks = elems.div_ceil(256).min(65_535) as u32;
+            self.launch(
+                self.k.silu_mul,
+                (blocks, 1),
+                256,
+                &[
+                    Arg::P(b.gu),
+                    Arg::P(b.act),
+                    Arg::I(inter as i32),
+                    Arg::I(n as i32),
+                ],
+                "bgs_silu_mul",
+            )?;
+            self.gemm(lw.down, b.act, b.tmp, h, inter, n, "down_proj")?;
+            let next_norm = self
+                .layers
+                .get(l + 1)
+                .map_or(self.final_norm, |nl| nl.input_norm);
+            self.launch(
+                self.k.add_rmsnorm,
+                (nu, 1),
+                NORM_THREADS,
+                &[
+                    Arg::P(b.x),
+                    Arg::P(b.tmp),
+                    Arg::P(next_norm),
+                    Arg::P(b.xn),
+                    Arg::I(h as i32),
+                    Arg::F(eps),
+                ],
+                "bgs_add_rmsnorm(next layer's norm)",
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Enqueue the LM head over `s` sampled rows (a bucket) and the greedy argmax.
+    fn enqueue_head(&self, s: usize) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        let b = &self.b;
+        let rows = b.inputs + (self.geo.rows() * 4) as u64;
+        self.launch(
+            self.k.gather_rows,
+            (s as u32, 1),
+            256,
+            &[
+                Arg::P(b.xn),
+                Arg::P(rows),
+                Arg::P(b.head_in),
+                Arg::I(c.hidden_size as i32),
+            ],
+            "bgs_gather_rows",
+        )?;
+        self.gemm(
+            self.lm_head,
+            b.head_in,
+            b.logits,
+            c.vocab_size,
+            c.hidden_size,
+            s,
+            "lm_head",
+        )?;
+        self.launch(
+            self.k.argmax,
+            (s as u32, 1),
+            ARGMAX_THREADS,
+            &[
+                Arg::P(b.logits),
+                Arg::P(b.next),
+                Arg::I(c.vocab_size as i32),
+            ],
+            "bgs_argmax",
+        )
+    }
+
+    fn capture(
+        &mut self,
+        what: &str,
+        body: impl FnOnce(&Self) -> Result<(), GpuError>,
+    ) -> Result<cu::CUgraphExec, GpuError> {
+        let mut g: cu::CUgraph = std::ptr::null_mut();
+        ck(
+            // SAFETY: `stream` is a live stream of the current context.
+            unsafe {
+                cu::cuStreamBeginCapture_v2(
+                    self.stream,
+                    cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            },
+            &format!("cuStreamBeginCapture ({what})"),
+        )?;
+        let body_result = body(self);
+        // SAFETY: ends the capture begun above; out-pointer valid.
+        let end = ck(
+            unsafe { cu::cuStreamEndCapture(self.stream, &mut g) },
+            &format!("cuStreamEndCapture ({what})"),
+        );
+        body_result?;
+        end?;
+        self.graphs.push(g);
+        let mut e: cu::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `g` is the captured graph; out-pointer valid; `stream` live.
+        unsafe {
+            ck(
+                cu::cuGraphInstantiateWithFlags(&mut e, g, 0),
+                &format!("cuGraphInstantiateWithFlags ({what})"),
+            )?;
+            ck(
+                cu::cuGraphUpload(e, self.stream),
+                &format!("cuGraphUpload ({what})"),
+            )?;
+        }
+        Ok(e)
+    }
+
+    fn graph_for(list: &[(usize, cu::CUgraphExec)], n: usize) -> Option<cu::CUgraphExec> {
+        list.iter().find(|(b, _)| *b == n).map(|(_, e)| *e)
+    }
+
+    /// Copy the packed inputs and enqueue the step's body and head (graphs or launches).
+    fn enqueue_step(&self, p: &Packed) -> Result<(), GpuError> {
+        // SAFETY: `staging` is pinned and holds `geo.words()` ≥ `p.words` i32; `inputs` as
+        // many bytes; the stream is synchronized before the staging is written again.
+        ck(
+            unsafe {
+                cu::cuMemcpyHtoDAsync_v2(
+                    self.b.inputs,
+                    self.staging.cast(),
+                    p.words * 4,
+                    self.stream,
+                )
+            },
+            "cuMemcpyHtoDAsync(step inputs)",
+        )?;
+        if self.use_graphs {
+            let e = Self::graph_for(&self.body_graphs, p.bucket)
+                .ok_or_else(|| GpuError::Failed(format!("no graph for bucket {}", p.bucket)))?;
+            // SAFETY: `e` is an instantiated, uploaded graph of this context.
+            ck(
+                unsafe { cu::cuGraphLaunch(e, self.stream) },
+                &format!("cuGraphLaunch(step body, {} tokens)", p.bucket),
+            )?;
+            if p.sample_bucket > 0 {
+                let e = Self::graph_for(&self.head_graphs, p.sample_bucket).ok_or_else(|| {
+                    GpuError::Failed(format!("no LM head graph for {} rows", p.sample_bucket))
+                })?;
+                // SAFETY: as above.
+                ck(
+                    unsafe { cu::cuGraphLaunch(e, self.stream) },
+                    &format!("cuGraphLaunch(LM head, {} rows)", p.sample_bucket),
+                )?;
+            }
+        } else {
+            self.enqueue_body(p.bucket)?;
+            if p.sample_bucket > 0 {
+                self.enqueue_head(p.sample_bucket)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn pack(&mut self, items: &[StepItem<'_>], want: &[bool]) -> Result<Packed, GpuModelError> {
+        let geo = self.geo;
+        let (vocab, maxp) = (self.cfg.vocab_size, self.max_positions());
+        host::pack_step(&geo, items, want, vocab, maxp, self.staging_mut())
+            .map_err(GpuModelError::Step)
+    }
+
+    /// One forward step (see [`StepModel::step`]): writes the K/V of every item's tokens and,
+    /// for items with `sample`, the greedy next token (ties to the lowest id) in `next[i]`.
+    /// On a bad item nothing runs.
+    pub fn step(&mut self, items: &[StepItem<'_>], next: &mut [u32]) -> Result<(), GpuModelError> {
+        if next.len() != items.len() {
+            return Err(GpuModelError::Step(format!(
+                "next has {} entries for {} items",
+                next.len(),
+                items.len()
+            )));
+        }
+        self.make_current()?;
+        let want: Vec<bool> = items.iter().map(|it| it.sample).collect();
+        let p = self.pack(items, &want)?;
+        self.enqueue_step(&p)?;
+        if p.samples > 0 {
+            // SAFETY: `next_host` is pinned with `max_samples` ≥ `p.samples` u32; `next`
+            // holds as many; synchronized below before it is read.
+            ck(
+                unsafe {
+                    cu::cuMemcpyDtoHAsync_v2(
+                        self.next_host.cast(),
+                        self.b.next,
+                        p.samples * 4,
+                        self.stream,
+                    )
+                },
+                "cuMemcpyDtoHAsync(next tokens)",
+            )?;
+        }
+        self.sync("step")?;
+        // SAFETY: the copy above completed; `p.samples` values were written.
+        let got = unsafe { std::slice::from_raw_parts(self.next_host, p.samples) };
+        for (&i, &t) in p.sampled_items.iter().zip(got) {
+            next[i] = t;
+        }
+        Ok(())
+    }
+
+    /// The same step as [`GpuModel::step`], returning the last position's logits of every
+    /// item (whatever its `sample` flag), for correctness checks.
+    pub fn step_logits(&mut self, items: &[StepItem<'_>]) -> Result<Vec<Vec<f32>>, GpuModelError> {
+        self.make_current()?;
+        let want = vec![true; items.len()];
+        let p = self.pack(items, &want)?;
+        self.enqueue_step(&p)?;
+        self.sync("step")?;
+        let vocab = self.cfg.vocab_size;
+        let mut all = vec![0f32; p.samples * vocab];
+        // SAFETY: `logits` holds at least `p.samples × vocab` f32 written by this step; the
+        // stream is synchronized.
+        ck(
+            unsafe { cu::cuMemcpyDtoH_v2(all.as_mut_ptr().cast(), self.b.logits, all.len() * 4) },
+            "cuMemcpyDtoH(logits)",
+        )?;
+        Ok(all.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Device time of `iters` back-to-back steps over `items` (input copy, graphs, copy of
+    /// the next tokens), after `warmup` untimed ones, in milliseconds per step (cuEvent
+    /// timing). The same inputs are replayed: each replay rewrites the same KV slots.
+    pub fn time_steps(
+        &mut self,
+        items: &[StepItem<'_>],
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Vec<f64>, GpuModelError> {
+        self.make_current()?;
+        let want: Vec<bool> = items.iter().map(|it| it.sample).collect();
+        let p = self.pack(items, &want)?;
+        let copy_next = |m: &Self| -> Result<(), GpuError> {
+            if p.samples == 0 {
+                return Ok(());
+            }
+            // SAFETY: as in `step`.
+            ck(
+                unsafe {
+                    cu::cuMemcpyDtoHAsync_v2(m.next_host.cast(), m.b.next, p.samples * 4, m.stream)
+                },
+                "cuMemcpyDtoHAsync(next tokens)",
+            )
+        };
+        for _ in 0..warmup {
+            self.enqueue_step(&p)?;
+            copy_next(self)?;
+        }
+        self.sync("timing warm-up")?;
+        let events = Events::new(iters + 1)?;
+        events.record(0, self.stream)?;
+        for i in 0..iters {
+            self.enqueue_step(&p)?;
+            copy_next(self)?;
+            events.record(i + 1, self.stream)?;
+        }
+        self.sync("timed steps")?;
+        (0..iters)
+            .map(|i| events.elapsed_ms(i, i + 1).map_err(GpuModelError::from))
+            .collect()
+    }
+
+    /// Device copy bandwidth: a `bytes` device-to-device copy (`cuMemcpyDtoDAsync`), best of
+    /// `iters`, as bytes read plus written per second.
+    pub fn copy_bandwidth(&mut self, bytes: usize, iters: usize) -> Result<f64, GpuModelError> {
+        self.make_current()?;
+        let mut bufs = [0u64; 2];
+        for i in 0..2 {
+            // SAFETY: a context is current; out-pointer valid; freed below.
+            let r = unsafe { cu::cuMemAlloc_v2(&mut bufs[i], bytes) };
+            if r != cu::CUresult::CUDA_SUCCESS {
+                for &p in bufs.iter().filter(|&&p| p != 0) {
+                    // SAFETY: allocated above.
+                    unsafe { cu::cuMemFree_v2(p) };
+                }
+                ck(
+                    r,
+                    &format!("cuMemAlloc(copy bandwidth buffer, {bytes} bytes)"),
+                )?;
+            }
+        }
+        let run = || -> Result<f64, GpuModelError> {
+            let events = Events::new(2)?;
+            let mut best = f64::INFINITY;
+            for _ in 0..iters.max(1) + 1 {
+                events.record(0, self.stream)?;
+                // SAFETY: both buffers hold `bytes` bytes.
+                ck(
+                    unsafe { cu::cuMemcpyDtoDAsync_v2(bufs[1], bufs[0], bytes, self.stream) },
+                    "cuMemcpyDtoDAsync(copy bandwidth)",
+                )?;
+                events.record(1, self.stream)?;
+                self.sync("copy bandwidth")?;
+                best = best.min(events.elapsed_ms(0, 1)?);
+            }
+            Ok(2.0 * bytes as f64 / (best / 1e3))
+        };
+        let out = run();
+        for p in bufs {
+            // SAFETY: allocated above; the stream is synchronized (or failed).
+            unsafe { cu::cuMemFree_v2(p) };
+        }
+        out
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Step limits and the KV pool's geometry.
+    pub fn geometry(&self) -> &StepGeometry {
+        &self.geo
+    }
+
+    /// Element type on the device.
+    pub fn dtype(&self) -> GpuDtype {
+        self.dtype
+    }
+
+    /// Bytes of weights on the device (norms and biases in f32 included).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv_bytes
+    }
+
+    /// Bytes of K and V one token reads per position of context in a step (all layers).
+    pub fn kv_bytes_per_position(&self) -> usize {
+        host::kv_block_bytes(&self.cfg, 1, self.dtype)
+    }
+
+    /// The device's name and compute capability.
+    pub fn device(&self) -> (&str, (i32, i32)) {
+        (&self.device_name, self.compute_capability)
+    }
+
+    /// The kernels' cubin came from the on-disk cache.
+    pub fn cache_hit(&self) -> bool {
+        self.cache_hit
+    }
+
+    /// Longest sequence: the model's limit, or what one sequence's block table can cover.
+    pub fn max_positions(&self) -> usize {
+        self.cfg
+            .max_position_embeddings
+            .min(self.geo.max_blocks_per_seq * self.geo.block_size)
+    }
+}
+
+impl Drop for GpuModel {
+    fn drop(&mut self) {
+        if self.ctx.is_null() {
+            return;
+        }
+        // SAFETY: every handle below was created by this model (or is null) and is released
+        // exactly once; the stream is synchronized first so nothing still runs.
+        unsafe {
+            let _ = cu::cuCtxSetCurrent(self.ctx);
+            if !self.stream.is_null() {
+                let _ = cu::cuStreamSynchronize(self.stream);
+            }
+            for (_, e) in self.body_graphs.drain(..).chain(self.head_graphs.drain(..)) {
+                let _ = cu::cuGraphExecDestroy(e);
+            }
+            for g in self.graphs.drain(..) {
+                let _ = cu::cuGraphDestroy(g);
+            }
+            if !self.blas.is_null() {
+                let _ = cublas::cublasDestroy_v2(self.blas);
+            }
+            if !self.stream.is_null() {
+                let _ = cu::cuStreamDestroy_v2(self.stream);
+            }
+            for (p, _) in self.allocs.drain(..) {
+                let _ = cu::cuMemFree_v2(p);
+            }
+            for p in [self.staging.cast::<c_void>(), self.next_host.cast()] {
+                if !p.is_null() {
+                    let _ = cu::cuMemFreeHost(p);
+                }
+            }
+            if !self.module.is_null() {
+                let _ = cu::cuModuleUnload(self.module);
+            }
+            let _ = cu::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+impl StepModel for GpuModel {
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn eos_ids(&self) -> &[u32] {
+        &self.cfg.eos_token_ids
+    }
+
+    fn max_positions(&self) -> usize {
+        GpuModel::max_positions(self)
+    }
+
+    fn kv(&self) -> KvShape {
+        KvShape {
+            block_size: self.geo.block_size,
+            num_blocks: self.geo.num_blocks,
+        }
+    }
+
+    fn step(&mut self, items: &[StepItem<'_>], next: &mut [u32]) -> Result<(), String> {
+        GpuModel::step(self, items, next).map_err(|e| e.to_string())
+    }
+}
+
+/// CUDA events for timing, destroyed on drop.
+struct Events(Vec<cu::CUevent>);
+
+impl Events {
+    fn new(n: usize) -> Result<Events, GpuError> {
+        let mut ev = Events(Vec::with_capacity(n));
+        for _ in 0..n {
+            let mut e: cu::CUevent = std::ptr::null_mut();
+            // SAFETY: a context is current; out-pointer valid; destroyed on drop.
+            ck(unsafe { cu::cuEventCreate(&mut e, 0) }, "cuEventCreate")?;
+            ev.0.push(e);
+        }
+        Ok(ev)
+    }
+
+    fn record(&self, i: usize, s: cu::CUstream) -> Result<(), GpuError> {
+        // SAFETY: a live event and stream of the current context.
+        ck(unsafe { cu::cuEventRecord(self.0[i], s) }, "cuEventRecord")
+    }
+
+    fn elapsed_ms(&self, a: usize, b: usize) -> Result<f64, GpuError> {
+        let mut ms = 0f32;
+        // SAFETY: both events were recorded and have completed (the stream was synchronized).
+        ck(
+            unsafe { cu::cuEventElapsedTime_v2(&mut ms, self.0[a], self.0[b]) },
+            "cuEventElapsedTime",
+        )?;
+        Ok(f64::from(ms))
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        for &e in &self.0 {
+            // SAFETY: created in `new`, destroyed once.
+            unsafe { cu::cuEventDestroy_v2(e) };
+        }
+    }
+}
+
+fn get_function(module: cu::CUmodule, name: &str) -> Result<cu::CUfunction, GpuError> {
+    let c = CString::new(name).map_err(|e| GpuError::Compile(e.to_string()))?;
+    let mut f: cu::CUfunction = std::ptr::null_mut();
+    ck(
+        // SAFETY: `module` is a loaded module; `c` is NUL-terminated; out-pointer valid.
+        unsafe { cu::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
+        &format!("cuModuleGetFunction({name})"),
+    )?;
+    Ok(f)
+}
+
+fn mem_info() -> Result<(usize, usize), GpuError> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: a context is current; out-pointers valid.
+    ck(
+        unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) },
+        "cuMemGetInfo",
+    )?;
+    Ok((free, total))
+}
+
+fn f32_bytes(t: &Tensor) -> Vec<u8> {
+    GpuDtype::F32.encode(&t.data)
+}
