@@ -139,8 +139,8 @@ fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
     }
     ck(r, "cuInit")?;
     let mut count = 0;
-    // SAFETY: initialized driver; valid out-pointer.
     ck(
+        // SAFETY: initialized driver; valid out-pointer.
         unsafe { cu::cuDeviceGetCount(&mut count) },
         "cuDeviceGetCount",
     )?;
@@ -548,8 +548,8 @@ impl GpuModel {
             let st = self.staging_mut();
             st[g.slot()..g.slot() + g.max_tokens].fill(-1);
         }
-        // SAFETY: `staging` holds `words` i32 and `inputs` as many bytes; synchronous copy.
         ck(
+            // SAFETY: `staging` holds `words` i32 and `inputs` as many bytes; synchronous copy.
             unsafe { cu::cuMemcpyHtoD_v2(self.b.inputs, self.staging.cast(), words * 4) },
             "cuMemcpyHtoD(step inputs)",
         )?;
@@ -680,8 +680,8 @@ impl GpuModel {
         ck(r, &format!("cuMemAlloc({what}, {bytes} bytes)"))?;
         self.allocs.push((p, bytes));
         self.held += bytes;
-        // SAFETY: `p` holds `bytes` bytes.
         ck(
+            // SAFETY: `p` holds `bytes` bytes.
             unsafe { cu::cuMemsetD8_v2(p, 0, bytes) },
             &format!("cuMemsetD8({what})"),
         )?;
@@ -690,8 +690,8 @@ impl GpuModel {
 
     fn upload(&mut self, bytes: &[u8], what: &str) -> Result<u64, GpuModelError> {
         let p = self.alloc(bytes.len(), what)?;
-        // SAFETY: `p` holds at least `bytes.len()` bytes; synchronous copy from host memory.
         ck(
+            // SAFETY: `p` holds at least `bytes.len()` bytes; synchronous copy from host memory.
             unsafe { cu::cuMemcpyHtoD_v2(p, bytes.as_ptr().cast(), bytes.len()) },
             &format!("cuMemcpyHtoD({what})"),
         )?;
@@ -705,8 +705,8 @@ impl GpuModel {
     }
 
     fn sync(&self, what: &str) -> Result<(), GpuError> {
-        // SAFETY: `stream` is live.
         ck(
+            // SAFETY: `stream` is live.
             unsafe { cu::cuStreamSynchronize(self.stream) },
             &format!("cuStreamSynchronize ({what})"),
         )
@@ -733,11 +733,11 @@ impl GpuModel {
             .iter_mut()
             .map(|c| (c as *mut u64).cast::<c_void>())
             .collect();
-        // SAFETY: `f` is a kernel of the loaded module whose parameters are, in order, the
-        // types of `args` (pointers and 8-byte integers read whole; 4-byte values from the
-        // first bytes of their little-endian cell); the cells outlive the call (launch
-        // copies the arguments); `stream` is live.
         ck(
+            // SAFETY: `f` is a kernel of the loaded module whose parameters are, in order, the
+            // types of `args` (pointers and 8-byte integers read whole; 4-byte values from the
+            // first bytes of their little-endian cell); the cells outlive the call (launch
+            // copies the arguments); `stream` is live.
             unsafe {
                 cu::cuLaunchKernel(
                     f,
@@ -757,15 +757,14 @@ impl GpuModel {
         )
     }
 
-    /// `y[n][out] = x[n][in] · w[out][in]ᵀ` (w in dtype, x in dtype, y in f32).
+    /// `y[n][out] = x[n][in] · w[out][in]ᵀ` (w in dtype, x in dtype, y in f32); dims are
+    /// `[out, in, n]`.
     fn gemm(
         &self,
         w: u64,
         x: u64,
         y: u64,
-        out: usize,
-        inp: usize,
-        n: usize,
+        [out, inp, n]: [usize; 3],
         what: &str,
     ) -> Result<(), GpuError> {
         let (ty, compute) = match self.dtype {
@@ -785,10 +784,10 @@ impl GpuModel {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Column-major view: C (out × n, ldc out) = Wᵀ-as-stored (op T of the in × out
         // matrix W, lda in) × X (in × n, ldb in).
-        // SAFETY: `w` holds out × in, `x` n × in elements of the dtype, `y` n × out f32
-        // (buffers sized for the largest bucket); alpha/beta are host f32 (host pointer
-        // mode) read during the call.
         ck_blas(
+            // SAFETY: `w` holds out × in, `x` n × in elements of the dtype, `y` n × out f32
+            // (buffers sized for the largest bucket); alpha/beta are host f32 (host pointer
+            // mode) read during the call.
             unsafe {
                 cublas::cublasGemmEx(
                     self.blas,
@@ -869,7 +868,7 @@ impl GpuModel {
                     "bgs_add_rmsnorm(input norm)",
                 )?;
             }
-            self.gemm(lw.qkv, b.xn, b.qkv, qd + 2 * kvd, h, n, "qkv")?;
+            self.gemm(lw.qkv, b.xn, b.qkv, [qd + 2 * kvd, h, n], "qkv")?;
             let cache_l = self.cache + (l * layer_elems) as u64 * es;
             self.launch(
                 self.k.rope_kv,
@@ -911,7 +910,7 @@ impl GpuModel {
                 ],
                 "bgs_attention",
             )?;
-            self.gemm(lw.o, b.attn, b.tmp, h, qd, n, "o_proj")?;
+            self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj")?;
             self.launch(
                 self.k.add_rmsnorm,
                 (nu, 1),
@@ -926,7 +925,7 @@ impl GpuModel {
                 ],
                 "bgs_add_rmsnorm(post-attention norm)",
             )?;
-            self.gemm(lw.gate_up, b.xn, b.gu, 2 * inter, h, n, "gate/up")?;
+            self.gemm(lw.gate_up, b.xn, b.gu, [2 * inter, h, n], "gate/up")?;
             let elems = n * inter;
             let blocks = elems.div_ceil(256).min(65_535) as u32;
             self.launch(
@@ -941,7 +940,7 @@ impl GpuModel {
                 ],
                 "bgs_silu_mul",
             )?;
-            self.gemm(lw.down, b.act, b.tmp, h, inter, n, "down_proj")?;
+            self.gemm(lw.down, b.act, b.tmp, [h, inter, n], "down_proj")?;
             let next_norm = self
                 .layers
                 .get(l + 1)
@@ -985,9 +984,7 @@ impl GpuModel {
             self.lm_head,
             b.head_in,
             b.logits,
-            c.vocab_size,
-            c.hidden_size,
-            s,
+            [c.vocab_size, c.hidden_size, s],
             "lm_head",
         )?;
         self.launch(
@@ -1049,9 +1046,9 @@ impl GpuModel {
 
     /// Copy the packed inputs and enqueue the step's body and head (graphs or launches).
     fn enqueue_step(&self, p: &Packed) -> Result<(), GpuError> {
-        // SAFETY: `staging` is pinned and holds `geo.words()` ≥ `p.words` i32; `inputs` as
-        // many bytes; the stream is synchronized before the staging is written again.
         ck(
+            // SAFETY: `staging` is pinned and holds `geo.words()` ≥ `p.words` i32; `inputs` as
+            // many bytes; the stream is synchronized before the staging is written again.
             unsafe {
                 cu::cuMemcpyHtoDAsync_v2(
                     self.b.inputs,
@@ -1065,8 +1062,8 @@ impl GpuModel {
         if self.use_graphs {
             let e = Self::graph_for(&self.body_graphs, p.bucket)
                 .ok_or_else(|| GpuError::Failed(format!("no graph for bucket {}", p.bucket)))?;
-            // SAFETY: `e` is an instantiated, uploaded graph of this context.
             ck(
+                // SAFETY: `e` is an instantiated, uploaded graph of this context.
                 unsafe { cu::cuGraphLaunch(e, self.stream) },
                 &format!("cuGraphLaunch(step body, {} tokens)", p.bucket),
             )?;
@@ -1074,8 +1071,8 @@ impl GpuModel {
                 let e = Self::graph_for(&self.head_graphs, p.sample_bucket).ok_or_else(|| {
                     GpuError::Failed(format!("no LM head graph for {} rows", p.sample_bucket))
                 })?;
-                // SAFETY: as above.
                 ck(
+                    // SAFETY: as above.
                     unsafe { cu::cuGraphLaunch(e, self.stream) },
                     &format!("cuGraphLaunch(LM head, {} rows)", p.sample_bucket),
                 )?;
@@ -1112,9 +1109,9 @@ impl GpuModel {
         let p = self.pack(items, &want)?;
         self.enqueue_step(&p)?;
         if p.samples > 0 {
-            // SAFETY: `next_host` is pinned with `max_samples` ≥ `p.samples` u32; `next`
-            // holds as many; synchronized below before it is read.
             ck(
+                // SAFETY: `next_host` is pinned with `max_samples` ≥ `p.samples` u32; `next`
+                // holds as many; synchronized below before it is read.
                 unsafe {
                     cu::cuMemcpyDtoHAsync_v2(
                         self.next_host.cast(),
@@ -1145,9 +1142,9 @@ impl GpuModel {
         self.sync("step")?;
         let vocab = self.cfg.vocab_size;
         let mut all = vec![0f32; p.samples * vocab];
-        // SAFETY: `logits` holds at least `p.samples × vocab` f32 written by this step; the
-        // stream is synchronized.
         ck(
+            // SAFETY: `logits` holds at least `p.samples × vocab` f32 written by this step; the
+            // stream is synchronized.
             unsafe { cu::cuMemcpyDtoH_v2(all.as_mut_ptr().cast(), self.b.logits, all.len() * 4) },
             "cuMemcpyDtoH(logits)",
         )?;
@@ -1170,8 +1167,8 @@ impl GpuModel {
             if p.samples == 0 {
                 return Ok(());
             }
-            // SAFETY: as in `step`.
             ck(
+                // SAFETY: as in `step`.
                 unsafe {
                     cu::cuMemcpyDtoHAsync_v2(m.next_host.cast(), m.b.next, p.samples * 4, m.stream)
                 },
@@ -1220,8 +1217,8 @@ impl GpuModel {
             let mut best = f64::INFINITY;
             for _ in 0..iters.max(1) + 1 {
                 events.record(0, self.stream)?;
-                // SAFETY: both buffers hold `bytes` bytes.
                 ck(
+                    // SAFETY: both buffers hold `bytes` bytes.
                     unsafe { cu::cuMemcpyDtoDAsync_v2(bufs[1], bufs[0], bytes, self.stream) },
                     "cuMemcpyDtoDAsync(copy bandwidth)",
                 )?;
@@ -1374,8 +1371,8 @@ impl Events {
 
     fn elapsed_ms(&self, a: usize, b: usize) -> Result<f64, GpuError> {
         let mut ms = 0f32;
-        // SAFETY: both events were recorded and have completed (the stream was synchronized).
         ck(
+            // SAFETY: both events were recorded and have completed (the stream was synchronized).
             unsafe { cu::cuEventElapsedTime_v2(&mut ms, self.0[a], self.0[b]) },
             "cuEventElapsedTime",
         )?;
@@ -1405,8 +1402,8 @@ fn get_function(module: cu::CUmodule, name: &str) -> Result<cu::CUfunction, GpuE
 
 fn mem_info() -> Result<(usize, usize), GpuError> {
     let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: a context is current; out-pointers valid.
     ck(
+        // SAFETY: a context is current; out-pointers valid.
         unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) },
         "cuMemGetInfo",
     )?;

@@ -1,1 +1,656 @@
-fn main() {}
+//! `bgs-llm-gpu`: correctness checks of the GPU forward pass against the CPU oracle, and its
+//! decode/prefill benchmark (docs/gpu-model.md).
+//!
+//! - `check`: logits of a batched prefill (relative max difference), greedy tokens of 1 and 8
+//!   concurrent sequences with chunked prefill (CPU vs GPU), and batch invariance (each of 33
+//!   sequences alone vs all together, GPU vs GPU). Exit code 1 when a check fails.
+//! - `bench`: decode step time at several batch sizes (graph replay, cuEvent timing) against
+//!   the memory floor measured in the same run, and prefill throughput of one 512-token chunk.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use bgs_llm::StepModel;
+use bgs_model::synth::{DType, SplitMix64, SynthArch, synth_weights};
+use bgs_model::{CpuModel, KvConfig, ModelConfig, StepItem, Tensor, Weights};
+use bgs_model_gpu::{GpuDtype, GpuModel, GpuModelOptions};
+use clap::{Args, Parser, Subcommand};
+use serde_json::{Value, json};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "bgs-llm-gpu",
+    about = "Check and benchmark the GPU forward pass"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Compare the GPU model with the CPU oracle (logits, greedy tokens, batch invariance).
+    Check(CheckArgs),
+    /// Decode step time and prefill throughput on synthetic weights.
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+struct DeviceArgs {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Where the CUDA libraries live.
+    #[arg(long)]
+    cuda_home: Option<PathBuf>,
+    /// Kernel cache directory.
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Run the step's launches without CUDA graphs (debugging).
+    #[arg(long)]
+    no_graphs: bool,
+}
+
+#[derive(Args, Debug)]
+struct CheckArgs {
+    /// Synthetic checkpoint shape: tiny-qwen2, tiny-llama, qwen2.5-0.5b, smollm2-135m.
+    #[arg(long, conflicts_with = "model", required_unless_present = "model")]
+    arch: Option<SynthArch>,
+    /// A checkpoint (Hugging Face directory or GGUF file) instead of synthetic weights.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Device element type: f32 (tokens must equal the oracle's), f16, bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: GpuDtype,
+    /// Greedy steps compared with the CPU oracle (the oracle is slow on big shapes: use few).
+    #[arg(long, default_value_t = 64)]
+    steps: usize,
+    /// Greedy steps of the batch-invariance check (GPU only).
+    #[arg(long, default_value_t = 64)]
+    invariance_steps: usize,
+    /// Seed of the synthetic weights and prompts.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// CPU oracle threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    dev: DeviceArgs,
+}
+
+#[derive(Args, Debug)]
+struct BenchArgs {
+    /// Synthetic shape: qwen2.5-0.5b or smollm2-135m (any synthetic shape works).
+    #[arg(long, default_value = "qwen2.5-0.5b")]
+    arch: SynthArch,
+    /// Device element type.
+    #[arg(long, default_value = "bf16")]
+    dtype: GpuDtype,
+    /// Decode batch sizes (comma separated, each 1..=512).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+    batches: Vec<usize>,
+    /// Positions already in each sequence's KV cache at the timed decode step.
+    #[arg(long, default_value_t = 128)]
+    context: usize,
+    /// Timed steps per batch size.
+    #[arg(long, default_value_t = 200)]
+    iters: usize,
+    /// Untimed steps before timing.
+    #[arg(long, default_value_t = 20)]
+    warmup: usize,
+    /// Bytes of the device-to-device copy that measures bandwidth.
+    #[arg(long, default_value_t = 1 << 30)]
+    copy_bytes: usize,
+    /// Seed of the synthetic weights.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    dev: DeviceArgs,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Check(a) => check(a),
+        Cmd::Bench(a) => bench(a),
+    };
+    match r {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("bgs-llm-gpu: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
+    GpuModelOptions {
+        device: dev.device,
+        dtype,
+        cuda_home: dev.cuda_home.clone(),
+        cache_dir: dev.cache_dir.clone(),
+        use_graphs: !dev.no_graphs,
+        ..Default::default()
+    }
+}
+
+fn write_json(path: &Option<PathBuf>, v: &Value) -> Result<(), String> {
+    if let Some(p) = path {
+        let text = serde_json::to_string_pretty(v).map_err(|e| e.to_string())?;
+        std::fs::write(p, text + "\n").map_err(|e| format!("writing {}: {e}", p.display()))?;
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+/// Every tensor of `w`, rounded to what `dtype` stores: the oracle then sees the weights the
+/// GPU holds, and the check measures the kernels' arithmetic, not weight quantization.
+fn round_weights(w: &mut Weights, dtype: GpuDtype) {
+    if dtype == GpuDtype::F32 {
+        return;
+    }
+    let round = |t: &mut Tensor| t.data.iter_mut().for_each(|x| *x = dtype.round(*x));
+    round(&mut w.embed);
+    if let Some(t) = &mut w.lm_head {
+        round(t);
+    }
+    for l in &mut w.layers {
+        for t in [
+            &mut l.q_proj,
+            &mut l.k_proj,
+            &mut l.v_proj,
+            &mut l.o_proj,
+            &mut l.gate_proj,
+            &mut l.up_proj,
+            &mut l.down_proj,
+        ] {
+            round(t);
+        }
+    }
+}
+
+/// Deterministic prompt of `len` tokens below `vocab`.
+fn prompt(rng: &mut SplitMix64, vocab: usize, len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+/// Greedy generation of `steps` tokens for every prompt at once, prefills cut into chunks of
+/// `chunk` tokens, so steps mix prefill chunks and decode tokens. Sequence `i` uses blocks
+/// `i * per ..` (`per` blocks each). EOS is ignored.
+fn generate(
+    m: &mut dyn StepModel,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    chunk: usize,
+    per: usize,
+) -> Result<Vec<Vec<u32>>, String> {
+    let bs = m.kv().block_size;
+    let tables: Vec<Vec<u32>> = (0..prompts.len())
+        .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+        .collect();
+    for (p, t) in prompts.iter().zip(&tables) {
+        if (p.len() + steps).div_ceil(bs) > t.len() {
+            return Err(format!(
+                "internal: {} blocks cannot hold {} positions",
+                t.len(),
+                p.len() + steps
+            ));
+        }
+    }
+    let mut fed = vec![0usize; prompts.len()];
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    loop {
+        let mut work: Vec<(usize, Vec<u32>, usize, bool)> = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            if out[i].len() >= steps {
+                continue;
+            }
+            if fed[i] < p.len() {
+                let end = (fed[i] + chunk).min(p.len());
+                work.push((i, p[fed[i]..end].to_vec(), fed[i], end == p.len()));
+            } else {
+                let last = *out[i].last().expect("a sampled token after the prefill");
+                work.push((i, vec![last], p.len() + out[i].len() - 1, true));
+            }
+        }
+        if work.is_empty() {
+            return Ok(out);
+        }
+        let items: Vec<StepItem<'_>> = work
+            .iter()
+            .map(|(i, toks, pos, sample)| StepItem {
+                tokens: toks,
+                pos: *pos,
+                blocks: &tables[*i],
+                sample: *sample,
+            })
+            .collect();
+        let mut next = vec![0u32; items.len()];
+        m.step(&items, &mut next)?;
+        for ((i, toks, _, sample), &t) in work.iter().zip(&next) {
+            if fed[*i] < prompts[*i].len() {
+                fed[*i] += toks.len();
+            }
+            if *sample {
+                out[*i].push(t);
+            }
+        }
+    }
+}
+
+/// Index of the first differing token (None: equal).
+fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x != y)
+        .or((a.len() != b.len()).then_some(a.len().min(b.len())))
+}
+
+fn check(a: CheckArgs) -> Result<bool, String> {
+    let (name, cfg, mut weights): (String, ModelConfig, Weights) = match (&a.arch, &a.model) {
+        (Some(arch), _) => {
+            let dt = match a.dtype {
+                GpuDtype::F32 => DType::F32,
+                GpuDtype::F16 => DType::F16,
+                GpuDtype::Bf16 => DType::Bf16,
+            };
+            let (c, w) = synth_weights(*arch, a.seed, dt);
+            (format!("synthetic {}", arch.name()), c, w)
+        }
+        (None, Some(p)) => {
+            let ck = bgs_model::load(p).map_err(|e| e.to_string())?;
+            (ck.name, ck.config, ck.weights)
+        }
+        (None, None) => return Err("give --arch or --model".into()),
+    };
+    round_weights(&mut weights, a.dtype);
+    let bs = 16;
+    let tol = match a.dtype {
+        GpuDtype::F32 => 1e-3,
+        GpuDtype::F16 | GpuDtype::Bf16 => 5e-2,
+    };
+    let exact = a.dtype == GpuDtype::F32;
+    let vocab = cfg.vocab_size;
+    let mut rng = SplitMix64::new(a.seed ^ 0x5eed);
+
+    // Block budget: 33 sequences of at most 1 + 7 * 32 prompt tokens plus the steps.
+    let steps = a.steps.max(1);
+    let inv_steps = a.invariance_steps.max(1);
+    let longest = 1 + 7 * 32 + steps.max(inv_steps) + 1;
+    let per = longest.div_ceil(bs);
+    let num_blocks = 33 * per;
+    let mut opts = options(&a.dev, a.dtype);
+    opts.block_size = bs;
+    opts.num_blocks = Some(num_blocks);
+    opts.max_seqs = 64;
+    let t0 = std::time::Instant::now();
+    let mut gpu = GpuModel::new(cfg.clone(), &weights, &opts).map_err(|e| e.to_string())?;
+    let (dev_name, cc) = gpu.device();
+    let dev_name = dev_name.to_string();
+    println!(
+        "{name}: {} on {dev_name} (sm_{}{}), weights {} MB, ready in {:.1} s (kernel cache {})",
+        a.dtype.name(),
+        cc.0,
+        cc.1,
+        gpu.weight_bytes() / 1_000_000,
+        t0.elapsed().as_secs_f64(),
+        if gpu.cache_hit() { "hit" } else { "miss" }
+    );
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mut cpu = CpuModel::new(
+        cfg.clone(),
+        weights,
+        KvConfig {
+            block_size: bs,
+            num_blocks: 8 * per,
+        },
+        threads,
+    )?;
+    let mut ok = true;
+    let mut results = Vec::new();
+
+    // (a) Logits of a batched prefill of three prompts.
+    {
+        let prompts: Vec<Vec<u32>> = [5, 17, 40]
+            .iter()
+            .map(|&n| prompt(&mut rng, vocab, n))
+            .collect();
+        let tables: Vec<Vec<u32>> = (0..3)
+            .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+            .collect();
+        let items: Vec<StepItem<'_>> = prompts
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| StepItem {
+                tokens: p,
+                pos: 0,
+                blocks: t,
+                sample: true,
+            })
+            .collect();
+        let want = cpu.step_logits(&items)?;
+        let got = gpu.step_logits(&items).map_err(|e| e.to_string())?;
+        let mut worst = 0f64;
+        let mut worst_at = (0usize, 0usize);
+        let mut argmax_equal = 0;
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            let scale = w
+                .iter()
+                .fold(0f32, |m, x| m.max(x.abs()))
+                .max(f32::MIN_POSITIVE);
+            for (j, (x, y)) in w.iter().zip(g).enumerate() {
+                let d = f64::from((x - y).abs() / scale);
+                // A NaN on either side is the worst possible difference.
+                let d = if d.is_nan() { f64::INFINITY } else { d };
+                if d > worst {
+                    worst = d;
+                    worst_at = (i, j);
+                }
+            }
+            if argmax(w) == argmax(g) {
+                argmax_equal += 1;
+            }
+        }
+        let pass = worst <= tol;
+        ok &= pass;
+        let (i, j) = worst_at;
+        println!(
+            "[{}] prefill logits (3 prompts of 5, 17, 40 tokens, one step): max |diff| / max |logit| \
+             = {worst:.3e} (tolerance {tol:.0e}) at prompt {i} token id {j} (cpu {}, gpu {}); \
+             argmax equal for {argmax_equal}/3",
+            if pass { "PASS" } else { "FAIL" },
+            want[i][j],
+            got[i][j],
+        );
+        results.push(json!({
+            "check": "prefill_logits", "pass": pass, "max_rel_diff": worst, "tolerance": tol,
+            "worst_prompt": i, "worst_token_id": j, "cpu": want[i][j], "gpu": got[i][j],
+            "argmax_equal": argmax_equal, "prompts": 3,
+        }));
+    }
+
+    // (b) Greedy tokens, CPU vs GPU, 1 and 8 concurrent sequences (chunked prefill).
+    for n in [1usize, 8] {
+        let prompts: Vec<Vec<u32>> = (0..n).map(|i| prompt(&mut rng, vocab, 3 + 9 * i)).collect();
+        let t = std::time::Instant::now();
+        let want = generate(&mut cpu, &prompts, steps, 16, per)?;
+        let cpu_s = t.elapsed().as_secs_f64();
+        let got = generate(&mut gpu, &prompts, steps, 16, per)?;
+        let div: Vec<Option<usize>> = want
+            .iter()
+            .zip(&got)
+            .map(|(w, g)| first_divergence(w, g))
+            .collect();
+        let equal = div.iter().filter(|d| d.is_none()).count();
+        let first = div.iter().flatten().min().copied();
+        let pass = !exact || equal == n;
+        ok &= pass;
+        let where_ = match div.iter().position(|d| d.is_some()) {
+            Some(s) => format!(
+                "; first divergence: sequence {s} at step {} (cpu {}, gpu {})",
+                div[s].unwrap_or(0),
+                want[s].get(div[s].unwrap_or(0)).copied().unwrap_or(0),
+                got[s].get(div[s].unwrap_or(0)).copied().unwrap_or(0)
+            ),
+            None => String::new(),
+        };
+        println!(
+            "[{}] greedy {steps} steps, {n} sequence(s), prompts 3..{} tokens, chunks of 16: \
+             {equal}/{n} equal to the CPU oracle{where_}{} (cpu {cpu_s:.1} s)",
+            if !exact {
+                "INFO"
+            } else if pass {
+                "PASS"
+            } else {
+                "FAIL"
+            },
+            3 + 9 * (n - 1),
+            if exact {
+                ""
+            } else {
+                " (f16/bf16: reported, not failed)"
+            },
+        );
+        results.push(json!({
+            "check": format!("greedy_{n}"), "pass": pass, "steps": steps, "sequences": n,
+            "equal": equal, "first_divergence_step": first,
+            "divergence_per_sequence": div, "exact_required": exact,
+        }));
+    }
+
+    // (c) Batch invariance on the GPU: each of 33 sequences alone vs all 33 together.
+    {
+        let n = 33;
+        let prompts: Vec<Vec<u32>> = (0..n).map(|i| prompt(&mut rng, vocab, 1 + 7 * i)).collect();
+        let together = generate(&mut gpu, &prompts, inv_steps, 8, per)?;
+        let mut equal = 0;
+        let mut diverged = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let alone = generate(&mut gpu, std::slice::from_ref(p), inv_steps, 8, per)?;
+            match first_divergence(&alone[0], &together[i]) {
+                None => equal += 1,
+                Some(s) => diverged.push(json!({"sequence": i, "step": s})),
+            }
+        }
+        println!(
+            "[INFO] batch invariance, {inv_steps} steps: {equal}/{n} sequences give the same \
+             tokens alone as in a batch of {n}{}",
+            if diverged.is_empty() {
+                String::new()
+            } else {
+                format!("; first divergences {diverged:?}")
+            }
+        );
+        results.push(json!({
+            "check": "batch_invariance", "pass": true, "steps": inv_steps, "sequences": n,
+            "equal": equal, "diverged": diverged,
+        }));
+    }
+
+    let v = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "model": name, "dtype": a.dtype.name(), "device": dev_name,
+        "graphs": !a.dev.no_graphs, "pass": ok, "checks": results,
+    });
+    write_json(&a.json, &v)?;
+    println!(
+        "{}",
+        if ok {
+            "all checks passed"
+        } else {
+            "CHECKS FAILED"
+        }
+    );
+    Ok(ok)
+}
+
+fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    let mut bv = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if x > bv {
+            bv = x;
+            best = i;
+        }
+    }
+    best
+}
+
+/// Median and 90th percentile of `v` (sorted in place).
+fn median_p90(v: &mut [f64]) -> (f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.9))
+}
+
+fn bench(a: BenchArgs) -> Result<bool, String> {
+    if a.batches.is_empty() || a.batches.iter().any(|&b| b == 0 || b > 512) {
+        return Err(format!(
+            "--batches must be 1..=512 each, got {:?}",
+            a.batches
+        ));
+    }
+    if a.iters == 0 {
+        return Err("--iters must be at least 1".into());
+    }
+    let bs = 16;
+    let max_batch = *a.batches.iter().max().unwrap_or(&1);
+    let (cfg, weights) = synth_weights(a.arch, a.seed, DType::F32);
+    if a.context + 1 > cfg.max_position_embeddings {
+        return Err(format!(
+            "--context {} exceeds the model's {} positions",
+            a.context, cfg.max_position_embeddings
+        ));
+    }
+    let per = (a.context + 1).div_ceil(bs);
+    let prefill_blocks = 512usize.div_ceil(bs);
+    let mut opts = options(&a.dev, a.dtype);
+    opts.block_size = bs;
+    opts.num_blocks = Some((max_batch * per).max(prefill_blocks));
+    opts.max_seqs = max_batch;
+    let t0 = std::time::Instant::now();
+    let mut m = GpuModel::new(cfg.clone(), &weights, &opts).map_err(|e| e.to_string())?;
+    drop(weights);
+    let (dev_name, _) = m.device();
+    let dev_name = dev_name.to_string();
+    println!(
+        "{} {} on {dev_name}: weights {:.3} GB, ready in {:.1} s",
+        a.arch.name(),
+        a.dtype.name(),
+        m.weight_bytes() as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    );
+    let bw = m
+        .copy_bandwidth(a.copy_bytes, 5)
+        .map_err(|e| e.to_string())?;
+    println!(
+        "device copy bandwidth: {:.2} TB/s (read + write, {} MB copied)",
+        bw / 1e12,
+        a.copy_bytes / 1_000_000
+    );
+    let mut rows = Vec::new();
+    println!("| batch | step median ms | p90 ms | tokens/s | floor ms | step / floor |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for &b in &a.batches {
+        let tables: Vec<Vec<u32>> = (0..b)
+            .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..b).map(|i| [(i % cfg.vocab_size) as u32]).collect();
+        let items: Vec<StepItem<'_>> = (0..b)
+            .map(|i| StepItem {
+                tokens: &toks[i],
+                pos: a.context,
+                blocks: &tables[i],
+                sample: true,
+            })
+            .collect();
+        let mut t = m
+            .time_steps(&items, a.warmup, a.iters)
+            .map_err(|e| e.to_string())?;
+        let (med, p90) = median_p90(&mut t);
+        let floor_bytes = m.weight_bytes() + b * (a.context + 1) * m.kv_bytes_per_position();
+        let floor_ms = floor_bytes as f64 / bw * 1e3;
+        let tps = b as f64 / (med / 1e3);
+        println!(
+            "| {b} | {med:.4} | {p90:.4} | {tps:.0} | {floor_ms:.4} | {:.2} |",
+            med / floor_ms
+        );
+        rows.push(json!({
+            "batch": b, "context": a.context, "step_ms_median": med, "step_ms_p90": p90,
+            "tokens_per_s": tps, "floor_bytes": floor_bytes, "floor_ms": floor_ms,
+            "step_over_floor": med / floor_ms,
+        }));
+    }
+    let prefill = {
+        let toks: Vec<u32> = (0..512).map(|i| (i % cfg.vocab_size) as u32).collect();
+        let table: Vec<u32> = (0..prefill_blocks as u32).collect();
+        let items = [StepItem {
+            tokens: &toks,
+            pos: 0,
+            blocks: &table,
+            sample: true,
+        }];
+        let mut t = m
+            .time_steps(&items, a.warmup.min(5), a.iters.min(50))
+            .map_err(|e| e.to_string())?;
+        let (med, p90) = median_p90(&mut t);
+        let tps = 512.0 / (med / 1e3);
+        println!(
+            "prefill, one 512-token chunk: {med:.3} ms median ({p90:.3} p90), {tps:.0} tokens/s"
+        );
+        json!({"tokens": 512, "step_ms_median": med, "step_ms_p90": p90, "tokens_per_s": tps})
+    };
+    let v = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "arch": a.arch.name(), "dtype": a.dtype.name(), "device": dev_name,
+        "graphs": !a.dev.no_graphs, "weight_bytes": m.weight_bytes(),
+        "kv_bytes_per_position": m.kv_bytes_per_position(),
+        "copy_bandwidth_bytes_per_s": bw, "decode": rows, "prefill": prefill,
+        "iters": a.iters, "warmup": a.warmup,
+    });
+    write_json(&a.json, &v)?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn divergence_and_percentiles() {
+        assert_eq!(first_divergence(&[1, 2, 3], &[1, 2, 3]), None);
+        assert_eq!(first_divergence(&[1, 2, 3], &[1, 5, 3]), Some(1));
+        assert_eq!(first_divergence(&[1, 2], &[1, 2, 3]), Some(2));
+        let mut v = vec![5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(median_p90(&mut v), (3.0, 5.0));
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, f32::NAN]), 1);
+    }
+
+    #[test]
+    fn generate_chunks_prefill_and_mixes_decode() {
+        // The CPU oracle through the same driver: one chunked and one short prompt.
+        let (cfg, w) = synth_weights(SynthArch::TinyLlama, 3, DType::F32);
+        let mut cpu = CpuModel::new(
+            cfg,
+            w,
+            KvConfig {
+                block_size: 4,
+                num_blocks: 16,
+            },
+            1,
+        )
+        .unwrap();
+        let prompts = vec![vec![1u32, 2, 3, 4, 5, 6, 7], vec![9u32]];
+        let chunked = generate(&mut cpu, &prompts, 5, 3, 8).unwrap();
+        let whole = generate(&mut cpu, &prompts, 5, 64, 8).unwrap();
+        assert_eq!(chunked.len(), 2);
+        assert!(chunked.iter().all(|o| o.len() == 5));
+        // Chunking does not change the CPU oracle's tokens.
+        assert_eq!(chunked, whole);
+        let alone = generate(&mut cpu, &prompts[..1], 5, 3, 8).unwrap();
+        assert_eq!(alone[0], chunked[0]);
+        let e = generate(&mut cpu, &prompts, 50, 3, 2).unwrap_err();
+        assert!(e.contains("blocks cannot hold"), "{e}");
+    }
+
+    #[test]
+    fn rounding_weights_reaches_every_matrix() {
+        let (_, mut w) = synth_weights(SynthArch::TinyQwen2, 3, DType::F32);
+        round_weights(&mut w, GpuDtype::Bf16);
+        let rounded = |t: &Tensor| t.data.iter().all(|&x| GpuDtype::Bf16.round(x) == x);
+        assert!(rounded(&w.embed));
+        assert!(rounded(&w.layers[1].down_proj));
+        assert!(rounded(&w.layers[0].q_proj));
+    }
+}
