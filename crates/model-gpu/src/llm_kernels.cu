@@ -163,50 +163,67 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Butterfly max over the warp (every lane gets the same value).
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // Paged attention for decode and ragged prefill: one warp per (query head, token). The token
-// attends to positions 0..=pos[t] of its own sequence through that sequence's block table,
-// in order, with an online softmax in f32 (grouped-query: kv head = head / group). Lane l
-// owns dimensions l, l + 32, ... of the head. out: [T][num_heads * head_dim] in `wt`.
+// attends to positions 0..=pos[t] of its own sequence through that sequence's block table
+// (grouped-query: kv head = head / group), with an online softmax in f32 over groups of 32
+// positions: lane j scores position p0 + j (a full dot product over the head, in dimension
+// order), the group's max and sum are butterfly reductions, then every lane accumulates the
+// group's values for its dimensions (l, l + 32, ...) in position order. The groups depend
+// only on the position, so a token's result is the same whatever else is in the batch.
+// out: [T][num_heads * head_dim] in `wt`.
 extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, const int *pos,
                                          const int *seq, const int *bt_off, const int *bt,
                                          wt *out, int num_heads, int num_kv_heads,
                                          int head_dim, int block_size, long long block_stride,
                                          float scale) {
+    __shared__ float qs[BGS_MAX_HEAD_DIM];
     const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
     const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
     const int kvh = head / (num_heads / num_kv_heads);
     const float *q = qkv + (size_t)t * (qd + 2 * kvd) + head * head_dim;
+    for (int d = lane; d < head_dim; d += 32) qs[d] = q[d];
+    __syncwarp();
     const int *table = bt + bt_off[seq[t]];
     const int last = pos[t];
-    float qv[BGS_MAX_HEAD_DIM / 32], acc[BGS_MAX_HEAD_DIM / 32];
-#pragma unroll
-    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-        const int d = lane + 32 * r;
-        qv[r] = d < head_dim ? q[d] : 0.0f;
-        acc[r] = 0.0f;
-    }
-    float m = BGS_NEG_INF, l = 0.0f;
     const long long head_off = (long long)kvh * block_size * head_dim;
     const long long v_off = (long long)num_kv_heads * block_size * head_dim;
-    for (int p = 0; p <= last; p++) {
-        const wt *k = cache + (long long)table[p / block_size] * block_stride + head_off +
-                      (long long)(p % block_size) * head_dim;
-        const wt *v = k + v_off;
-        float part = 0.0f;
+    float acc[BGS_MAX_HEAD_DIM / 32];
 #pragma unroll
-        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-            const int d = lane + 32 * r;
-            if (d < head_dim) part = part + qv[r] * ld(k[d]);
+    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = 0.0f;
+    float m = BGS_NEG_INF, l = 0.0f;
+    for (int p0 = 0; p0 <= last; p0 += 32) {
+        const int p = p0 + lane;
+        float sc = BGS_NEG_INF;
+        if (p <= last) {
+            const wt *k = cache + (long long)table[p / block_size] * block_stride + head_off +
+                          (long long)(p % block_size) * head_dim;
+            float dot = 0.0f;
+            for (int d = 0; d < head_dim; d++) dot = dot + qs[d] * ld(k[d]);
+            sc = dot * scale;
         }
-        const float sc = warp_sum(part) * scale;
-        const float mn = fmaxf(m, sc);
-        const float corr = expf(m - mn);  // exp(-inf) = 0 on the first position
-        const float e = expf(sc - mn);
-        l = l * corr + e;
+        const float mn = fmaxf(m, warp_max(sc));
+        const float e = p <= last ? expf(sc - mn) : 0.0f;
+        const float corr = expf(m - mn);  // exp(-inf) = 0 for the first group
+        l = l * corr + warp_sum(e);
 #pragma unroll
-        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-            const int d = lane + 32 * r;
-            if (d < head_dim) acc[r] = acc[r] * corr + e * ld(v[d]);
+        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = acc[r] * corr;
+        const int n = min(32, last - p0 + 1);
+        for (int j = 0; j < n; j++) {
+            const float w = __shfl_sync(0xffffffffu, e, j);
+            const int pj = p0 + j;
+            const wt *v = cache + (long long)table[pj / block_size] * block_stride + head_off +
+                          v_off + (long long)(pj % block_size) * head_dim;
+#pragma unroll
+            for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+                const int d = lane + 32 * r;
+                if (d < head_dim) acc[r] = acc[r] + w * ld(v[d]);
+            }
         }
         m = mn;
     }

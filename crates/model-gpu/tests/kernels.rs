@@ -112,6 +112,9 @@ extern __device__ const bgs_stub_dim3 bgs_stub_tid, bgs_stub_bid, bgs_stub_bdim,
 typedef unsigned long size_t;
 __device__ void __syncthreads();
 __device__ float __shfl_xor_sync(unsigned, float, int);
+__device__ float __shfl_sync(unsigned, float, int);
+__device__ void __syncwarp(unsigned = 0xffffffffu);
+__device__ int min(int, int);
 __device__ float __uint_as_float(unsigned);
 __device__ unsigned __float_as_uint(float);
 __device__ float __int_as_float(int);
