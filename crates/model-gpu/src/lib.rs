@@ -10,8 +10,11 @@
 //! Libraries are loaded at run time (cudarc, dynamic loading): without a driver, a device or
 //! a library, [`GpuModel::new`] returns an error naming what is missing.
 
+#[cfg(test)]
+mod emu;
 pub mod host;
 mod model;
+mod plan;
 
 pub use host::{GpuDtype, StepGeometry};
 pub use model::{GpuModel, GpuModelError, GpuModelOptions};

@@ -5,18 +5,17 @@ use std::path::{Path, PathBuf};
 
 use bgs_executor_gpu::{GpuError, compile, libs};
 use bgs_llm::{KvShape, StepModel};
-use bgs_model::{ModelConfig, StepItem, Tensor, Weights};
+use bgs_model::{ModelConfig, StepItem, Weights};
 use cudarc::cublas::sys as cublas;
 use cudarc::driver::sys as cu;
 
 use crate::host::{self, GpuDtype, Packed, StepGeometry};
+use crate::plan::{self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan};
 
 /// Bytes of the cuBLAS workspace set before capture (32 MiB: NVIDIA's recommendation for
 /// Hopper; a graph-captured cuBLAS call must not allocate).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 const STREAM_NON_BLOCKING: u32 = 1;
-const NORM_THREADS: u32 = 256;
-const ARGMAX_THREADS: u32 = 1024;
 
 /// Settings of a [`GpuModel`].
 #[derive(Debug, Clone)]
@@ -233,70 +232,6 @@ fn kernels(env: &Env, dtype: GpuDtype, cache: Option<&Path>) -> Result<(Vec<u8>,
     Ok((cubin, false))
 }
 
-/// A kernel argument, stored in an 8-byte cell (little endian: a 4-byte argument is read
-/// from the cell's first bytes).
-#[derive(Clone, Copy, Debug)]
-enum Arg {
-    /// A device pointer (0 = null).
-    P(u64),
-    I(i32),
-    F(f32),
-    L(i64),
-}
-
-/// One decoder layer on the device.
-#[derive(Debug, Default, Clone, Copy)]
-struct DevLayer {
-    input_norm: u64,
-    qkv: u64,
-    /// 0 when the model has no q/k/v biases.
-    qkv_bias: u64,
-    o: u64,
-    post_norm: u64,
-    gate_up: u64,
-    down: u64,
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-struct Kernels {
-    embed: cu::CUfunction,
-    add_rmsnorm: cu::CUfunction,
-    rope_kv: cu::CUfunction,
-    attention: cu::CUfunction,
-    silu_mul: cu::CUfunction,
-    gather_rows: cu::CUfunction,
-    argmax: cu::CUfunction,
-}
-
-/// Per-step activation buffers (sized for the largest bucket) and inputs.
-#[derive(Debug, Default, Clone, Copy)]
-struct Bufs {
-    /// f32 `[T][hidden]`: the residual stream.
-    x: u64,
-    /// dtype `[T][hidden]`: normed activations (GEMM input).
-    xn: u64,
-    /// f32 `[T][q + 2 kv]`.
-    qkv: u64,
-    /// dtype `[T][q]`: attention output.
-    attn: u64,
-    /// f32 `[T][hidden]`: o_proj / down_proj output.
-    tmp: u64,
-    /// f32 `[T][2 inter]`.
-    gu: u64,
-    /// dtype `[T][inter]`.
-    act: u64,
-    /// dtype `[S][hidden]`: the sampled rows, normed.
-    head_in: u64,
-    /// f32 `[S][vocab]`.
-    logits: u64,
-    /// u32 `[S]`.
-    next: u64,
-    /// i32 step inputs (`StepGeometry` layout).
-    inputs: u64,
-    workspace: u64,
-    inv_freq: u64,
-}
-
 /// A decoder-only model on one CUDA device (see the crate docs and docs/gpu-model.md).
 pub struct GpuModel {
     cfg: ModelConfig,
@@ -311,17 +246,17 @@ pub struct GpuModel {
     module: cu::CUmodule,
     stream: cu::CUstream,
     blas: cublas::cublasHandle_t,
-    k: Kernels,
+    /// The kernels, in `Kernel::ALL` order.
+    funcs: Vec<cu::CUfunction>,
     allocs: Vec<(u64, usize)>,
     held: usize,
-    embed: u64,
-    lm_head: u64,
-    final_norm: u64,
-    layers: Vec<DevLayer>,
-    weight_bytes: usize,
+    w: DevWeights,
     cache: u64,
     kv_bytes: usize,
     b: Bufs,
+    /// Step inputs (`StepGeometry` layout, i32).
+    inputs: u64,
+    workspace: u64,
     /// Pinned host staging of the step inputs (`geo.words()` i32).
     staging: *mut i32,
     /// Pinned host copy of `next` (`geo.max_samples` u32).
@@ -343,7 +278,7 @@ impl std::fmt::Debug for GpuModel {
             .field("device", &self.device_name)
             .field("dtype", &self.dtype)
             .field("geometry", &self.geo)
-            .field("weight_bytes", &self.weight_bytes)
+            .field("weight_bytes", &self.w.bytes)
             .field("kv_bytes", &self.kv_bytes)
             .field("use_graphs", &self.use_graphs)
             .finish_non_exhaustive()
@@ -404,17 +339,15 @@ impl GpuModel {
             module: std::ptr::null_mut(),
             stream: std::ptr::null_mut(),
             blas: std::ptr::null_mut(),
-            k: Kernels::default(),
+            funcs: Vec::new(),
             allocs: Vec::new(),
             held: 0,
-            embed: 0,
-            lm_head: 0,
-            final_norm: 0,
-            layers: Vec::new(),
-            weight_bytes: 0,
+            w: DevWeights::default(),
             cache: 0,
             kv_bytes: 0,
             b: Bufs::default(),
+            inputs: 0,
+            workspace: 0,
             staging: std::ptr::null_mut(),
             next_host: std::ptr::null_mut(),
             body_graphs: Vec::new(),
@@ -446,23 +379,17 @@ impl GpuModel {
             unsafe { cu::cuModuleLoadData(&mut self.module, cubin.as_ptr().cast()) },
             "cuModuleLoadData(llm kernels)",
         )?;
-        let f = |name: &str| get_function(self.module, name);
-        self.k = Kernels {
-            embed: f("bgs_embed")?,
-            add_rmsnorm: f("bgs_add_rmsnorm")?,
-            rope_kv: f("bgs_rope_kv")?,
-            attention: f("bgs_attention")?,
-            silu_mul: f("bgs_silu_mul")?,
-            gather_rows: f("bgs_gather_rows")?,
-            argmax: f("bgs_argmax")?,
-        };
+        self.funcs = Kernel::ALL
+            .iter()
+            .map(|k| get_function(self.module, k.name()))
+            .collect::<Result<_, _>>()?;
         ck(
             // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
             unsafe { cu::cuStreamCreate(&mut self.stream, STREAM_NON_BLOCKING) },
             "cuStreamCreate",
         )?;
 
-        self.upload_weights(weights)?;
+        self.w = plan::upload_weights(self, weights, self.dtype)?;
 
         // Activations for the largest bucket (the pool's size does not change them).
         let cfg = self.cfg.clone();
@@ -474,27 +401,14 @@ impl GpuModel {
             opts.max_seqs,
         )
         .map_err(GpuModelError::Config)?;
-        let (t, s) = (provisional.max_tokens, provisional.max_samples);
-        let (h, inter, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.kv_dim());
-        let es = self.dtype.size();
-        self.b.x = self.alloc(t * h * 4, "activations x")?;
-        self.b.xn = self.alloc(t * h * es, "activations xn")?;
-        self.b.qkv = self.alloc(t * (qd + 2 * kvd) * 4, "activations qkv")?;
-        self.b.attn = self.alloc(t * qd * es, "activations attn")?;
-        self.b.tmp = self.alloc(t * h * 4, "activations tmp")?;
-        self.b.gu = self.alloc(t * 2 * inter * 4, "activations gate/up")?;
-        self.b.act = self.alloc(t * inter * es, "activations act")?;
-        self.b.head_in = self.alloc(s * h * es, "LM head input")?;
-        self.b.logits = self.alloc(s * vocab * 4, "logits")?;
-        self.b.next = self.alloc(s * 4, "next tokens")?;
-        self.b.workspace = self.alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?;
-        let d = cfg.head_dim;
-        // The CPU oracle's inverse frequencies, bit for bit (computed in f64, rounded).
-        let inv_freq: Vec<f32> = (0..d / 2)
-            .map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32)
-            .collect();
-        self.b.inv_freq = self.upload(&GpuDtype::F32.encode(&inv_freq), "RoPE frequencies")?;
+        self.b = plan::alloc_bufs(
+            self,
+            &cfg,
+            provisional.max_tokens,
+            provisional.max_samples,
+            self.dtype,
+        )?;
+        self.workspace = self.alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?;
 
         // The KV pool: given, or a share of what is free now.
         let num_blocks = match opts.num_blocks {
@@ -524,7 +438,7 @@ impl GpuModel {
         self.cache = self.alloc(kv_bytes, &format!("KV cache ({num_blocks} blocks)"))?;
         self.kv_bytes = kv_bytes;
         let words = self.geo.words();
-        self.b.inputs = self.alloc(words * 4, "step inputs")?;
+        self.inputs = self.alloc(words * 4, "step inputs")?;
         // SAFETY: a context is current; out-pointers valid; freed in Drop.
         unsafe {
             let mut p: *mut c_void = std::ptr::null_mut();
@@ -550,7 +464,7 @@ impl GpuModel {
         }
         ck(
             // SAFETY: `staging` holds `words` i32 and `inputs` as many bytes; synchronous copy.
-            unsafe { cu::cuMemcpyHtoD_v2(self.b.inputs, self.staging.cast(), words * 4) },
+            unsafe { cu::cuMemcpyHtoD_v2(self.inputs, self.staging.cast(), words * 4) },
             "cuMemcpyHtoD(step inputs)",
         )?;
 
@@ -564,7 +478,7 @@ impl GpuModel {
             ck_blas(
                 cublas::cublasSetWorkspace_v2(
                     self.blas,
-                    self.b.workspace as *mut c_void,
+                    self.workspace as *mut c_void,
                     CUBLAS_WORKSPACE,
                 ),
                 "cublasSetWorkspace",
@@ -606,54 +520,12 @@ impl GpuModel {
         tracing::info!(
             device = %self.device_name,
             dtype = self.dtype.name(),
-            weight_bytes = self.weight_bytes,
+            weight_bytes = self.w.bytes,
             kv_bytes = self.kv_bytes,
             num_blocks,
             cache_hit = self.cache_hit,
             "GPU model ready"
         );
-        Ok(())
-    }
-
-    fn upload_weights(&mut self, w: &Weights) -> Result<(), GpuModelError> {
-        let dt = self.dtype;
-        let start = self.held;
-        self.embed = self.upload(&dt.encode(&w.embed.data), "embedding")?;
-        self.lm_head = match &w.lm_head {
-            Some(t) => self.upload(&dt.encode(&t.data), "LM head")?,
-            None => self.embed,
-        };
-        self.final_norm = self.upload(&f32_bytes(&w.final_norm), "final norm")?;
-        for (i, lw) in w.layers.iter().enumerate() {
-            let qkv = host::stack_rows(&[&lw.q_proj, &lw.k_proj, &lw.v_proj])
-                .map_err(GpuModelError::Config)?;
-            let gate_up =
-                host::stack_rows(&[&lw.gate_proj, &lw.up_proj]).map_err(GpuModelError::Config)?;
-            let qkv_bias = match (&lw.q_bias, &lw.k_bias, &lw.v_bias) {
-                (Some(q), Some(k), Some(v)) => {
-                    let b = host::stack_rows(&[q, k, v]).map_err(GpuModelError::Config)?;
-                    self.upload(&GpuDtype::F32.encode(&b), &format!("layer {i} qkv bias"))?
-                }
-                (None, None, None) => 0,
-                _ => {
-                    return Err(GpuModelError::Config(format!(
-                        "layer {i}: q/k/v biases must be all present or all absent"
-                    )));
-                }
-            };
-            let layer = DevLayer {
-                input_norm: self.upload(&f32_bytes(&lw.input_norm), &format!("layer {i} norm"))?,
-                qkv: self.upload(&dt.encode(&qkv), &format!("layer {i} qkv"))?,
-                qkv_bias,
-                o: self.upload(&dt.encode(&lw.o_proj.data), &format!("layer {i} o_proj"))?,
-                post_norm: self
-                    .upload(&f32_bytes(&lw.post_norm), &format!("layer {i} post norm"))?,
-                gate_up: self.upload(&dt.encode(&gate_up), &format!("layer {i} gate/up"))?,
-                down: self.upload(&dt.encode(&lw.down_proj.data), &format!("layer {i} down"))?,
-            };
-            self.layers.push(layer);
-        }
-        self.weight_bytes = self.held - start;
         Ok(())
     }
 
@@ -712,14 +584,54 @@ impl GpuModel {
         )
     }
 
+    fn plan(&self) -> Plan<'_> {
+        Plan {
+            cfg: &self.cfg,
+            geo: &self.geo,
+            dtype: self.dtype,
+            w: &self.w,
+            b: &self.b,
+            cache: self.cache,
+            inputs: self.inputs,
+        }
+    }
+
+    fn enqueue_body(&self, n: usize) -> Result<(), GpuError> {
+        self.run(&self.plan().body(n))
+    }
+
+    fn enqueue_head(&self, s: usize) -> Result<(), GpuError> {
+        self.run(&self.plan().head(s))
+    }
+
+    /// Enqueue `ops` on the stream.
+    fn run(&self, ops: &[Op]) -> Result<(), GpuError> {
+        for op in ops {
+            match op {
+                Op::Launch {
+                    kernel,
+                    grid,
+                    block,
+                    args,
+                } => self.launch(*kernel, *grid, *block, args)?,
+                Op::Gemm(g) => self.gemm(g)?,
+            }
+        }
+        Ok(())
+    }
+
     fn launch(
         &self,
-        f: cu::CUfunction,
+        k: Kernel,
         grid: (u32, u32),
         block: u32,
         args: &[Arg],
-        what: &str,
     ) -> Result<(), GpuError> {
+        let f = Kernel::ALL
+            .iter()
+            .position(|&x| x == k)
+            .and_then(|i| self.funcs.get(i).copied())
+            .ok_or_else(|| GpuError::Failed(format!("kernel {} not loaded", k.name())))?;
         let mut cells: Vec<u64> = args
             .iter()
             .map(|a| match *a {
@@ -735,9 +647,10 @@ impl GpuModel {
             .collect();
         ck(
             // SAFETY: `f` is a kernel of the loaded module whose parameters are, in order, the
-            // types of `args` (pointers and 8-byte integers read whole; 4-byte values from the
-            // first bytes of their little-endian cell); the cells outlive the call (launch
-            // copies the arguments); `stream` is live.
+            // types of `args` (`Plan` builds them from the kernels' signatures; the emulator
+            // tests check the order): pointers and 8-byte integers are read whole, 4-byte
+            // values from the first bytes of their little-endian cell. The cells outlive the
+            // call (the launch copies the arguments); `stream` is live.
             unsafe {
                 cu::cuLaunchKernel(
                     f,
@@ -753,20 +666,11 @@ impl GpuModel {
                     std::ptr::null_mut(),
                 )
             },
-            &format!("cuLaunchKernel({what})"),
+            &format!("cuLaunchKernel({})", k.name()),
         )
     }
 
-    /// `y[n][out] = x[n][in] · w[out][in]ᵀ` (w in dtype, x in dtype, y in f32); dims are
-    /// `[out, in, n]`.
-    fn gemm(
-        &self,
-        w: u64,
-        x: u64,
-        y: u64,
-        [out, inp, n]: [usize; 3],
-        what: &str,
-    ) -> Result<(), GpuError> {
+    fn gemm(&self, g: &Gemm) -> Result<(), GpuError> {
         let (ty, compute) = match self.dtype {
             GpuDtype::F32 => (
                 cublas::cudaDataType::CUDA_R_32F,
@@ -781,222 +685,42 @@ impl GpuModel {
                 cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             ),
         };
+        let op = |t: bool| {
+            if t {
+                cublas::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublas::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
         let (alpha, beta) = (1.0f32, 0.0f32);
-        // Column-major view: C (out × n, ldc out) = Wᵀ-as-stored (op T of the in × out
-        // matrix W, lda in) × X (in × n, ldb in).
         ck_blas(
-            // SAFETY: `w` holds out × in, `x` n × in elements of the dtype, `y` n × out f32
-            // (buffers sized for the largest bucket); alpha/beta are host f32 (host pointer
-            // mode) read during the call.
+            // SAFETY: `Plan` sized every operand for the largest bucket: A holds k × m (or
+            // m × k) elements of the dtype, B k × n, C m × n f32, with the leading dimensions
+            // given; alpha/beta are host f32 (host pointer mode), read during the call.
             unsafe {
                 cublas::cublasGemmEx(
                     self.blas,
-                    cublas::cublasOperation_t::CUBLAS_OP_T,
-                    cublas::cublasOperation_t::CUBLAS_OP_N,
-                    out as i32,
-                    n as i32,
-                    inp as i32,
+                    op(g.trans_a),
+                    op(g.trans_b),
+                    g.m,
+                    g.n,
+                    g.k,
                     (&alpha as *const f32).cast(),
-                    w as *const c_void,
+                    g.a as *const c_void,
                     ty,
-                    inp as i32,
-                    x as *const c_void,
+                    g.lda,
+                    g.b as *const c_void,
                     ty,
-                    inp as i32,
+                    g.ldb,
                     (&beta as *const f32).cast(),
-                    y as *mut c_void,
+                    g.c as *mut c_void,
                     cublas::cudaDataType::CUDA_R_32F,
-                    out as i32,
+                    g.ldc,
                     compute,
                     cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
                 )
             },
-            &format!("cublasGemmEx({what}, m={out} n={n} k={inp})"),
-        )
-    }
-
-    /// Enqueue the decoder over `n` tokens (a bucket): embedding to the final norm's output
-    /// in `xn`, writing every real token's K/V.
-    fn enqueue_body(&self, n: usize) -> Result<(), GpuError> {
-        let c = &self.cfg;
-        let g = &self.geo;
-        let b = &self.b;
-        let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
-        let (qd, kvd) = (nh * hd, nkv * hd);
-        let eps = c.rms_norm_eps as f32;
-        let bs = g.block_size;
-        let layer_elems = 2 * nkv * bs * hd;
-        let block_stride = (c.num_layers * layer_elems) as i64;
-        let es = self.dtype.size() as u64;
-        let inp = |off: usize| b.inputs + (off * 4) as u64;
-        let (tok, pos, seq, slot) = (
-            inp(StepGeometry::TOK),
-            inp(g.pos()),
-            inp(g.seq()),
-            inp(g.slot()),
-        );
-        let (bt_off, bt) = (inp(g.bt_off()), inp(g.bt()));
-        let nu = n as u32;
-        let scale = 1.0 / (hd as f32).sqrt();
-        self.launch(
-            self.k.embed,
-            (nu, 1),
-            256,
-            &[
-                Arg::P(tok),
-                Arg::P(self.embed),
-                Arg::P(b.x),
-                Arg::I(h as i32),
-            ],
-            "bgs_embed",
-        )?;
-        for (l, lw) in self.layers.iter().enumerate() {
-            if l == 0 {
-                self.launch(
-                    self.k.add_rmsnorm,
-                    (nu, 1),
-                    NORM_THREADS,
-                    &[
-                        Arg::P(b.x),
-                        Arg::P(0),
-                        Arg::P(lw.input_norm),
-                        Arg::P(b.xn),
-                        Arg::I(h as i32),
-                        Arg::F(eps),
-                    ],
-                    "bgs_add_rmsnorm(input norm)",
-                )?;
-            }
-            self.gemm(lw.qkv, b.xn, b.qkv, [qd + 2 * kvd, h, n], "qkv")?;
-            let cache_l = self.cache + (l * layer_elems) as u64 * es;
-            self.launch(
-                self.k.rope_kv,
-                (nu, 1),
-                128,
-                &[
-                    Arg::P(b.qkv),
-                    Arg::P(lw.qkv_bias),
-                    Arg::P(pos),
-                    Arg::P(slot),
-                    Arg::P(b.inv_freq),
-                    Arg::P(cache_l),
-                    Arg::I(nh as i32),
-                    Arg::I(nkv as i32),
-                    Arg::I(hd as i32),
-                    Arg::I(bs as i32),
-                    Arg::L(block_stride),
-                ],
-                "bgs_rope_kv",
-            )?;
-            self.launch(
-                self.k.attention,
-                (nh as u32, nu),
-                32,
-                &[
-                    Arg::P(b.qkv),
-                    Arg::P(cache_l),
-                    Arg::P(pos),
-                    Arg::P(seq),
-                    Arg::P(bt_off),
-                    Arg::P(bt),
-                    Arg::P(b.attn),
-                    Arg::I(nh as i32),
-                    Arg::I(nkv as i32),
-                    Arg::I(hd as i32),
-                    Arg::I(bs as i32),
-                    Arg::L(block_stride),
-                    Arg::F(scale),
-                ],
-                "bgs_attention",
-            )?;
-            self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj")?;
-            self.launch(
-                self.k.add_rmsnorm,
-                (nu, 1),
-                NORM_THREADS,
-                &[
-                    Arg::P(b.x),
-                    Arg::P(b.tmp),
-                    Arg::P(lw.post_norm),
-                    Arg::P(b.xn),
-                    Arg::I(h as i32),
-                    Arg::F(eps),
-                ],
-                "bgs_add_rmsnorm(post-attention norm)",
-            )?;
-            self.gemm(lw.gate_up, b.xn, b.gu, [2 * inter, h, n], "gate/up")?;
-            let elems = n * inter;
-            let blocks = elems.div_ceil(256).min(65_535) as u32;
-            self.launch(
-                self.k.silu_mul,
-                (blocks, 1),
-                256,
-                &[
-                    Arg::P(b.gu),
-                    Arg::P(b.act),
-                    Arg::I(inter as i32),
-                    Arg::I(n as i32),
-                ],
-                "bgs_silu_mul",
-            )?;
-            self.gemm(lw.down, b.act, b.tmp, [h, inter, n], "down_proj")?;
-            let next_norm = self
-                .layers
-                .get(l + 1)
-                .map_or(self.final_norm, |nl| nl.input_norm);
-            self.launch(
-                self.k.add_rmsnorm,
-                (nu, 1),
-                NORM_THREADS,
-                &[
-                    Arg::P(b.x),
-                    Arg::P(b.tmp),
-                    Arg::P(next_norm),
-                    Arg::P(b.xn),
-                    Arg::I(h as i32),
-                    Arg::F(eps),
-                ],
-                "bgs_add_rmsnorm(next layer's norm)",
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Enqueue the LM head over `s` sampled rows (a bucket) and the greedy argmax.
-    fn enqueue_head(&self, s: usize) -> Result<(), GpuError> {
-        let c = &self.cfg;
-        let b = &self.b;
-        let rows = b.inputs + (self.geo.rows() * 4) as u64;
-        self.launch(
-            self.k.gather_rows,
-            (s as u32, 1),
-            256,
-            &[
-                Arg::P(b.xn),
-                Arg::P(rows),
-                Arg::P(b.head_in),
-                Arg::I(c.hidden_size as i32),
-            ],
-            "bgs_gather_rows",
-        )?;
-        self.gemm(
-            self.lm_head,
-            b.head_in,
-            b.logits,
-            [c.vocab_size, c.hidden_size, s],
-            "lm_head",
-        )?;
-        self.launch(
-            self.k.argmax,
-            (s as u32, 1),
-            ARGMAX_THREADS,
-            &[
-                Arg::P(b.logits),
-                Arg::P(b.next),
-                Arg::I(c.vocab_size as i32),
-            ],
-            "bgs_argmax",
+            &format!("cublasGemmEx({}, m={} n={} k={})", g.what, g.m, g.n, g.k),
         )
     }
 
@@ -1050,12 +774,7 @@ impl GpuModel {
             // SAFETY: `staging` is pinned and holds `geo.words()` ≥ `p.words` i32; `inputs` as
             // many bytes; the stream is synchronized before the staging is written again.
             unsafe {
-                cu::cuMemcpyHtoDAsync_v2(
-                    self.b.inputs,
-                    self.staging.cast(),
-                    p.words * 4,
-                    self.stream,
-                )
+                cu::cuMemcpyHtoDAsync_v2(self.inputs, self.staging.cast(), p.words * 4, self.stream)
             },
             "cuMemcpyHtoDAsync(step inputs)",
         )?;
@@ -1253,7 +972,7 @@ impl GpuModel {
 
     /// Bytes of weights on the device (norms and biases in f32 included).
     pub fn weight_bytes(&self) -> usize {
-        self.weight_bytes
+        self.w.bytes
     }
 
     /// Bytes of the KV pool.
@@ -1321,6 +1040,16 @@ impl Drop for GpuModel {
             }
             let _ = cu::cuDevicePrimaryCtxRelease_v2(self.dev);
         }
+    }
+}
+
+impl DeviceMem for GpuModel {
+    fn alloc(&mut self, bytes: usize, what: &str) -> Result<u64, GpuModelError> {
+        GpuModel::alloc(self, bytes, what)
+    }
+
+    fn upload(&mut self, bytes: &[u8], what: &str) -> Result<u64, GpuModelError> {
+        GpuModel::upload(self, bytes, what)
     }
 }
 
@@ -1408,8 +1137,4 @@ fn mem_info() -> Result<(usize, usize), GpuError> {
         "cuMemGetInfo",
     )?;
     Ok((free, total))
-}
-
-fn f32_bytes(t: &Tensor) -> Vec<u8> {
-    GpuDtype::F32.encode(&t.data)
 }

@@ -1,0 +1,775 @@
+//! Test-only emulator of the device side: a byte-addressed memory of separate allocations
+//! (any access outside one panics, naming the address), the kernels of `llm_kernels.cu`
+//! transcribed operation by operation (the same per-thread strides, reduction trees and warp
+//! groups), and `cublasGemmEx` by its column-major definition. It executes the exact
+//! operation lists `Plan` builds for the GPU, so the tests check against the CPU oracle
+//! everything but the CUDA compiler and hardware: argument order and types (also checked
+//! against the kernels' C signatures), buffer sizes, offsets into the paged cache, the GEMMs'
+//! orientation and leading dimensions, packing, padding and the sampled rows.
+
+use std::collections::BTreeMap;
+
+use bgs_llm::{KvShape, StepModel};
+use bgs_model::{ModelConfig, StepItem, Weights};
+
+use crate::host::{self, GpuDtype, StepGeometry};
+use crate::model::GpuModelError;
+use crate::plan::{self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan};
+
+/// Device memory: allocations at addresses 256-aligned with gaps between them.
+#[derive(Debug)]
+pub(crate) struct Emu {
+    mem: BTreeMap<u64, Vec<u8>>,
+    next: u64,
+    dtype: GpuDtype,
+}
+
+impl DeviceMem for Emu {
+    fn alloc(&mut self, bytes: usize, _what: &str) -> Result<u64, GpuModelError> {
+        let p = self.next;
+        self.next += (bytes as u64).div_ceil(256) * 256 + 4096;
+        self.mem.insert(p, vec![0; bytes.max(4)]);
+        Ok(p)
+    }
+
+    fn upload(&mut self, bytes: &[u8], what: &str) -> Result<u64, GpuModelError> {
+        let p = self.alloc(bytes.len(), what)?;
+        self.bytes_mut(p, bytes.len()).copy_from_slice(bytes);
+        Ok(p)
+    }
+}
+
+impl Emu {
+    pub(crate) fn new(dtype: GpuDtype) -> Emu {
+        Emu {
+            mem: BTreeMap::new(),
+            next: 0x10_0000,
+            dtype,
+        }
+    }
+
+    fn locate(&self, p: u64, len: usize) -> (u64, usize) {
+        let (&base, v) = self
+            .mem
+            .range(..=p)
+            .next_back()
+            .unwrap_or_else(|| panic!("access at {p:#x} below every allocation"));
+        let off = (p - base) as usize;
+        assert!(
+            off + len <= v.len(),
+            "access of {len} bytes at {p:#x} runs past the allocation at {base:#x} ({} bytes)",
+            v.len()
+        );
+        (base, off)
+    }
+
+    fn bytes(&self, p: u64, len: usize) -> &[u8] {
+        let (base, off) = self.locate(p, len);
+        &self.mem[&base][off..off + len]
+    }
+
+    fn bytes_mut(&mut self, p: u64, len: usize) -> &mut [u8] {
+        let (base, off) = self.locate(p, len);
+        &mut self.mem.get_mut(&base).expect("located")[off..off + len]
+    }
+
+    pub(crate) fn f32s(&self, p: u64, n: usize) -> Vec<f32> {
+        self.bytes(p, n * 4)
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    fn put_f32s(&mut self, p: u64, v: &[f32]) {
+        let b = self.bytes_mut(p, v.len() * 4);
+        for (c, x) in b.chunks_exact_mut(4).zip(v) {
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+    }
+
+    fn i32s(&self, p: u64, n: usize) -> Vec<i32> {
+        self.bytes(p, n * 4)
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    pub(crate) fn put_i32s(&mut self, p: u64, v: &[i32]) {
+        let b = self.bytes_mut(p, v.len() * 4);
+        for (c, x) in b.chunks_exact_mut(4).zip(v) {
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+    }
+
+    /// `n` elements of the dtype at `p` (element index, not bytes, is `p`'s unit nowhere:
+    /// `p` is a byte address), as f32 (`ld`).
+    fn wts(&self, p: u64, n: usize) -> Vec<f32> {
+        let es = self.dtype.size();
+        self.bytes(p, n * es)
+            .chunks_exact(es)
+            .map(|c| match self.dtype {
+                GpuDtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                GpuDtype::F16 => half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
+                GpuDtype::Bf16 => half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
+            })
+            .collect()
+    }
+
+    /// Store `v` in the dtype at `p` (`st`: round to nearest even).
+    fn put_wts(&mut self, p: u64, v: &[f32]) {
+        let enc = self.dtype.encode(v);
+        self.bytes_mut(p, enc.len()).copy_from_slice(&enc);
+    }
+
+    fn run(&mut self, ops: &[Op]) {
+        for op in ops {
+            match op {
+                Op::Launch {
+                    kernel,
+                    grid,
+                    block,
+                    args,
+                } => self.launch(*kernel, *grid, *block, args),
+                Op::Gemm(g) => self.gemm(g),
+            }
+        }
+    }
+
+    fn gemm(&mut self, g: &Gemm) {
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        let (lda, ldb, ldc) = (g.lda as usize, g.ldb as usize, g.ldc as usize);
+        assert!(
+            lda >= if g.trans_a { k } else { m },
+            "{}: lda {lda}",
+            g.what
+        );
+        assert!(
+            ldb >= if g.trans_b { n } else { k },
+            "{}: ldb {ldb}",
+            g.what
+        );
+        assert!(ldc >= m, "{}: ldc {ldc}", g.what);
+        // Column-major storage extents, read whole (out-of-allocation reads panic).
+        let a = self.wts(g.a, lda * if g.trans_a { m } else { k });
+        let b = self.wts(g.b, ldb * if g.trans_b { k } else { n });
+        let mut c = self.f32s(g.c, ldc * n);
+        for j in 0..n {
+            for i in 0..m {
+                let mut acc = 0f32;
+                for l in 0..k {
+                    let av = if g.trans_a {
+                        a[l + i * lda]
+                    } else {
+                        a[i + l * lda]
+                    };
+                    let bv = if g.trans_b {
+                        b[j + l * ldb]
+                    } else {
+                        b[l + j * ldb]
+                    };
+                    acc += av * bv;
+                }
+                c[i + j * ldc] = acc;
+            }
+        }
+        self.put_f32s(g.c, &c);
+    }
+
+    fn launch(&mut self, k: Kernel, grid: (u32, u32), block: u32, args: &[Arg]) {
+        let p = |i: usize| match args[i] {
+            Arg::P(x) => x,
+            a => panic!("{}: argument {i} is {a:?}, not a pointer", k.name()),
+        };
+        let int = |i: usize| match args[i] {
+            Arg::I(x) => x as usize,
+            a => panic!("{}: argument {i} is {a:?}, not an int", k.name()),
+        };
+        let fl = |i: usize| match args[i] {
+            Arg::F(x) => x,
+            a => panic!("{}: argument {i} is {a:?}, not a float", k.name()),
+        };
+        let ll = |i: usize| match args[i] {
+            Arg::L(x) => x as usize,
+            a => panic!("{}: argument {i} is {a:?}, not a long long", k.name()),
+        };
+        let es = self.dtype.size() as u64;
+        let (gx, gy) = (grid.0 as usize, grid.1 as usize);
+        match k {
+            Kernel::Embed => {
+                let (tok, embed, x, h) = (p(0), p(1), p(2), int(3));
+                for t in 0..gx {
+                    let id = self.i32s(tok + 4 * t as u64, 1)[0] as u32 as u64;
+                    let row = self.wts(embed + id * (h as u64) * es, h);
+                    self.put_f32s(x + (t * h * 4) as u64, &row);
+                }
+            }
+            Kernel::AddRmsNorm => {
+                assert_eq!(block, plan::NORM_THREADS);
+                let (x, delta, w, out, h, eps) = (p(0), p(1), p(2), p(3), int(4), fl(5));
+                let wv = self.f32s(w, h);
+                let nt = block as usize;
+                for t in 0..gx {
+                    let xa = x + (t * h * 4) as u64;
+                    let mut xr = self.f32s(xa, h);
+                    if delta != 0 {
+                        let d = self.f32s(delta + (t * h * 4) as u64, h);
+                        for (v, dv) in xr.iter_mut().zip(&d) {
+                            *v += dv;
+                        }
+                        self.put_f32s(xa, &xr);
+                    }
+                    let mut sh: Vec<f32> = (0..nt)
+                        .map(|tid| {
+                            let mut acc = 0f32;
+                            for i in (tid..h).step_by(nt) {
+                                acc += xr[i] * xr[i];
+                            }
+                            acc
+                        })
+                        .collect();
+                    let mut s = nt / 2;
+                    while s > 0 {
+                        for tid in 0..s {
+                            sh[tid] += sh[tid + s];
+                        }
+                        s >>= 1;
+                    }
+                    let inv = 1.0 / (sh[0] / h as f32 + eps).sqrt();
+                    let o: Vec<f32> = (0..h).map(|i| wv[i] * (xr[i] * inv)).collect();
+                    self.put_wts(out + (t * h) as u64 * es, &o);
+                }
+            }
+            Kernel::RopeKv => {
+                let (qkv, bias, pos, slot, inv_freq, cache) = (p(0), p(1), p(2), p(3), p(4), p(5));
+                let (nh, nkv, hd, bs, stride) = (int(6), int(7), int(8), int(9), ll(10));
+                let half = hd / 2;
+                let (qd, kvd) = (nh * hd, nkv * hd);
+                let width = qd + 2 * kvd;
+                let inv = self.f32s(inv_freq, half);
+                let bias = (bias != 0).then(|| self.f32s(bias, width));
+                for t in 0..gx {
+                    let ra = qkv + (t * width * 4) as u64;
+                    let mut row = self.f32s(ra, width);
+                    let pp = self.i32s(pos + 4 * t as u64, 1)[0] as f32;
+                    let s = self.i32s(slot + 4 * t as u64, 1)[0];
+                    let kc = (s >= 0).then(|| {
+                        let (blk, off) = (s as usize / bs, s as usize % bs);
+                        cache + ((blk * stride + off * hd) as u64) * es
+                    });
+                    let mut kout = vec![0f32; kvd];
+                    for j in 0..(nh + nkv) * half {
+                        let (h, i) = (j / half, j % half);
+                        let base = h * hd;
+                        let (mut x1, mut x2) = (row[base + i], row[base + i + half]);
+                        if let Some(b) = &bias {
+                            x1 += b[base + i];
+                            x2 += b[base + i + half];
+                        }
+                        let a = pp * inv[i];
+                        let (c, sn) = (a.cos(), a.sin());
+                        let r1 = x1 * c + (-x2) * sn;
+                        let r2 = x2 * c + x1 * sn;
+                        if h < nh {
+                            row[base + i] = r1;
+                            row[base + i + half] = r2;
+                        } else {
+                            let kh = h - nh;
+                            kout[kh * hd + i] = r1;
+                            kout[kh * hd + i + half] = r2;
+                        }
+                    }
+                    self.put_f32s(ra, &row);
+                    if let Some(kc) = kc {
+                        let vc = kc + ((nkv * bs * hd) as u64) * es;
+                        for kh in 0..nkv {
+                            let hoff = ((kh * bs * hd) as u64) * es;
+                            self.put_wts(kc + hoff, &kout[kh * hd..(kh + 1) * hd]);
+                            let v: Vec<f32> = (0..hd)
+                                .map(|d| {
+                                    let j = qd + kvd + kh * hd + d;
+                                    row[j] + bias.as_ref().map_or(0.0, |b| b[j])
+                                })
+                                .collect();
+                            // Bias-free rows add 0.0 here where the kernel adds nothing:
+                            // x + 0.0 == x for every x but -0.0, which stores the same value.
+                            self.put_wts(vc + hoff, &v);
+                        }
+                    }
+                }
+            }
+            Kernel::Attention => {
+                assert_eq!(block, 32);
+                let (qkv, cache, pos, seq, bt_off, bt, out) =
+                    (p(0), p(1), p(2), p(3), p(4), p(5), p(6));
+                let (nh, nkv, hd, bs, stride, scale) =
+                    (int(7), int(8), int(9), int(10), ll(11), fl(12));
+                assert_eq!(gx, nh);
+                let (qd, kvd) = (nh * hd, nkv * hd);
+                let group = nh / nkv;
+                for t in 0..gy {
+                    let last = self.i32s(pos + 4 * t as u64, 1)[0] as usize;
+                    let sq = self.i32s(seq + 4 * t as u64, 1)[0] as u64;
+                    let off = self.i32s(bt_off + 4 * sq, 1)[0] as u64;
+                    let addr = |tbl: &[i32], p: usize, kvh: usize, v: bool| {
+                        let blk = tbl[p / bs] as usize;
+                        let e = blk * stride
+                            + kvh * bs * hd
+                            + if v { nkv * bs * hd } else { 0 }
+                            + (p % bs) * hd;
+                        cache + e as u64 * es
+                    };
+                    let table = self.i32s(bt + 4 * off, last / bs + 1);
+                    for head in 0..gx {
+                        let kvh = head / group;
+                        let q = self.f32s(qkv + ((t * (qd + 2 * kvd) + head * hd) * 4) as u64, hd);
+                        let mut acc = vec![0f32; hd];
+                        let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+                        let mut p0 = 0;
+                        while p0 <= last {
+                            let mut sc = [f32::NEG_INFINITY; 32];
+                            for (lane, s) in sc.iter_mut().enumerate() {
+                                let pp = p0 + lane;
+                                if pp <= last {
+                                    let k = self.wts(addr(&table, pp, kvh, false), hd);
+                                    let mut dot = 0f32;
+                                    for d in 0..hd {
+                                        dot += q[d] * k[d];
+                                    }
+                                    *s = dot * scale;
+                                }
+                            }
+                            let gmax = butterfly(sc, f32::max);
+                            let mn = m.max(gmax);
+                            let mut e = [0f32; 32];
+                            for lane in 0..32 {
+                                if p0 + lane <= last {
+                                    e[lane] = (sc[lane] - mn).exp();
+                                }
+                            }
+                            let corr = (m - mn).exp();
+                            l = l * corr + butterfly(e, |a, b| a + b);
+                            for a in acc.iter_mut() {
+                                *a *= corr;
+                            }
+                            for (j, &w) in e.iter().enumerate().take((last - p0 + 1).min(32)) {
+                                let v = self.wts(addr(&table, p0 + j, kvh, true), hd);
+                                for d in 0..hd {
+                                    acc[d] += w * v[d];
+                                }
+                            }
+                            m = mn;
+                            p0 += 32;
+                        }
+                        let o: Vec<f32> = acc.iter().map(|a| a / l).collect();
+                        self.put_wts(out + ((t * qd + head * hd) as u64) * es, &o);
+                    }
+                }
+            }
+            Kernel::SiluMul => {
+                let (gu, out, inter, tokens) = (p(0), p(1), int(2), int(3));
+                for t in 0..tokens {
+                    let row = self.f32s(gu + (t * 2 * inter * 4) as u64, 2 * inter);
+                    let o: Vec<f32> = (0..inter)
+                        .map(|i| {
+                            let (g, u) = (row[i], row[inter + i]);
+                            let s = g / (1.0 + (-g).exp());
+                            s * u
+                        })
+                        .collect();
+                    self.put_wts(out + (t * inter) as u64 * es, &o);
+                }
+            }
+            Kernel::GatherRows => {
+                let (xn, rows, out, h) = (p(0), p(1), p(2), int(3));
+                for s in 0..gx {
+                    let r = self.i32s(rows + 4 * s as u64, 1)[0] as u64;
+                    let row = self.bytes(xn + r * h as u64 * es, h * es as usize).to_vec();
+                    self.bytes_mut(out + (s * h) as u64 * es, row.len())
+                        .copy_from_slice(&row);
+                }
+            }
+            Kernel::Argmax => {
+                assert_eq!(block, plan::ARGMAX_THREADS);
+                let (logits, next, vocab) = (p(0), p(1), int(2));
+                let nt = block as usize;
+                for s in 0..gx {
+                    let row = self.f32s(logits + (s * vocab * 4) as u64, vocab);
+                    let mut sv = vec![f32::NEG_INFINITY; nt];
+                    let mut si = vec![u32::MAX; nt];
+                    for tid in 0..nt {
+                        for i in (tid..vocab).step_by(nt) {
+                            if row[i] > sv[tid] {
+                                sv[tid] = row[i];
+                                si[tid] = i as u32;
+                            }
+                        }
+                    }
+                    let mut h = nt / 2;
+                    while h > 0 {
+                        for tid in 0..h {
+                            let (v, i) = (sv[tid + h], si[tid + h]);
+                            if v > sv[tid] || (v == sv[tid] && i < si[tid]) {
+                                sv[tid] = v;
+                                si[tid] = i;
+                            }
+                        }
+                        h >>= 1;
+                    }
+                    let id = if si[0] == u32::MAX { 0 } else { si[0] };
+                    self.put_i32s(next + 4 * s as u64, &[id as i32]);
+                }
+            }
+        }
+    }
+}
+
+/// The xor butterfly of the kernels' `warp_sum` / `warp_max`, as lane 0 sees it.
+fn butterfly(mut v: [f32; 32], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut o = 16;
+    while o > 0 {
+        let prev = v;
+        for (l, x) in v.iter_mut().enumerate() {
+            *x = f(prev[l], prev[l ^ o]);
+        }
+        o >>= 1;
+    }
+    v[0]
+}
+
+/// The GPU model's host side over the emulator (the same plan, packing and buffers).
+#[derive(Debug)]
+pub(crate) struct EmuModel {
+    cfg: ModelConfig,
+    geo: StepGeometry,
+    dtype: GpuDtype,
+    emu: Emu,
+    w: DevWeights,
+    b: Bufs,
+    cache: u64,
+    inputs: u64,
+    staging: Vec<i32>,
+}
+
+impl EmuModel {
+    pub(crate) fn new(
+        cfg: ModelConfig,
+        weights: &Weights,
+        dtype: GpuDtype,
+        block_size: usize,
+        num_blocks: usize,
+        max_batched_tokens: usize,
+        max_seqs: usize,
+    ) -> EmuModel {
+        host::check_config(&cfg).unwrap();
+        let mut emu = Emu::new(dtype);
+        let w = plan::upload_weights(&mut emu, weights, dtype).unwrap();
+        let geo =
+            host::geometry(&cfg, block_size, num_blocks, max_batched_tokens, max_seqs).unwrap();
+        let b = plan::alloc_bufs(&mut emu, &cfg, geo.max_tokens, geo.max_samples, dtype).unwrap();
+        let cache = emu
+            .alloc(
+                num_blocks * host::kv_block_bytes(&cfg, block_size, dtype),
+                "kv",
+            )
+            .unwrap();
+        let inputs = emu.alloc(geo.words() * 4, "inputs").unwrap();
+        EmuModel {
+            staging: vec![0; geo.words()],
+            cfg,
+            geo,
+            dtype,
+            emu,
+            w,
+            b,
+            cache,
+            inputs,
+        }
+    }
+
+    fn plan(&self) -> Plan<'_> {
+        Plan {
+            cfg: &self.cfg,
+            geo: &self.geo,
+            dtype: self.dtype,
+            w: &self.w,
+            b: &self.b,
+            cache: self.cache,
+            inputs: self.inputs,
+        }
+    }
+
+    /// Run a step; the sampled rows' item indices.
+    fn forward(&mut self, items: &[StepItem<'_>], want: &[bool]) -> Result<host::Packed, String> {
+        let p = host::pack_step(
+            &self.geo,
+            items,
+            want,
+            self.cfg.vocab_size,
+            self.cfg.max_position_embeddings,
+            &mut self.staging,
+        )?;
+        // Only the packed prefix is copied, as on the GPU: stale words past it must not matter.
+        self.emu.put_i32s(self.inputs, &self.staging[..p.words]);
+        let mut ops = self.plan().body(p.bucket);
+        if p.sample_bucket > 0 {
+            ops.extend(self.plan().head(p.sample_bucket));
+        }
+        self.emu.run(&ops);
+        Ok(p)
+    }
+
+    pub(crate) fn step_logits(&mut self, items: &[StepItem<'_>]) -> Vec<Vec<f32>> {
+        let p = self.forward(items, &vec![true; items.len()]).unwrap();
+        let v = self.cfg.vocab_size;
+        let all = self.emu.f32s(self.b.logits, p.samples * v);
+        all.chunks_exact(v).map(<[f32]>::to_vec).collect()
+    }
+}
+
+impl StepModel for EmuModel {
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+    fn eos_ids(&self) -> &[u32] {
+        &self.cfg.eos_token_ids
+    }
+    fn max_positions(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+    fn kv(&self) -> KvShape {
+        KvShape {
+            block_size: self.geo.block_size,
+            num_blocks: self.geo.num_blocks,
+        }
+    }
+    fn step(&mut self, items: &[StepItem<'_>], next: &mut [u32]) -> Result<(), String> {
+        let want: Vec<bool> = items.iter().map(|it| it.sample).collect();
+        let p = self.forward(items, &want)?;
+        let got = self.emu.i32s(self.b.next, p.samples);
+        for (&i, &t) in p.sampled_items.iter().zip(&got) {
+            next[i] = t as u32;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bgs_model::synth::{DType, SplitMix64, SynthArch, synth_weights};
+    use bgs_model::{CpuModel, KvConfig};
+
+    /// Greedy generation with chunked prefill (the binary's driver, simplified): sequence `i`
+    /// uses blocks `i * per ..`.
+    fn generate(
+        m: &mut dyn StepModel,
+        prompts: &[Vec<u32>],
+        steps: usize,
+        chunk: usize,
+        per: usize,
+    ) -> Vec<Vec<u32>> {
+        let tables: Vec<Vec<u32>> = (0..prompts.len())
+            .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+            .collect();
+        let mut fed = vec![0usize; prompts.len()];
+        let mut out = vec![Vec::new(); prompts.len()];
+        loop {
+            let mut work = Vec::new();
+            for (i, p) in prompts.iter().enumerate() {
+                if out[i].len() >= steps {
+                    continue;
+                }
+                if fed[i] < p.len() {
+                    let end = (fed[i] + chunk).min(p.len());
+                    work.push((i, p[fed[i]..end].to_vec(), fed[i], end == p.len()));
+                } else {
+                    let last: u32 = *out[i].last().unwrap();
+                    work.push((i, vec![last], p.len() + out[i].len() - 1, true));
+                }
+            }
+            if work.is_empty() {
+                return out;
+            }
+            let items: Vec<StepItem<'_>> = work
+                .iter()
+                .map(|(i, t, pos, s)| StepItem {
+                    tokens: t,
+                    pos: *pos,
+                    blocks: &tables[*i],
+                    sample: *s,
+                })
+                .collect();
+            let mut next = vec![0u32; items.len()];
+            m.step(&items, &mut next).unwrap();
+            for ((i, t, _, s), &n) in work.iter().zip(&next) {
+                if fed[*i] < prompts[*i].len() {
+                    fed[*i] += t.len();
+                }
+                if *s {
+                    out[*i].push(n);
+                }
+            }
+        }
+    }
+
+    fn prompts(vocab: usize, lens: &[usize]) -> Vec<Vec<u32>> {
+        let mut rng = SplitMix64::new(99);
+        lens.iter()
+            .map(|&n| {
+                (0..n)
+                    .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| {
+                let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                x.iter()
+                    .zip(y)
+                    .map(|(p, q)| (p - q).abs() / scale)
+                    .fold(0f32, f32::max)
+            })
+            .fold(0f32, f32::max)
+    }
+
+    fn check_arch(arch: SynthArch, dtype: GpuDtype, tol: f32, exact_tokens: bool) {
+        let dt = match dtype {
+            GpuDtype::F32 => DType::F32,
+            GpuDtype::F16 => DType::F16,
+            GpuDtype::Bf16 => DType::Bf16,
+        };
+        let (cfg, w) = synth_weights(arch, 5, dt);
+        let (bs, per) = (4, 12);
+        // Token capacity 32 and 4 items: buckets and padding are exercised.
+        let mut emu = EmuModel::new(cfg.clone(), &w, dtype, bs, 4 * per, 30, 4);
+        let mut cpu = CpuModel::new(
+            cfg.clone(),
+            w,
+            KvConfig {
+                block_size: bs,
+                num_blocks: 4 * per,
+            },
+            1,
+        )
+        .unwrap();
+        let ps = prompts(cfg.vocab_size, &[3, 9, 1, 14]);
+        let tables: Vec<Vec<u32>> = (0..4)
+            .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+            .collect();
+        let items: Vec<StepItem<'_>> = ps
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| StepItem {
+                tokens: p,
+                pos: 0,
+                blocks: t,
+                sample: true,
+            })
+            .collect();
+        let d = max_rel_diff(&cpu.step_logits(&items).unwrap(), &emu.step_logits(&items));
+        assert!(
+            d <= tol,
+            "{arch:?} {dtype:?}: prefill logits differ by {d} (tolerance {tol})"
+        );
+        // Chunks of 5 over prompts of 3..14 tokens: mixed prefill/decode steps, 3..17 tokens.
+        let want = generate(&mut cpu, &ps, 20, 5, per);
+        let got = generate(&mut emu, &ps, 20, 5, per);
+        if exact_tokens {
+            assert_eq!(want, got, "{arch:?} {dtype:?}: greedy tokens differ");
+        }
+        // Batch invariance through the same plan: each sequence alone.
+        for (i, p) in ps.iter().enumerate() {
+            let alone = generate(&mut emu, std::slice::from_ref(p), 20, 5, per);
+            assert_eq!(
+                alone[0], got[i],
+                "{arch:?} {dtype:?}: sequence {i} alone differs"
+            );
+        }
+    }
+
+    #[test]
+    fn emulated_plan_matches_the_cpu_oracle_in_f32() {
+        check_arch(SynthArch::TinyQwen2, GpuDtype::F32, 1e-4, true);
+        check_arch(SynthArch::TinyLlama, GpuDtype::F32, 1e-4, true);
+    }
+
+    #[test]
+    fn emulated_plan_stays_within_the_bf16_and_f16_tolerance() {
+        check_arch(SynthArch::TinyQwen2, GpuDtype::Bf16, 5e-2, false);
+        check_arch(SynthArch::TinyLlama, GpuDtype::F16, 5e-2, false);
+    }
+
+    /// The parameter types of `name`'s C signature in the kernel source: 'P' pointer, 'I'
+    /// int, 'F' float, 'L' long long.
+    fn signature(name: &str) -> Vec<char> {
+        let src = crate::KERNEL_SOURCE;
+        let start = src
+            .find(&format!("void {name}("))
+            .unwrap_or_else(|| panic!("{name} not in the kernel source"));
+        let open = start + src[start..].find('(').unwrap();
+        let close = open + src[open..].find(')').unwrap();
+        src[open + 1..close]
+            .split(',')
+            .map(|p| {
+                let p = p.trim();
+                if p.contains('*') {
+                    'P'
+                } else if p.starts_with("long long") {
+                    'L'
+                } else if p.starts_with("float") {
+                    'F'
+                } else if p.starts_with("int") {
+                    'I'
+                } else {
+                    panic!("{name}: unexpected parameter {p:?}")
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_launch_matches_its_kernel_signature() {
+        for (arch, dtype) in [
+            (SynthArch::TinyQwen2, GpuDtype::Bf16),
+            (SynthArch::TinyLlama, GpuDtype::F32),
+        ] {
+            let (cfg, w) = synth_weights(arch, 1, DType::F32);
+            let m = EmuModel::new(cfg, &w, dtype, 16, 8, 64, 8);
+            let mut seen = Vec::new();
+            for ops in [m.plan().body(64), m.plan().head(8)] {
+                for op in ops {
+                    if let Op::Launch { kernel, args, .. } = op {
+                        let kinds: Vec<char> = args
+                            .iter()
+                            .map(|a| match a {
+                                Arg::P(_) => 'P',
+                                Arg::I(_) => 'I',
+                                Arg::F(_) => 'F',
+                                Arg::L(_) => 'L',
+                            })
+                            .collect();
+                        assert_eq!(kinds, signature(kernel.name()), "{}", kernel.name());
+                        seen.push(kernel);
+                    }
+                }
+            }
+            for k in Kernel::ALL {
+                assert!(seen.contains(&k), "{} never launched", k.name());
+            }
+        }
+    }
+
+    #[test]
+    fn emulator_catches_out_of_bounds_access() {
+        let mut e = Emu::new(GpuDtype::F32);
+        let p = e.alloc(16, "x").unwrap();
+        assert_eq!(e.f32s(p, 4), vec![0.0; 4]);
+        let r = std::panic::catch_unwind(|| e.f32s(p, 5));
+        assert!(r.is_err());
+    }
+}

@@ -1,0 +1,444 @@
+//! The step as data: the device buffers, the weights' device images, and the list of kernel
+//! launches and GEMMs (with their exact arguments) one bucket runs. `GpuModel` executes the
+//! list on the GPU (and captures it into graphs); the tests execute the same list on an
+//! emulator of the kernels and of `cublasGemmEx` (`crate::emu`), so argument order, offsets,
+//! GEMM orientation and buffer sizes are checked without a GPU.
+
+use bgs_model::{ModelConfig, Weights};
+
+use crate::host::{self, GpuDtype, StepGeometry};
+use crate::model::GpuModelError;
+
+/// Threads of `bgs_add_rmsnorm` blocks (`BGS_NORM_THREADS` in the kernels).
+pub(crate) const NORM_THREADS: u32 = 256;
+/// Threads of `bgs_argmax` blocks (`BGS_ARGMAX_THREADS`).
+pub(crate) const ARGMAX_THREADS: u32 = 1024;
+
+/// The kernels of `llm_kernels.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    Embed,
+    AddRmsNorm,
+    RopeKv,
+    Attention,
+    SiluMul,
+    GatherRows,
+    Argmax,
+}
+
+impl Kernel {
+    pub(crate) const ALL: [Kernel; 7] = [
+        Kernel::Embed,
+        Kernel::AddRmsNorm,
+        Kernel::RopeKv,
+        Kernel::Attention,
+        Kernel::SiluMul,
+        Kernel::GatherRows,
+        Kernel::Argmax,
+    ];
+
+    /// The `extern "C"` name.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kernel::Embed => "bgs_embed",
+            Kernel::AddRmsNorm => "bgs_add_rmsnorm",
+            Kernel::RopeKv => "bgs_rope_kv",
+            Kernel::Attention => "bgs_attention",
+            Kernel::SiluMul => "bgs_silu_mul",
+            Kernel::GatherRows => "bgs_gather_rows",
+            Kernel::Argmax => "bgs_argmax",
+        }
+    }
+}
+
+/// A kernel argument, in the kernel's parameter order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Arg {
+    /// A device pointer (0 = null).
+    P(u64),
+    /// `int`.
+    I(i32),
+    /// `float`.
+    F(f32),
+    /// `long long`.
+    L(i64),
+}
+
+/// One `cublasGemmEx` call: column-major `C (m × n, ldc) = op(A) · op(B)`, A and B in the
+/// model's dtype, C in f32, alpha 1, beta 0.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Gemm {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub a: u64,
+    pub lda: i32,
+    pub b: u64,
+    pub ldb: i32,
+    pub c: u64,
+    pub ldc: i32,
+    pub what: &'static str,
+}
+
+/// One operation of a step.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Op {
+    Launch {
+        kernel: Kernel,
+        grid: (u32, u32),
+        block: u32,
+        args: Vec<Arg>,
+    },
+    Gemm(Gemm),
+}
+
+/// Device memory the model can allocate and fill (the GPU, or the tests' emulator).
+pub(crate) trait DeviceMem {
+    /// `bytes` zeroed bytes.
+    fn alloc(&mut self, bytes: usize, what: &str) -> Result<u64, GpuModelError>;
+    /// A new allocation holding `bytes`.
+    fn upload(&mut self, bytes: &[u8], what: &str) -> Result<u64, GpuModelError>;
+}
+
+/// One decoder layer on the device.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct DevLayer {
+    pub input_norm: u64,
+    pub qkv: u64,
+    /// 0 when the model has no q/k/v biases.
+    pub qkv_bias: u64,
+    pub o: u64,
+    pub post_norm: u64,
+    pub gate_up: u64,
+    pub down: u64,
+}
+
+/// The weights on the device.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct DevWeights {
+    pub embed: u64,
+    pub lm_head: u64,
+    pub final_norm: u64,
+    pub layers: Vec<DevLayer>,
+    /// Bytes uploaded.
+    pub bytes: usize,
+}
+
+/// Upload `w` in `dt` (norms and biases in f32; fused QKV, QKV bias and gate/up).
+pub(crate) fn upload_weights(
+    d: &mut impl DeviceMem,
+    w: &Weights,
+    dt: GpuDtype,
+) -> Result<DevWeights, GpuModelError> {
+    let mut bytes = 0usize;
+    let mut put = |d: &mut _, data: Vec<u8>, what: &str| {
+        bytes += data.len();
+        DeviceMem::upload(d, &data, what)
+    };
+    let f32b = |v: &[f32]| GpuDtype::F32.encode(v);
+    let cfg_err = GpuModelError::Config;
+    let mut out = DevWeights {
+        embed: put(d, dt.encode(&w.embed.data), "embedding")?,
+        ..Default::default()
+    };
+    out.lm_head = match &w.lm_head {
+        Some(t) => put(d, dt.encode(&t.data), "LM head")?,
+        None => out.embed,
+    };
+    out.final_norm = put(d, f32b(&w.final_norm.data), "final norm")?;
+    for (i, lw) in w.layers.iter().enumerate() {
+        let qkv = host::stack_rows(&[&lw.q_proj, &lw.k_proj, &lw.v_proj]).map_err(cfg_err)?;
+        let gate_up = host::stack_rows(&[&lw.gate_proj, &lw.up_proj]).map_err(cfg_err)?;
+        let qkv_bias = match (&lw.q_bias, &lw.k_bias, &lw.v_bias) {
+            (Some(q), Some(k), Some(v)) => {
+                let b = host::stack_rows(&[q, k, v]).map_err(cfg_err)?;
+                put(d, f32b(&b), &format!("layer {i} qkv bias"))?
+            }
+            (None, None, None) => 0,
+            _ => {
+                return Err(GpuModelError::Config(format!(
+                    "layer {i}: q/k/v biases must be all present or all absent"
+                )));
+            }
+        };
+        let layer = DevLayer {
+            input_norm: put(
+                d,
+                f32b(&lw.input_norm.data),
+                &format!("layer {i} input norm"),
+            )?,
+            qkv: put(d, dt.encode(&qkv), &format!("layer {i} qkv"))?,
+            qkv_bias,
+            o: put(d, dt.encode(&lw.o_proj.data), &format!("layer {i} o_proj"))?,
+            post_norm: put(d, f32b(&lw.post_norm.data), &format!("layer {i} post norm"))?,
+            gate_up: put(d, dt.encode(&gate_up), &format!("layer {i} gate/up"))?,
+            down: put(
+                d,
+                dt.encode(&lw.down_proj.data),
+                &format!("layer {i} down_proj"),
+            )?,
+        };
+        out.layers.push(layer);
+    }
+    out.bytes = bytes;
+    Ok(out)
+}
+
+/// Per-step activation buffers (sized for `T` tokens and `S` sampled rows) and inputs.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Bufs {
+    /// f32 `[T][hidden]`: the residual stream.
+    pub x: u64,
+    /// dtype `[T][hidden]`: normed activations (GEMM input).
+    pub xn: u64,
+    /// f32 `[T][q + 2 kv]`.
+    pub qkv: u64,
+    /// dtype `[T][q]`: attention output.
+    pub attn: u64,
+    /// f32 `[T][hidden]`: o_proj / down_proj output.
+    pub tmp: u64,
+    /// f32 `[T][2 inter]`.
+    pub gu: u64,
+    /// dtype `[T][inter]`.
+    pub act: u64,
+    /// dtype `[S][hidden]`: the sampled rows, normed.
+    pub head_in: u64,
+    /// f32 `[S][vocab]`.
+    pub logits: u64,
+    /// u32 `[S]`.
+    pub next: u64,
+    /// f32 `[head_dim / 2]`: RoPE inverse frequencies.
+    pub inv_freq: u64,
+}
+
+/// Allocate the activation buffers for `t` tokens and `s` sampled rows, and upload the RoPE
+/// frequencies (the CPU oracle's, bit for bit: computed in f64 and rounded).
+pub(crate) fn alloc_bufs(
+    d: &mut impl DeviceMem,
+    cfg: &ModelConfig,
+    t: usize,
+    s: usize,
+    dt: GpuDtype,
+) -> Result<Bufs, GpuModelError> {
+    let (h, inter, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.kv_dim());
+    let es = dt.size();
+    let hd = cfg.head_dim;
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / hd as f64)) as f32)
+        .collect();
+    Ok(Bufs {
+        x: d.alloc(t * h * 4, "activations x")?,
+        xn: d.alloc(t * h * es, "activations xn")?,
+        qkv: d.alloc(t * (qd + 2 * kvd) * 4, "activations qkv")?,
+        attn: d.alloc(t * qd * es, "activations attn")?,
+        tmp: d.alloc(t * h * 4, "activations tmp")?,
+        gu: d.alloc(t * 2 * inter * 4, "activations gate/up")?,
+        act: d.alloc(t * inter * es, "activations act")?,
+        head_in: d.alloc(s * h * es, "LM head input")?,
+        logits: d.alloc(s * vocab * 4, "logits")?,
+        next: d.alloc(s * 4, "next tokens")?,
+        inv_freq: d.upload(&GpuDtype::F32.encode(&inv_freq), "RoPE frequencies")?,
+    })
+}
+
+/// Everything a step's operations refer to.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Plan<'a> {
+    pub cfg: &'a ModelConfig,
+    pub geo: &'a StepGeometry,
+    pub dtype: GpuDtype,
+    pub w: &'a DevWeights,
+    pub b: &'a Bufs,
+    /// The KV pool.
+    pub cache: u64,
+    /// The step-input buffer (`StepGeometry` layout).
+    pub inputs: u64,
+}
+
+impl Plan<'_> {
+    fn gemm(&self, w: u64, x: u64, y: u64, [out, inp, n]: [usize; 3], what: &'static str) -> Op {
+        // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
+        // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B
+        // the in × n matrix whose columns are x's rows (ldb in).
+        Op::Gemm(Gemm {
+            trans_a: true,
+            trans_b: false,
+            m: out as i32,
+            n: n as i32,
+            k: inp as i32,
+            a: w,
+            lda: inp as i32,
+            b: x,
+            ldb: inp as i32,
+            c: y,
+            ldc: out as i32,
+            what,
+        })
+    }
+
+    fn input(&self, word: usize) -> u64 {
+        self.inputs + (word * 4) as u64
+    }
+
+    /// The decoder over `n` tokens (a bucket): embedding to the final norm's output in `xn`,
+    /// writing every real token's K/V.
+    pub(crate) fn body(&self, n: usize) -> Vec<Op> {
+        let (c, g, b) = (self.cfg, self.geo, self.b);
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let eps = c.rms_norm_eps as f32;
+        let bs = g.block_size;
+        let layer_elems = 2 * nkv * bs * hd;
+        let block_stride = (c.num_layers * layer_elems) as i64;
+        let es = self.dtype.size() as u64;
+        let (tok, pos, seq, slot) = (
+            self.input(StepGeometry::TOK),
+            self.input(g.pos()),
+            self.input(g.seq()),
+            self.input(g.slot()),
+        );
+        let (bt_off, bt) = (self.input(g.bt_off()), self.input(g.bt()));
+        let nu = n as u32;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let launch = |kernel, grid, block, args: &[Arg]| Op::Launch {
+            kernel,
+            grid,
+            block,
+            args: args.to_vec(),
+        };
+        let norm = |delta: u64, w: u64| {
+            launch(
+                Kernel::AddRmsNorm,
+                (nu, 1),
+                NORM_THREADS,
+                &[
+                    Arg::P(b.x),
+                    Arg::P(delta),
+                    Arg::P(w),
+                    Arg::P(b.xn),
+                    Arg::I(h as i32),
+                    Arg::F(eps),
+                ],
+            )
+        };
+        let mut ops = vec![launch(
+            Kernel::Embed,
+            (nu, 1),
+            256,
+            &[
+                Arg::P(tok),
+                Arg::P(self.w.embed),
+                Arg::P(b.x),
+                Arg::I(h as i32),
+            ],
+        )];
+        for (l, lw) in self.w.layers.iter().enumerate() {
+            if l == 0 {
+                ops.push(norm(0, lw.input_norm));
+            }
+            ops.push(self.gemm(lw.qkv, b.xn, b.qkv, [qd + 2 * kvd, h, n], "qkv"));
+            let cache_l = self.cache + (l * layer_elems) as u64 * es;
+            ops.push(launch(
+                Kernel::RopeKv,
+                (nu, 1),
+                128,
+                &[
+                    Arg::P(b.qkv),
+                    Arg::P(lw.qkv_bias),
+                    Arg::P(pos),
+                    Arg::P(slot),
+                    Arg::P(b.inv_freq),
+                    Arg::P(cache_l),
+                    Arg::I(nh as i32),
+                    Arg::I(nkv as i32),
+                    Arg::I(hd as i32),
+                    Arg::I(bs as i32),
+                    Arg::L(block_stride),
+                ],
+            ));
+            ops.push(launch(
+                Kernel::Attention,
+                (nh as u32, nu),
+                32,
+                &[
+                    Arg::P(b.qkv),
+                    Arg::P(cache_l),
+                    Arg::P(pos),
+                    Arg::P(seq),
+                    Arg::P(bt_off),
+                    Arg::P(bt),
+                    Arg::P(b.attn),
+                    Arg::I(nh as i32),
+                    Arg::I(nkv as i32),
+                    Arg::I(hd as i32),
+                    Arg::I(bs as i32),
+                    Arg::L(block_stride),
+                    Arg::F(scale),
+                ],
+            ));
+            ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));
+            ops.push(norm(b.tmp, lw.post_norm));
+            ops.push(self.gemm(lw.gate_up, b.xn, b.gu, [2 * inter, h, n], "gate/up"));
+            let blocks = (n * inter).div_ceil(256).min(65_535) as u32;
+            ops.push(launch(
+                Kernel::SiluMul,
+                (blocks, 1),
+                256,
+                &[
+                    Arg::P(b.gu),
+                    Arg::P(b.act),
+                    Arg::I(inter as i32),
+                    Arg::I(n as i32),
+                ],
+            ));
+            ops.push(self.gemm(lw.down, b.act, b.tmp, [h, inter, n], "down_proj"));
+            let next_norm = self
+                .w
+                .layers
+                .get(l + 1)
+                .map_or(self.w.final_norm, |nl| nl.input_norm);
+            ops.push(norm(b.tmp, next_norm));
+        }
+        ops
+    }
+
+    /// The LM head over `s` sampled rows (a bucket) and the greedy argmax into `next`.
+    pub(crate) fn head(&self, s: usize) -> Vec<Op> {
+        let (c, b) = (self.cfg, self.b);
+        let rows = self.input(self.geo.rows());
+        vec![
+            Op::Launch {
+                kernel: Kernel::GatherRows,
+                grid: (s as u32, 1),
+                block: 256,
+                args: vec![
+                    Arg::P(b.xn),
+                    Arg::P(rows),
+                    Arg::P(b.head_in),
+                    Arg::I(c.hidden_size as i32),
+                ],
+            },
+            self.gemm(
+                self.w.lm_head,
+                b.head_in,
+                b.logits,
+                [c.vocab_size, c.hidden_size, s],
+                "lm_head",
+            ),
+            Op::Launch {
+                kernel: Kernel::Argmax,
+                grid: (s as u32, 1),
+                block: ARGMAX_THREADS,
+                args: vec![
+                    Arg::P(b.logits),
+                    Arg::P(b.next),
+                    Arg::I(c.vocab_size as i32),
+                ],
+            },
+        ]
+    }
+}
