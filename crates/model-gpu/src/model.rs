@@ -955,6 +955,24 @@ impl GpuModel {
         out
     }
 
+    /// Replay the captured graphs (true) or enqueue the same launches directly (false), for
+    /// checks that both give the same results. Graphs exist only when the model was built
+    /// with `use_graphs`.
+    pub fn set_use_graphs(&mut self, on: bool) -> Result<(), GpuModelError> {
+        if on && self.body_graphs.is_empty() {
+            return Err(GpuModelError::Config(
+                "no graphs to replay: the model was built with use_graphs false".into(),
+            ));
+        }
+        self.use_graphs = on;
+        Ok(())
+    }
+
+    /// Whether steps replay the captured graphs.
+    pub fn uses_graphs(&self) -> bool {
+        self.use_graphs
+    }
+
     /// The model's hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg

@@ -341,43 +341,40 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             .collect();
         let want = cpu.step_logits(&items)?;
         let got = gpu.step_logits(&items).map_err(|e| e.to_string())?;
-        let mut worst = 0f64;
-        let mut worst_at = (0usize, 0usize);
-        let mut argmax_equal = 0;
-        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-            let scale = w
-                .iter()
-                .fold(0f32, |m, x| m.max(x.abs()))
-                .max(f32::MIN_POSITIVE);
-            for (j, (x, y)) in w.iter().zip(g).enumerate() {
-                let d = f64::from((x - y).abs() / scale);
-                // A NaN on either side is the worst possible difference.
-                let d = if d.is_nan() { f64::INFINITY } else { d };
-                if d > worst {
-                    worst = d;
-                    worst_at = (i, j);
-                }
-            }
-            if argmax(w) == argmax(g) {
-                argmax_equal += 1;
-            }
-        }
-        let pass = worst <= tol;
+        let d = compare_logits(&want, &got, tol);
+        let pass = d.worst <= tol;
         ok &= pass;
-        let (i, j) = worst_at;
         println!(
-            "[{}] prefill logits (3 prompts of 5, 17, 40 tokens, one step): max |diff| / max |logit| \
-             = {worst:.3e} (tolerance {tol:.0e}) at prompt {i} token id {j} (cpu {}, gpu {}); \
-             argmax equal for {argmax_equal}/3",
+            "[{}] prefill logits (3 prompts of 5, 17, 40 tokens, one step), cpu vs gpu: {}",
             if pass { "PASS" } else { "FAIL" },
-            want[i][j],
-            got[i][j],
+            d.describe(tol, "cpu", "gpu"),
         );
-        results.push(json!({
-            "check": "prefill_logits", "pass": pass, "max_rel_diff": worst, "tolerance": tol,
-            "worst_prompt": i, "worst_token_id": j, "cpu": want[i][j], "gpu": got[i][j],
-            "argmax_equal": argmax_equal, "prompts": 3,
-        }));
+        results.push(d.json("prefill_logits", pass, tol));
+
+        // (d) The captured graphs give what the same launches give uncaptured.
+        if gpu.uses_graphs() {
+            gpu.set_use_graphs(false).map_err(|e| e.to_string())?;
+            let direct = gpu.step_logits(&items).map_err(|e| e.to_string());
+            gpu.set_use_graphs(true).map_err(|e| e.to_string())?;
+            let direct = direct?;
+            let d = compare_logits(&direct, &got, tol);
+            let bitwise = direct == got;
+            let pass = d.worst <= tol;
+            ok &= pass;
+            println!(
+                "[{}] graph replay vs direct launches, same prefill: {} ({})",
+                if pass { "PASS" } else { "FAIL" },
+                d.describe(tol, "direct", "graph"),
+                if bitwise {
+                    "bitwise equal"
+                } else {
+                    "not bitwise equal"
+                },
+            );
+            let mut j = d.json("graphs_vs_direct", pass, tol);
+            j["bitwise_equal"] = json!(bitwise);
+            results.push(j);
+        }
     }
 
     // (b) Greedy tokens, CPU vs GPU, 1 and 8 concurrent sequences (chunked prefill).
@@ -473,6 +470,87 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         }
     );
     Ok(ok)
+}
+
+/// How two sets of logits (one row per prompt) differ, relative to each row's max |logit|.
+#[derive(Debug)]
+struct LogitDiff {
+    worst: f64,
+    worst_at: (usize, usize),
+    worst_values: (f32, f32),
+    /// The first (prompt, token id) over the tolerance, in row order, and its values.
+    first_over: Option<((usize, usize), (f32, f32))>,
+    argmax_equal: usize,
+    rows: usize,
+}
+
+fn compare_logits(want: &[Vec<f32>], got: &[Vec<f32>], tol: f64) -> LogitDiff {
+    let mut d = LogitDiff {
+        worst: 0.0,
+        worst_at: (0, 0),
+        worst_values: (0.0, 0.0),
+        first_over: None,
+        argmax_equal: 0,
+        rows: want.len(),
+    };
+    if want.len() != got.len() {
+        d.worst = f64::INFINITY;
+        return d;
+    }
+    for (i, (w, g)) in want.iter().zip(got).enumerate() {
+        if w.len() != g.len() {
+            d.worst = f64::INFINITY;
+            d.worst_at = (i, 0);
+            continue;
+        }
+        let scale = w
+            .iter()
+            .fold(0f32, |m, x| m.max(x.abs()))
+            .max(f32::MIN_POSITIVE);
+        for (j, (x, y)) in w.iter().zip(g).enumerate() {
+            let r = f64::from((x - y).abs() / scale);
+            // A NaN on either side is the worst possible difference.
+            let r = if r.is_nan() { f64::INFINITY } else { r };
+            if r > d.worst {
+                d.worst = r;
+                d.worst_at = (i, j);
+                d.worst_values = (*x, *y);
+            }
+            if r > tol && d.first_over.is_none() {
+                d.first_over = Some(((i, j), (*x, *y)));
+            }
+        }
+        if argmax(w) == argmax(g) {
+            d.argmax_equal += 1;
+        }
+    }
+    d
+}
+
+impl LogitDiff {
+    fn describe(&self, tol: f64, a: &str, b: &str) -> String {
+        let (i, j) = self.worst_at;
+        let mut s = format!(
+            "max |diff| / max |logit| = {:.3e} (tolerance {tol:.0e}) at prompt {i} token id {j} \
+             ({a} {}, {b} {}); argmax equal for {}/{}",
+            self.worst, self.worst_values.0, self.worst_values.1, self.argmax_equal, self.rows
+        );
+        if let Some(((i, j), (x, y))) = self.first_over {
+            s += &format!("; first over tolerance: prompt {i} token id {j} ({a} {x}, {b} {y})");
+        }
+        s
+    }
+
+    fn json(&self, check: &str, pass: bool, tol: f64) -> Value {
+        json!({
+            "check": check, "pass": pass, "max_rel_diff": self.worst, "tolerance": tol,
+            "worst_prompt": self.worst_at.0, "worst_token_id": self.worst_at.1,
+            "worst_values": [self.worst_values.0, self.worst_values.1],
+            "first_over_tolerance": self.first_over.map(|((i, j), (x, y))| json!({
+                "prompt": i, "token_id": j, "values": [x, y]})),
+            "argmax_equal": self.argmax_equal, "prompts": self.rows,
+        })
+    }
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -615,6 +693,20 @@ mod tests {
         let mut v = vec![5.0, 1.0, 3.0, 2.0, 4.0];
         assert_eq!(median_p90(&mut v), (3.0, 5.0));
         assert_eq!(argmax(&[1.0, 3.0, 3.0, f32::NAN]), 1);
+        let w = vec![vec![1.0, -4.0, 2.0], vec![0.5, 0.25, 0.0]];
+        let g = vec![vec![1.0, -4.0, 2.0], vec![0.5, 0.3, f32::NAN]];
+        let d = compare_logits(&w, &g, 0.05);
+        assert_eq!(d.worst, f64::INFINITY);
+        assert_eq!(d.worst_at, (1, 2));
+        // 0.05 / 0.5 = 0.1 > 0.05: the first over the tolerance is (1, 1).
+        assert_eq!(d.first_over.map(|f| f.0), Some((1, 1)));
+        assert_eq!(d.argmax_equal, 2);
+        let text = d.describe(0.05, "cpu", "gpu");
+        assert!(
+            text.contains("first over tolerance: prompt 1 token id 1"),
+            "{text}"
+        );
+        assert_eq!(compare_logits(&w, &w, 0.0).worst, 0.0);
     }
 
     #[test]
