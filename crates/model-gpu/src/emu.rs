@@ -388,6 +388,34 @@ impl Emu {
                         .copy_from_slice(&row);
                 }
             }
+            Kernel::GemmInvariant => {
+                assert_eq!(block as usize, plan::GEMM_ROWS * 32);
+                let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
+                let rows = gx * plan::GEMM_ROWS;
+                assert!(
+                    rows >= out,
+                    "bgs_gemm_invariant: grid covers {rows} of {out} rows"
+                );
+                assert!(
+                    gy * plan::GEMM_TOKENS >= n,
+                    "bgs_gemm_invariant: grid misses tokens"
+                );
+                let xs = self.wts(x, n * inp);
+                let mut ys = self.f32s(y, n * out);
+                for r in 0..out {
+                    let wr = self.wts(w + (r * inp) as u64 * es, inp);
+                    for t in 0..n {
+                        let mut lanes = [0f32; 32];
+                        for (l, acc) in lanes.iter_mut().enumerate() {
+                            for k in (l..inp).step_by(32) {
+                                *acc += wr[k] * xs[t * inp + k];
+                            }
+                        }
+                        ys[t * out + r] = butterfly(lanes, |a, b| a + b);
+                    }
+                }
+                self.put_f32s(y, &ys);
+            }
             Kernel::Argmax => {
                 assert_eq!(block, plan::ARGMAX_THREADS);
                 let (logits, next, vocab) = (p(0), p(1), int(2));
@@ -448,6 +476,7 @@ pub(crate) struct EmuModel {
     cache: u64,
     inputs: u64,
     staging: Vec<i32>,
+    invariant_gemm: bool,
 }
 
 impl EmuModel {
@@ -459,6 +488,7 @@ impl EmuModel {
         num_blocks: usize,
         max_batched_tokens: usize,
         max_seqs: usize,
+        invariant_gemm: bool,
     ) -> EmuModel {
         host::check_config(&cfg).unwrap();
         let mut emu = Emu::new(dtype);
@@ -483,6 +513,7 @@ impl EmuModel {
             b,
             cache,
             inputs,
+            invariant_gemm,
         }
     }
 
@@ -495,6 +526,7 @@ impl EmuModel {
             b: &self.b,
             cache: self.cache,
             inputs: self.inputs,
+            invariant_gemm: self.invariant_gemm,
         }
     }
 
@@ -637,7 +669,7 @@ mod tests {
             .fold(0f32, f32::max)
     }
 
-    fn check_arch(arch: SynthArch, dtype: GpuDtype, tol: f32, exact_tokens: bool) {
+    fn check_arch(arch: SynthArch, dtype: GpuDtype, tol: f32, exact_tokens: bool, inv: bool) {
         let dt = match dtype {
             GpuDtype::F32 => DType::F32,
             GpuDtype::F16 => DType::F16,
@@ -646,7 +678,7 @@ mod tests {
         let (cfg, w) = synth_weights(arch, 5, dt);
         let (bs, per) = (4, 12);
         // Token capacity 32 and 4 items: buckets and padding are exercised.
-        let mut emu = EmuModel::new(cfg.clone(), &w, dtype, bs, 4 * per, 30, 4);
+        let mut emu = EmuModel::new(cfg.clone(), &w, dtype, bs, 4 * per, 30, 4, inv);
         let mut cpu = CpuModel::new(
             cfg.clone(),
             w,
@@ -694,14 +726,20 @@ mod tests {
 
     #[test]
     fn emulated_plan_matches_the_cpu_oracle_in_f32() {
-        check_arch(SynthArch::TinyQwen2, GpuDtype::F32, 1e-4, true);
-        check_arch(SynthArch::TinyLlama, GpuDtype::F32, 1e-4, true);
+        check_arch(SynthArch::TinyQwen2, GpuDtype::F32, 1e-4, true, false);
+        check_arch(SynthArch::TinyLlama, GpuDtype::F32, 1e-4, true, false);
+    }
+
+    #[test]
+    fn emulated_invariant_gemm_matches_the_cpu_oracle() {
+        check_arch(SynthArch::TinyQwen2, GpuDtype::F32, 1e-4, true, true);
+        check_arch(SynthArch::TinyLlama, GpuDtype::Bf16, 5e-2, false, true);
     }
 
     #[test]
     fn emulated_plan_stays_within_the_bf16_and_f16_tolerance() {
-        check_arch(SynthArch::TinyQwen2, GpuDtype::Bf16, 5e-2, false);
-        check_arch(SynthArch::TinyLlama, GpuDtype::F16, 5e-2, false);
+        check_arch(SynthArch::TinyQwen2, GpuDtype::Bf16, 5e-2, false, false);
+        check_arch(SynthArch::TinyLlama, GpuDtype::F16, 5e-2, false, false);
     }
 
     /// The parameter types of `name`'s C signature in the kernel source: 'P' pointer, 'I'
@@ -734,13 +772,13 @@ mod tests {
 
     #[test]
     fn every_launch_matches_its_kernel_signature() {
-        for (arch, dtype) in [
-            (SynthArch::TinyQwen2, GpuDtype::Bf16),
-            (SynthArch::TinyLlama, GpuDtype::F32),
+        let mut seen = Vec::new();
+        for (arch, dtype, inv) in [
+            (SynthArch::TinyQwen2, GpuDtype::Bf16, false),
+            (SynthArch::TinyLlama, GpuDtype::F32, true),
         ] {
             let (cfg, w) = synth_weights(arch, 1, DType::F32);
-            let m = EmuModel::new(cfg, &w, dtype, 16, 8, 64, 8);
-            let mut seen = Vec::new();
+            let m = EmuModel::new(cfg, &w, dtype, 16, 8, 64, 8, inv);
             for ops in [m.plan().body(64), m.plan().head(8)] {
                 for op in ops {
                     if let Op::Launch { kernel, args, .. } = op {
@@ -758,9 +796,9 @@ mod tests {
                     }
                 }
             }
-            for k in Kernel::ALL {
-                assert!(seen.contains(&k), "{} never launched", k.name());
-            }
+        }
+        for k in Kernel::ALL {
+            assert!(seen.contains(&k), "{} never launched", k.name());
         }
     }
 

@@ -235,6 +235,36 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
     }
 }
 
+#define BGS_GEMM_TOKENS 16
+
+// The batch-invariant projection (option `batch_invariant_gemm`, instead of cuBLAS):
+// y[t][r] = sum_k x[t][k] * w[r][k] for t < n, x and w in `wt`, y in f32. One warp per (row r,
+// group of BGS_GEMM_TOKENS tokens); lane l sums k = l, l + 32, ... in order and the 32 partial
+// sums are reduced by the butterfly, so a result depends only on its own row and token, never
+// on n or the bucket. Block: 8 warps (8 rows); grid: (ceil(out / 8), ceil(n / tokens)).
+extern "C" __global__ void bgs_gemm_invariant(const wt *w, const wt *x, float *y, int out, int in,
+                                              int n) {
+    const int lane = threadIdx.x % 32;
+    const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int t0 = blockIdx.y * BGS_GEMM_TOKENS;
+    if (r >= out) return;  // the whole warp: r is the same in every lane
+    float acc[BGS_GEMM_TOKENS];
+#pragma unroll
+    for (int j = 0; j < BGS_GEMM_TOKENS; j++) acc[j] = 0.0f;
+    const wt *wr = w + (size_t)r * in;
+    for (int k = lane; k < in; k += 32) {
+        const float wv = ld(wr[k]);
+#pragma unroll
+        for (int j = 0; j < BGS_GEMM_TOKENS; j++)
+            if (t0 + j < n) acc[j] = acc[j] + wv * ld(x[(size_t)(t0 + j) * in + k]);
+    }
+#pragma unroll
+    for (int j = 0; j < BGS_GEMM_TOKENS; j++) {
+        const float s = warp_sum(acc[j]);
+        if (lane == 0 && t0 + j < n) y[(size_t)(t0 + j) * out + r] = s;
+    }
+}
+
 // gu: [T][2 * inter] f32 (gate then up, the fused GEMM's output); out[t][i] = silu(g) * u.
 extern "C" __global__ void bgs_silu_mul(const float *gu, wt *out, int inter, int tokens) {
     const long long n = (long long)tokens * inter;

@@ -40,6 +40,10 @@ pub struct GpuModelOptions {
     pub cache_dir: Option<PathBuf>,
     /// Replay one captured graph per bucket (false: the same launches, uncaptured).
     pub use_graphs: bool,
+    /// Projections through the batch-invariant kernel (`bgs_gemm_invariant`: a fixed
+    /// reduction order per output, whatever the bucket) instead of cuBLAS. Slower (weights
+    /// are read once per 16 tokens), for measuring and guaranteeing batch invariance.
+    pub batch_invariant_gemm: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -55,6 +59,7 @@ impl Default for GpuModelOptions {
             cuda_home: None,
             cache_dir: None,
             use_graphs: true,
+            batch_invariant_gemm: false,
         }
     }
 }
@@ -238,6 +243,7 @@ pub struct GpuModel {
     dtype: GpuDtype,
     geo: StepGeometry,
     use_graphs: bool,
+    invariant_gemm: bool,
     device_name: String,
     compute_capability: (i32, i32),
     cache_hit: bool,
@@ -281,6 +287,7 @@ impl std::fmt::Debug for GpuModel {
             .field("weight_bytes", &self.w.bytes)
             .field("kv_bytes", &self.kv_bytes)
             .field("use_graphs", &self.use_graphs)
+            .field("batch_invariant_gemm", &self.invariant_gemm)
             .finish_non_exhaustive()
     }
 }
@@ -331,6 +338,7 @@ impl GpuModel {
             dtype: opts.dtype,
             geo: pre,
             use_graphs: opts.use_graphs,
+            invariant_gemm: opts.batch_invariant_gemm,
             device_name: env.name.clone(),
             compute_capability: env.cc,
             cache_hit: false,
@@ -593,6 +601,7 @@ impl GpuModel {
             b: &self.b,
             cache: self.cache,
             inputs: self.inputs,
+            invariant_gemm: self.invariant_gemm,
         }
     }
 

@@ -13,6 +13,10 @@ use crate::model::GpuModelError;
 pub(crate) const NORM_THREADS: u32 = 256;
 /// Threads of `bgs_argmax` blocks (`BGS_ARGMAX_THREADS`).
 pub(crate) const ARGMAX_THREADS: u32 = 1024;
+/// Tokens per warp of `bgs_gemm_invariant` (`BGS_GEMM_TOKENS`).
+pub(crate) const GEMM_TOKENS: usize = 16;
+/// Rows (warps) per block of `bgs_gemm_invariant`.
+pub(crate) const GEMM_ROWS: usize = 8;
 
 /// The kernels of `llm_kernels.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,10 +28,11 @@ pub(crate) enum Kernel {
     SiluMul,
     GatherRows,
     Argmax,
+    GemmInvariant,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 7] = [
+    pub(crate) const ALL: [Kernel; 8] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -35,6 +40,7 @@ impl Kernel {
         Kernel::SiluMul,
         Kernel::GatherRows,
         Kernel::Argmax,
+        Kernel::GemmInvariant,
     ];
 
     /// The `extern "C"` name.
@@ -47,6 +53,7 @@ impl Kernel {
             Kernel::SiluMul => "bgs_silu_mul",
             Kernel::GatherRows => "bgs_gather_rows",
             Kernel::Argmax => "bgs_argmax",
+            Kernel::GemmInvariant => "bgs_gemm_invariant",
         }
     }
 }
@@ -256,10 +263,30 @@ pub(crate) struct Plan<'a> {
     pub cache: u64,
     /// The step-input buffer (`StepGeometry` layout).
     pub inputs: u64,
+    /// Projections through `bgs_gemm_invariant` instead of cuBLAS.
+    pub invariant_gemm: bool,
 }
 
 impl Plan<'_> {
     fn gemm(&self, w: u64, x: u64, y: u64, [out, inp, n]: [usize; 3], what: &'static str) -> Op {
+        if self.invariant_gemm {
+            return Op::Launch {
+                kernel: Kernel::GemmInvariant,
+                grid: (
+                    out.div_ceil(GEMM_ROWS) as u32,
+                    n.div_ceil(GEMM_TOKENS) as u32,
+                ),
+                block: (GEMM_ROWS * 32) as u32,
+                args: vec![
+                    Arg::P(w),
+                    Arg::P(x),
+                    Arg::P(y),
+                    Arg::I(out as i32),
+                    Arg::I(inp as i32),
+                    Arg::I(n as i32),
+                ],
+            };
+        }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
         // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B
         // the in × n matrix whose columns are x's rows (ldb in).

@@ -18,7 +18,7 @@ use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, nvrtc_options};
 const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 7] = [
+const ENTRY_POINTS: [&str; 8] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -26,6 +26,7 @@ const ENTRY_POINTS: [&str; 7] = [
     "bgs_silu_mul",
     "bgs_gather_rows",
     "bgs_argmax",
+    "bgs_gemm_invariant",
 ];
 
 fn missing(what: &str) {

@@ -49,6 +49,9 @@ struct DeviceArgs {
     /// Run the step's launches without CUDA graphs (debugging).
     #[arg(long)]
     no_graphs: bool,
+    /// Projections through the batch-invariant kernel instead of cuBLAS.
+    #[arg(long)]
+    invariant_gemm: bool,
 }
 
 #[derive(Args, Debug)]
@@ -137,6 +140,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         cuda_home: dev.cuda_home.clone(),
         cache_dir: dev.cache_dir.clone(),
         use_graphs: !dev.no_graphs,
+        batch_invariant_gemm: dev.invariant_gemm,
         ..Default::default()
     }
 }
@@ -297,8 +301,13 @@ fn check(a: CheckArgs) -> Result<bool, String> {
     let (dev_name, cc) = gpu.device();
     let dev_name = dev_name.to_string();
     println!(
-        "{name}: {} on {dev_name} (sm_{}{}), weights {} MB, ready in {:.1} s (kernel cache {})",
+        "{name}: {}{} on {dev_name} (sm_{}{}), weights {} MB, ready in {:.1} s (kernel cache {})",
         a.dtype.name(),
+        if a.dev.invariant_gemm {
+            ", invariant GEMMs"
+        } else {
+            ", cuBLAS"
+        },
         cc.0,
         cc.1,
         gpu.weight_bytes() / 1_000_000,
@@ -458,7 +467,8 @@ fn check(a: CheckArgs) -> Result<bool, String> {
     let v = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "model": name, "dtype": a.dtype.name(), "device": dev_name,
-        "graphs": !a.dev.no_graphs, "pass": ok, "checks": results,
+        "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
+        "pass": ok, "checks": results,
     });
     write_json(&a.json, &v)?;
     println!(
@@ -603,9 +613,14 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
     let (dev_name, _) = m.device();
     let dev_name = dev_name.to_string();
     println!(
-        "{} {} on {dev_name}: weights {:.3} GB, ready in {:.1} s",
+        "{} {}{} on {dev_name}: weights {:.3} GB, ready in {:.1} s",
         a.arch.name(),
         a.dtype.name(),
+        if a.dev.invariant_gemm {
+            " (invariant GEMMs)"
+        } else {
+            ""
+        },
         m.weight_bytes() as f64 / 1e9,
         t0.elapsed().as_secs_f64()
     );
@@ -672,7 +687,8 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
     let v = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "arch": a.arch.name(), "dtype": a.dtype.name(), "device": dev_name,
-        "graphs": !a.dev.no_graphs, "weight_bytes": m.weight_bytes(),
+        "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
+        "weight_bytes": m.weight_bytes(),
         "kv_bytes_per_position": m.kv_bytes_per_position(),
         "copy_bandwidth_bytes_per_s": bw, "decode": rows, "prefill": prefill,
         "iters": a.iters, "warmup": a.warmup,
