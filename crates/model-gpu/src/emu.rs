@@ -484,10 +484,7 @@ impl EmuModel {
         cfg: ModelConfig,
         weights: &Weights,
         dtype: GpuDtype,
-        block_size: usize,
-        num_blocks: usize,
-        max_batched_tokens: usize,
-        max_seqs: usize,
+        [block_size, num_blocks, max_batched_tokens, max_seqs]: [usize; 4],
         invariant_gemm: bool,
     ) -> EmuModel {
         host::check_config(&cfg).unwrap();
@@ -678,7 +675,7 @@ mod tests {
         let (cfg, w) = synth_weights(arch, 5, dt);
         let (bs, per) = (4, 12);
         // Token capacity 32 and 4 items: buckets and padding are exercised.
-        let mut emu = EmuModel::new(cfg.clone(), &w, dtype, bs, 4 * per, 30, 4, inv);
+        let mut emu = EmuModel::new(cfg.clone(), &w, dtype, [bs, 4 * per, 30, 4], inv);
         let mut cpu = CpuModel::new(
             cfg.clone(),
             w,
@@ -778,7 +775,7 @@ mod tests {
             (SynthArch::TinyLlama, GpuDtype::F32, true),
         ] {
             let (cfg, w) = synth_weights(arch, 1, DType::F32);
-            let m = EmuModel::new(cfg, &w, dtype, 16, 8, 64, 8, inv);
+            let m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv);
             for ops in [m.plan().body(64), m.plan().head(8)] {
                 for op in ops {
                     if let Op::Launch { kernel, args, .. } = op {
