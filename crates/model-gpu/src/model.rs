@@ -832,6 +832,10 @@ impl GpuModel {
                 items.len()
             )));
         }
+        // Nothing to run (as the CPU model, an empty step is a no-op).
+        if items.is_empty() {
+            return Ok(());
+        }
         self.make_current()?;
         let want: Vec<bool> = items.iter().map(|it| it.sample).collect();
         let p = self.pack(items, &want)?;
@@ -863,6 +867,9 @@ impl GpuModel {
     /// The same step as [`GpuModel::step`], returning the last position's logits of every
     /// item (whatever its `sample` flag), for correctness checks.
     pub fn step_logits(&mut self, items: &[StepItem<'_>]) -> Result<Vec<Vec<f32>>, GpuModelError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
         self.make_current()?;
         let want = vec![true; items.len()];
         let p = self.pack(items, &want)?;
