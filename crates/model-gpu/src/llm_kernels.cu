@@ -53,6 +53,47 @@ __device__ __forceinline__ wt st(float f) {
 #error "BGS_DT must be 0, 1 or 2"
 #endif
 
+// 16 bytes of `wt` values, for vector loads of cache rows.
+struct alignas(16) bgs_u4 {
+    unsigned a, b, c, d;
+};
+#define BGS_PER16 (16 / (int)sizeof(wt))
+
+// The BGS_PER16 values of `u` as f32, in memory order.
+__device__ __forceinline__ void unpack16(const bgs_u4 u, float *o) {
+#if BGS_DT == 0
+    o[0] = __uint_as_float(u.a);
+    o[1] = __uint_as_float(u.b);
+    o[2] = __uint_as_float(u.c);
+    o[3] = __uint_as_float(u.d);
+#else
+    const unsigned w[4] = {u.a, u.b, u.c, u.d};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        o[2 * i] = ld((wt)(w[i] & 0xffffu));
+        o[2 * i + 1] = ld((wt)(w[i] >> 16));
+    }
+#endif
+}
+
+// q · k over `hd` dimensions, accumulated in dimension order (16-byte loads of k when the row
+// is aligned and whole vectors cover it: the same sums in the same order either way).
+__device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
+    float dot = 0.0f;
+    if (hd % BGS_PER16 == 0 && ((unsigned long long)k & 15ull) == 0) {
+        const bgs_u4 *k4 = (const bgs_u4 *)k;
+        for (int c = 0; c < hd / BGS_PER16; c++) {
+            float e[BGS_PER16];
+            unpack16(k4[c], e);
+#pragma unroll
+            for (int i = 0; i < BGS_PER16; i++) dot = dot + q[c * BGS_PER16 + i] * e[i];
+        }
+    } else {
+        for (int d = 0; d < hd; d++) dot = dot + q[d] * ld(k[d]);
+    }
+    return dot;
+}
+
 #define BGS_NEG_INF (__int_as_float(0xff800000))
 #define BGS_MAX_HEAD_DIM 128
 #define BGS_NORM_THREADS 256
@@ -203,9 +244,7 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
         if (p <= last) {
             const wt *k = cache + (long long)table[p / block_size] * block_stride + head_off +
                           (long long)(p % block_size) * head_dim;
-            float dot = 0.0f;
-            for (int d = 0; d < head_dim; d++) dot = dot + qs[d] * ld(k[d]);
-            sc = dot * scale;
+            sc = dot_row(qs, k, head_dim) * scale;
         }
         const float mn = fmaxf(m, warp_max(sc));
         const float e = p <= last ? expf(sc - mn) : 0.0f;
