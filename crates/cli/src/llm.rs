@@ -46,16 +46,74 @@ pub struct ModelArgs {
     /// flag bit 0 of generate, `ignore_eos` in the API).
     #[arg(long)]
     pub ignore_eos: bool,
+    /// GPU forward pass (`--executor gpu`): element type of the weights, the KV cache and the
+    /// projections' inputs (accumulation is f32 throughout). The CPU forward pass is f32.
+    #[arg(long, value_enum, default_value_t = DtypeArg::Bf16)]
+    pub dtype: DtypeArg,
+    /// GPU forward pass: projections through the batch-invariant kernel (a request's tokens do
+    /// not depend on what else is in the batch; slower) instead of cuBLAS.
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
+
+/// `--dtype` values.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DtypeArg {
+    /// bfloat16.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+    /// f32 (for checking against the CPU forward pass).
+    F32,
+}
+
+impl DtypeArg {
+    fn gpu(self) -> bgs_model_gpu::GpuDtype {
+        match self {
+            DtypeArg::Bf16 => bgs_model_gpu::GpuDtype::Bf16,
+            DtypeArg::F16 => bgs_model_gpu::GpuDtype::F16,
+            DtypeArg::F32 => bgs_model_gpu::GpuDtype::F32,
+        }
+    }
+}
+
+/// Where the forward pass runs. The engine's step loop (scheduling, KV block allocation,
+/// frames) runs on the executor's host thread either way.
+#[derive(Debug, Clone)]
+pub enum ModelDevice {
+    /// The deterministic CPU forward pass.
+    Cpu,
+    /// The GPU forward pass (`bgs-model-gpu`: cuBLAS and NVRTC kernels, one CUDA graph per
+    /// token-count bucket).
+    Gpu {
+        /// CUDA device ordinal.
+        device: usize,
+        /// Where CUDA libraries live.
+        cuda_home: Option<PathBuf>,
+    },
+}
+
+/// Flags of [`ModelArgs`] that only the GPU forward pass reads (refused with the CPU one).
+pub const GPU_ONLY_MODEL_FLAGS: &[&str] = &["dtype", "batch_invariant"];
+
+/// Flags of [`ModelArgs`] that only the CPU forward pass reads.
+pub const CPU_ONLY_MODEL_FLAGS: &[&str] = &["model_threads"];
+
+/// Longest reservation one request can make: a full ring slot of prompt plus the most new
+/// tokens (the default KV pool holds this for every slot, so admission never waits on blocks
+/// unless `--kv-blocks` says otherwise).
+const MAX_REQUEST_TOKENS: usize = bgs_ring::SLOT_WORDS + 4096;
 
 /// A loaded model, ready to become an engine.
 pub struct Loaded {
-    /// The generation engine.
-    pub engine: GenerationEngine<CpuModel>,
+    /// The generation engine (over the CPU or the GPU forward pass).
+    pub engine: Box<dyn Engine>,
     /// Tokenizer and chat template, for the API and `bgs generate`.
     pub codec: Arc<ModelCodec>,
     /// The model's name.
     pub name: String,
+    /// Where the forward pass runs, for the start-up line ("CPU, 8 threads", "GPU 0, bf16").
+    pub forward: String,
 }
 
 impl std::fmt::Debug for Loaded {
@@ -64,8 +122,9 @@ impl std::fmt::Debug for Loaded {
     }
 }
 
-/// Load `args.model` and build the engine for `slots` live sequences.
-pub fn load(args: &ModelArgs, slots: usize) -> Result<Loaded> {
+/// Load `args.model` and build the engine for `slots` live sequences, its forward pass on
+/// `device`.
+pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Loaded> {
     let Some(path) = &args.model else {
         bail!("--model is required");
     };
@@ -82,38 +141,82 @@ pub fn load(args: &ModelArgs, slots: usize) -> Result<Loaded> {
         chat_template,
     } = ck;
     let block_size = args.kv_block_size as usize;
-    let num_blocks = match args.kv_blocks {
-        0 => {
-            // Bytes of K and V for one token across all layers (f32).
-            let per_token = 2 * config.num_layers * config.kv_dim() * 4;
-            let by_memory = (1usize << 30) / per_token.max(1) / block_size;
-            (slots * 1024).div_ceil(block_size).min(by_memory).max(1)
-        }
-        n => n as usize,
-    };
-    let threads = match args.model_threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n as usize,
-    };
-    let model = CpuModel::new(
-        config.clone(),
-        weights,
-        KvConfig {
-            block_size,
-            num_blocks,
-        },
-        threads,
-    )
-    .map_err(anyhow::Error::msg)
-    .context("building the CPU model")?;
     let mut ecfg = EngineConfig::new(slots);
     if args.max_batched_tokens != 0 {
         ecfg.max_batched_tokens = args.max_batched_tokens as usize;
     }
     ecfg.ignore_eos = args.ignore_eos;
-    let engine = GenerationEngine::new(model, ecfg)
-        .map_err(anyhow::Error::msg)
-        .context("building the generation engine")?;
+    let (engine, num_blocks, on): (Box<dyn Engine>, usize, String) = match device {
+        ModelDevice::Cpu => {
+            let num_blocks = match args.kv_blocks {
+                0 => {
+                    // Bytes of K and V for one token across all layers (f32).
+                    let per_token = 2 * config.num_layers * config.kv_dim() * 4;
+                    let by_memory = (1usize << 30) / per_token.max(1) / block_size;
+                    (slots * 1024).div_ceil(block_size).min(by_memory).max(1)
+                }
+                n => n as usize,
+            };
+            let threads = match args.model_threads {
+                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                n => n as usize,
+            };
+            let model = CpuModel::new(
+                config.clone(),
+                weights,
+                KvConfig {
+                    block_size,
+                    num_blocks,
+                },
+                threads,
+            )
+            .map_err(anyhow::Error::msg)
+            .context("building the CPU model")?;
+            let engine = GenerationEngine::new(model, ecfg)
+                .map_err(anyhow::Error::msg)
+                .context("building the generation engine")?;
+            (
+                Box::new(engine),
+                num_blocks,
+                format!("CPU, {threads} threads"),
+            )
+        }
+        ModelDevice::Gpu { device, cuda_home } => {
+            // Every slot can hold the longest request (a full slot of prompt and 4,096 new
+            // tokens): admission waits for blocks only when --kv-blocks says so.
+            let num_blocks = match args.kv_blocks {
+                0 => (slots * MAX_REQUEST_TOKENS).div_ceil(block_size),
+                n => n as usize,
+            };
+            let opts = bgs_model_gpu::GpuModelOptions {
+                device: *device,
+                dtype: args.dtype.gpu(),
+                block_size,
+                num_blocks: Some(num_blocks),
+                max_batched_tokens: ecfg.max_batched_tokens,
+                max_seqs: slots,
+                cuda_home: cuda_home.clone(),
+                batch_invariant_gemm: args.batch_invariant,
+                ..bgs_model_gpu::GpuModelOptions::default()
+            };
+            let model = bgs_model_gpu::GpuModel::new(config.clone(), &weights, &opts)
+                .context("building the GPU model")?;
+            drop(weights);
+            let engine = GenerationEngine::new(model, ecfg)
+                .map_err(anyhow::Error::msg)
+                .context("building the generation engine")?;
+            let on = format!(
+                "GPU {device}, {}{}",
+                args.dtype.gpu().name(),
+                if args.batch_invariant {
+                    ", batch-invariant projections"
+                } else {
+                    ""
+                }
+            );
+            (Box::new(engine), num_blocks, on)
+        }
+    };
     tracing::info!(
         model = %name,
         layers = config.num_layers,
@@ -121,7 +224,7 @@ pub fn load(args: &ModelArgs, slots: usize) -> Result<Loaded> {
         vocab = config.vocab_size,
         kv_blocks = num_blocks,
         block_size,
-        threads,
+        forward = %on,
         "model loaded in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
@@ -132,6 +235,7 @@ pub fn load(args: &ModelArgs, slots: usize) -> Result<Loaded> {
             chat_template,
         }),
         name,
+        forward: on,
     })
 }
 
@@ -186,6 +290,18 @@ pub struct GenerateArgs {
     /// Print the generated token ids and timings to stderr.
     #[arg(long)]
     pub verbose: bool,
+    /// Where the forward pass runs.
+    #[arg(long, value_enum, default_value_t = GenerateExecutor::Cpu)]
+    pub executor: GenerateExecutor,
+}
+
+/// `bgs generate --executor` values.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GenerateExecutor {
+    /// The CPU forward pass.
+    Cpu,
+    /// The GPU forward pass (device 0).
+    Gpu,
 }
 
 /// A sink that always takes frames (`bgs generate` reads them as they come).
@@ -205,8 +321,30 @@ impl FrameSink for Collect {
     }
 }
 
-pub fn generate(args: &GenerateArgs) -> Result<()> {
-    let loaded = load(&args.model, 1)?;
+/// `bgs generate` (`m`: its matches, to tell flags given from defaults).
+pub fn generate(args: &GenerateArgs, m: &clap::ArgMatches) -> Result<()> {
+    let device = match args.executor {
+        GenerateExecutor::Cpu => ModelDevice::Cpu,
+        GenerateExecutor::Gpu => ModelDevice::Gpu {
+            device: 0,
+            cuda_home: None,
+        },
+    };
+    for (flags, on) in [
+        (GPU_ONLY_MODEL_FLAGS, GenerateExecutor::Gpu),
+        (CPU_ONLY_MODEL_FLAGS, GenerateExecutor::Cpu),
+    ] {
+        if args.executor != on
+            && let Some(f) = flags.iter().find(|f| crate::args::given(m, f))
+        {
+            bail!(
+                "--{} does nothing with --executor {:?}",
+                f.replace('_', "-"),
+                args.executor
+            );
+        }
+    }
+    let loaded = load(&args.model, 1, &device)?;
     let mut engine = loaded.engine;
     let codec = loaded.codec;
     let text = if args.chat {

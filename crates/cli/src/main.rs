@@ -264,7 +264,7 @@ fn main() {
         Command::Demo(args) => demo::run(&args),
         Command::Lab(args) => lab::run(&args),
         Command::Model(cmd) => model::run(&cmd),
-        Command::Generate(args) => llm::generate(&args),
+        Command::Generate(args) => llm::generate(&args, &sub),
     };
     if let Err(e) = result {
         eprintln!("bgs: error: {e:#}");

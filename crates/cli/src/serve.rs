@@ -202,6 +202,8 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "model_threads",
             "ignore_eos",
             "api_listen",
+            "dtype",
+            "batch_invariant",
         ])
     {
         bail!("{f} applies to generation; it does nothing without --model");
@@ -210,11 +212,22 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
         if a.floor {
             bail!("--model does nothing with --floor (floor mode has no executor)");
         }
-        if a.executor == ExecutorKind::Gpu {
+        // The generation engine's step loop runs on a host thread with either forward pass:
+        // the GPU dispatcher's flags do nothing there.
+        if let Some(f) = any(&["dispatcher", "gpu_schedulers"]) {
             bail!(
-                "--model runs on the CPU executor for now; GPU generation is not built yet \
-                 (use --executor cpu)"
+                "{f} applies to the GPU executor's one-shot dispatcher; it does nothing with --model"
             );
+        }
+        if a.executor == ExecutorKind::Gpu
+            && let Some(f) = any(crate::llm::CPU_ONLY_MODEL_FLAGS)
+        {
+            bail!("{f} applies to the CPU forward pass; it does nothing with --executor gpu");
+        }
+        if a.executor == ExecutorKind::Cpu
+            && let Some(f) = any(crate::llm::GPU_ONLY_MODEL_FLAGS)
+        {
+            bail!("{f} applies to the GPU forward pass; it does nothing with --executor cpu");
         }
         if let Some(n) = a.slots
             && n > crate::llm::MAX_SLOTS
@@ -342,8 +355,17 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         Some(_) => Some(crate::llm::load(
             &args.generation,
             args.slots.unwrap_or(crate::llm::DEFAULT_SLOTS),
+            &model_device(args, executor_kind),
         )?),
         None => None,
+    };
+    // With a model, the CPU executor's engine thread runs the step loop whichever device runs
+    // the forward pass: for the transports it is the CPU executor (it holds streams, needs
+    // cancel markers and rings the transport's waker; the GPU sends no replies itself).
+    let executor_kind = if model.is_some() {
+        ExecutorKind::Cpu
+    } else {
+        executor_kind
     };
     if model.is_some() {
         admin.up(admin::MODEL);
@@ -434,7 +456,7 @@ fn start_executor(
             region.clone(),
             &ecfg,
             waker,
-            vec![Box::new(m.engine)],
+            vec![m.engine],
         )?));
     }
     if kind == ExecutorKind::Gpu {
@@ -525,16 +547,30 @@ fn start_api(
     Ok(Some(api))
 }
 
+/// Where the forward pass of `--model` runs: on the GPU with `--executor gpu` (or `auto`
+/// finding one).
+fn model_device(args: &ServeArgs, kind: ExecutorKind) -> crate::llm::ModelDevice {
+    match kind {
+        ExecutorKind::Gpu => crate::llm::ModelDevice::Gpu {
+            device: 0,
+            cuda_home: args.cuda_home.clone(),
+        },
+        ExecutorKind::Cpu | ExecutorKind::Auto => crate::llm::ModelDevice::Cpu,
+    }
+}
+
 fn announce(
     args: &ServeArgs,
     addr: SocketAddr,
     transport: &str,
     executor: Option<&Executor>,
+    generation: Option<&str>,
 ) -> Result<()> {
     let what = match executor {
         Some(Executor::Cpu(_)) if args.generation.model.is_some() => format!(
-            "executor cpu, generation: {} live sequences",
-            args.slots.unwrap_or(crate::llm::DEFAULT_SLOTS)
+            "generation: {} live sequences, {}",
+            args.slots.unwrap_or(crate::llm::DEFAULT_SLOTS),
+            generation.unwrap_or("")
         ),
         Some(Executor::Cpu(e)) => format!("executor cpu, {} slots", e.slots()),
         Some(Executor::Gpu(e)) => format!("executor gpu, {} slots", e.slots()),
@@ -578,6 +614,7 @@ fn serve_native(
     admin: &AdminHook,
 ) -> Result<()> {
     let codec = api_codec(model.as_ref());
+    let generation_on = model.as_ref().map(|m| m.forward.clone());
     let cfg = NativeConfig {
         listen: args.listen,
         max_connections: args.max_connections,
@@ -633,7 +670,13 @@ fn serve_native(
         return Ok(());
     }
     admin_executor(admin, executor.as_ref());
-    announce(args, transport.local_addr(), "native", executor.as_ref())?;
+    announce(
+        args,
+        transport.local_addr(),
+        "native",
+        executor.as_ref(),
+        generation_on.as_deref(),
+    )?;
     let api = start_api(args, transport.local_addr(), codec)?;
     let stats = transport.run().context("transport failed");
     admin.stopping();
@@ -654,6 +697,7 @@ fn serve_kernel(
 ) -> Result<()> {
     use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
     let codec = api_codec(model.as_ref());
+    let generation_on = model.as_ref().map(|m| m.forward.clone());
     // The GPU writes SEND SQEs itself (docs/kernel.md, "GPU-written SENDs"). Both dispatchers
     // publish through the same publish kernel, so `--dispatcher host` sends the same way; and
     // an executor that never sends leaves every reply to the stage, which the turn allows.
@@ -741,7 +785,13 @@ fn serve_kernel(
         ReplyKind::ExecutorSqe => "kernel, reply executor-sqe",
     };
     admin_executor(admin, Some(&executor));
-    announce(args, transport.local_addr(), mode, Some(&executor))?;
+    announce(
+        args,
+        transport.local_addr(),
+        mode,
+        Some(&executor),
+        generation_on.as_deref(),
+    )?;
     let api = start_api(args, transport.local_addr(), codec)?;
     let stats = transport.run().context("transport failed");
     admin.stopping();

@@ -126,6 +126,56 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         &["load", "--requests", "10", "--duration", "1"],
         &["--duration", "--requests"],
     );
+    // Generation: forward-pass flags of the other device, and dispatcher flags, which the
+    // generation engine's step loop does not read.
+    refused(&["serve", "--dtype", "f16"], &["--dtype", "--model"]);
+    refused(
+        &[
+            "serve",
+            "--model",
+            "m",
+            "--executor",
+            "cpu",
+            "--dtype",
+            "f16",
+        ],
+        &["--dtype", "--executor cpu"],
+    );
+    refused(
+        &[
+            "serve",
+            "--model",
+            "m",
+            "--executor",
+            "gpu",
+            "--model-threads",
+            "2",
+        ],
+        &["--model-threads", "--executor gpu"],
+    );
+    refused(
+        &[
+            "serve",
+            "--model",
+            "m",
+            "--executor",
+            "gpu",
+            "--dispatcher",
+            "host",
+        ],
+        &["--dispatcher", "--model"],
+    );
+    refused(
+        &[
+            "generate",
+            "--model",
+            "m",
+            "--prompt",
+            "p",
+            "--batch-invariant",
+        ],
+        &["--batch-invariant", "--executor"],
+    );
 }
 
 #[test]

@@ -198,3 +198,47 @@ fn without_a_model_generate_is_unknown_and_model_flags_are_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("without --model"), "{err}");
 }
+
+/// `--executor gpu` with a model builds the GPU forward pass; without a GPU (CI) it fails
+/// before the port accepts, with one line naming the GPU problem, for `bgs serve` and
+/// `bgs generate` alike.
+#[test]
+fn gpu_forward_pass_without_a_gpu_fails_with_a_message() {
+    let model = tiny_model().to_str().unwrap();
+    for args in [
+        vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            model,
+            "--executor",
+            "gpu",
+            "--api-listen",
+            "off",
+        ],
+        vec![
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "hello",
+            "--executor",
+            "gpu",
+        ],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_bgs"))
+            .args(&args)
+            .env("CUDA_VISIBLE_DEVICES", "")
+            .env("BGS_LOG", "warn")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() {
+            // A machine with a GPU: `bgs generate` ran on it (a server would not exit).
+            assert_eq!(args[0], "generate", "{err}");
+            continue;
+        }
+        assert!(err.contains("building the GPU model"), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# GPU generation (issue 9), one device call: correctness first, timings second.
+#  1. the GPU forward pass against the CPU oracle (bgs-llm-gpu check): tiny Qwen2/Llama in f32
+#     (tokens must be equal) and bf16, the Qwen2.5-0.5B and SmolLM2-135M shapes in bf16;
+#  2. against Hugging Face transformers on the same synthetic checkpoints (bench/gpu/hf_reference.py
+#     writes transformers' logits and greedy tokens; bgs-llm-gpu hf compares);
+#  3. decode step time at batch 1/16/64/256 against the memory floor (bgs-llm-gpu bench);
+#  4. served over TCP: bgs serve --executor gpu --model (Qwen2.5-0.5B shape), the paper's
+#     workload (64 output tokens, EOS ignored, 192 req/s, 128 connections, slots 16 and 32) with
+#     exact replay against each prompt's stream alone (a mismatch under load = a batch-invariance
+#     failure), HTTP, the OpenAI API, the kernel transport (--reply loop and executor-sqe).
+# Runs ON the GPU machine from the repo root. Writes OUT_DIR/summary.json (date, machine,
+# command, revision) and the logs.
+# Usage: bash bench/gpu/generate.sh BIN_DIR OUT_DIR   (BIN_DIR: bgs, bgs-llm-gpu, REVISION)
+set -uo pipefail
+bin=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); work=/tmp/bgs-gen
+rm -rf "$work"; mkdir -p "$work"
+export XDG_CACHE_HOME=/tmp/bgs-cache
+SECS=${SECS:-30}
+log() { echo "$*" | tee -a "$out/steps.log"; }
+# step NAME TIMEOUT CMD...: run, keep the output, log rc and the last line.
+step() {
+  local name=$1 t=$2; shift 2
+  local t0; t0=$(date +%s)
+  timeout "$t" "$@" >"$work/$name.txt" 2>&1
+  local rc=$?
+  log "$name rc=$rc $(( $(date +%s) - t0 ))s | $(tail -1 "$work/$name.txt")"
+  return $rc
+}
+cp "$bin/REVISION" "$out/revision.txt" 2>/dev/null
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$out/gpu.txt" 2>&1
+mount | grep -q cgroup2 || { mkdir -p /tmp/cg2 && mount -t cgroup2 none /tmp/cg2; }
+
+# Checkpoints (synthetic weights with the real shapes; bf16 on disk like the published ones).
+for a in tiny-qwen2 tiny-llama qwen2.5-0.5b smollm2-135m; do
+  step "synth-$a" 120 "$bin/bgs" model synth --arch "$a" --seed 7 --dtype bf16 --out "$work/$a"
+done
+
+# 1. Against the CPU oracle.
+step check-tiny-qwen2-f32 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --json "$work/check-tiny-qwen2-f32.json"
+step check-tiny-llama-f32 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-llama" --dtype f32 --json "$work/check-tiny-llama-f32.json"
+step check-tiny-qwen2-bf16 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 --json "$work/check-tiny-qwen2-bf16.json"
+step check-tiny-llama-f16 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-llama" --dtype f16 --json "$work/check-tiny-llama-f16.json"
+step check-qwen-bf16 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --json "$work/check-qwen-bf16.json"
+step check-smollm2-bf16 240 "$bin/bgs-llm-gpu" check --model "$work/smollm2-135m" --dtype bf16 --steps 16 --json "$work/check-smollm2-bf16.json"
+
+# 2. Against Hugging Face transformers (on the GPU, bf16 and f32).
+prompts='[[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16],[100,200,300,400,500,600,700,800,900,1000,1100,1200,1300,1400,1500,1600,1700,1800,1900,2000,2100,2200,2300,2400]]'
+for m in qwen2.5-0.5b smollm2-135m; do
+  for d in bf16 f32; do
+    step "hfref-$m-$d" 180 python3 bench/gpu/hf_reference.py --model "$work/$m" --dtype "$d" --steps 32 \
+      --prompts "$prompts" --out "$work/hfref-$m-$d.json"
+    step "hf-$m-$d" 180 "$bin/bgs-llm-gpu" hf --model "$work/$m" --dtype "$d" \
+      --reference "$work/hfref-$m-$d.json" --json "$work/hf-$m-$d.json"
+  done
+done
+
+# 3. Step times against the memory floor.
+for m in qwen2.5-0.5b smollm2-135m; do
+  step "bench-$m" 240 "$bin/bgs-llm-gpu" bench --model "$work/$m" --dtype bf16 \
+    --batches 1,16,64,256 --context 128 --json "$work/bench-$m.json"
+done
+
+# 4. Served over TCP.
+port=7990
+start_server() { # log-name, then serve flags
+  local name=$1; shift
+  port=$((port + 2))
+  rm -f "$work/$name.server.log"
+  "$bin/bgs" serve --listen 127.0.0.1:$port --cpus 0-3 --executor gpu "$@" >"$work/$name.server.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 600); do grep -q listening "$work/$name.server.log" 2>/dev/null && return 0; sleep 0.1; done
+  log "$name: server did not start: $(tail -3 "$work/$name.server.log")"; return 1
+}
+stop_server() { kill -TERM "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; }
+gen_load() { # name, then load flags
+  local name=$1; shift
+  step "$name" $((SECS + 120)) "$bin/bgs" load --target 127.0.0.1:$port --op generate \
+    --prompt-tokens 24 --max-tokens 64 --ignore-eos --connections 128 --cpus 4-15 \
+    --server-pid "$spid" --json "$work/$name.json" "$@"
+}
+for slots in 16 32; do
+  if start_server "native-s$slots" --model "$work/qwen2.5-0.5b" --slots $slots --api-listen 127.0.0.1:$((port + 1)); then
+    gen_load "paper-native-s$slots" --rate 192 --duration "$SECS" --warmup 2 --prompts 64
+    if [ $slots = 32 ]; then
+      gen_load "http-native-s$slots" --rate 192 --duration 5 --http --prompts 16
+      step "openai-native" 60 curl -sS --max-time 30 "http://127.0.0.1:$((port + 1))/v1/completions" \
+        -H 'content-type: application/json' \
+        -d '{"model":"m","prompt":"The capital of France is","max_tokens":16,"stream":false}'
+      gen_load "saturation-native-s$slots" --rate 2000 --duration 10 --prompts 64
+    fi
+    stop_server
+  fi
+done
+for reply in loop executor-sqe; do
+  if start_server "kernel-$reply" --transport kernel --reply "$reply" --model "$work/qwen2.5-0.5b" --slots 32 --api-listen off; then
+    gen_load "paper-kernel-$reply" --rate 192 --duration 10 --warmup 2 --prompts 64
+    stop_server
+  fi
+done
+
+python3 - "$work" "$out" <<'PY' >"$out/summary.json"
+import glob, json, os, platform, sys, datetime
+work, out = sys.argv[1], sys.argv[2]
+def load(p):
+    try:
+        return json.load(open(p))
+    except Exception as e:
+        return {"error": str(e)}
+s = {
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    "machine": f"{platform.node()} ({os.cpu_count()} CPUs), GPU: {open(out + '/gpu.txt').read().strip()}",
+    "command": "bash bench/gpu/generate.sh .gpu-carry $OUT",
+    "revision": open(out + "/revision.txt").read().strip() if os.path.exists(out + "/revision.txt") else None,
+    "steps": open(out + "/steps.log").read().splitlines(),
+}
+for kind in ["check", "hf", "bench"]:
+    s[kind] = {os.path.basename(p)[len(kind) + 1:-5]: load(p) for p in sorted(glob.glob(f"{work}/{kind}-*.json"))}
+s["served"] = {}
+for p in sorted(glob.glob(f"{work}/*.json")):
+    n = os.path.basename(p)[:-5]
+    if n.split("-")[0] in ("paper", "http", "saturation"):
+        s["served"][n] = load(p)
+print(json.dumps(s, indent=1))
+PY
+tar czf "$out/logs.tgz" -C "$work" --exclude='*.safetensors' --exclude='*.gguf' . 2>/dev/null
+echo "generate.sh: done"
