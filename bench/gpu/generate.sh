@@ -12,11 +12,15 @@
 # Runs ON the GPU machine from the repo root. Writes OUT_DIR/summary.json (date, machine,
 # command, revision) and the logs.
 # Usage: bash bench/gpu/generate.sh BIN_DIR OUT_DIR   (BIN_DIR: bgs, bgs-llm-gpu, REVISION)
+# PARTS (default "check hf bench served") picks parts; SECS (default 30) is the paper
+# workload's duration per slot count.
 set -uo pipefail
 bin=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); work=/tmp/bgs-gen
 rm -rf "$work"; mkdir -p "$work"
 export XDG_CACHE_HOME=/tmp/bgs-cache
 SECS=${SECS:-30}
+PARTS=${PARTS:-check hf bench served}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 log() { echo "$*" | tee -a "$out/steps.log"; }
 # step NAME TIMEOUT CMD...: run, keep the output, log rc and the last line.
 step() {
@@ -37,14 +41,19 @@ for a in tiny-qwen2 tiny-llama qwen2.5-0.5b smollm2-135m; do
 done
 
 # 1. Against the CPU oracle.
+if want check; then
 step check-tiny-qwen2-f32 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --json "$work/check-tiny-qwen2-f32.json"
 step check-tiny-llama-f32 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-llama" --dtype f32 --json "$work/check-tiny-llama-f32.json"
 step check-tiny-qwen2-bf16 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 --json "$work/check-tiny-qwen2-bf16.json"
 step check-tiny-llama-f16 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-llama" --dtype f16 --json "$work/check-tiny-llama-f16.json"
 step check-qwen-bf16 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --json "$work/check-qwen-bf16.json"
 step check-smollm2-bf16 240 "$bin/bgs-llm-gpu" check --model "$work/smollm2-135m" --dtype bf16 --steps 16 --json "$work/check-smollm2-bf16.json"
+step check-tiny-qwen2-f32-nographs 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --no-graphs --json "$work/check-tiny-qwen2-f32-nographs.json"
+step check-tiny-qwen2-bf16-invariant 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 --invariant-gemm --json "$work/check-tiny-qwen2-bf16-invariant.json"
+fi
 
 # 2. Against Hugging Face transformers (on the GPU, bf16 and f32).
+if want hf; then
 prompts='[[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16],[100,200,300,400,500,600,700,800,900,1000,1100,1200,1300,1400,1500,1600,1700,1800,1900,2000,2100,2200,2300,2400]]'
 for m in qwen2.5-0.5b smollm2-135m; do
   for d in bf16 f32; do
@@ -54,12 +63,17 @@ for m in qwen2.5-0.5b smollm2-135m; do
       --reference "$work/hfref-$m-$d.json" --json "$work/hf-$m-$d.json"
   done
 done
+fi
 
 # 3. Step times against the memory floor.
+if want bench; then
 for m in qwen2.5-0.5b smollm2-135m; do
-  step "bench-$m" 240 "$bin/bgs-llm-gpu" bench --model "$work/$m" --dtype bf16 \
+  step "bench-$m" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 \
     --batches 1,16,64,256 --context 128 --json "$work/bench-$m.json"
 done
+step "bench-qwen2.5-0.5b-invariant" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 \
+  --batches 1,16,64,256 --context 128 --invariant-gemm --json "$work/bench-qwen2.5-0.5b-invariant.json"
+fi
 
 # 4. Served over TCP.
 port=7990
@@ -79,6 +93,7 @@ gen_load() { # name, then load flags
     --prompt-tokens 24 --max-tokens 64 --ignore-eos --connections 128 --cpus 4-15 \
     --server-pid "$spid" --json "$work/$name.json" "$@"
 }
+if want served; then
 for slots in 16 32; do
   if start_server "native-s$slots" --model "$work/qwen2.5-0.5b" --slots $slots --api-listen 127.0.0.1:$((port + 1)); then
     gen_load "paper-native-s$slots" --rate 192 --duration "$SECS" --warmup 2 --prompts 64
@@ -98,6 +113,7 @@ for reply in loop executor-sqe; do
     stop_server
   fi
 done
+fi
 
 python3 - "$work" "$out" <<'PY' >"$out/summary.json"
 import glob, json, os, platform, sys, datetime
