@@ -620,6 +620,7 @@ struct Shared {
 struct NotifierCounters {
     waits: AtomicU64,
     wakes: AtomicU64,
+    rings: AtomicU64,
     timeouts: AtomicU64,
     idle_sleeps: AtomicU64,
 }
@@ -866,6 +867,7 @@ impl Running {
                 .load(Ordering::Relaxed),
             notifier_waits: self.shared.notifier.waits.load(Ordering::Relaxed),
             notifier_wakes: self.shared.notifier.wakes.load(Ordering::Relaxed),
+            notifier_rings: self.shared.notifier.rings.load(Ordering::Relaxed),
             notifier_timeouts: self.shared.notifier.timeouts.load(Ordering::Relaxed),
             notifier_idle_sleeps: self.shared.notifier.idle_sleeps.load(Ordering::Relaxed),
             cache_hit: self.cache_hit,
@@ -885,6 +887,7 @@ impl Running {
             let _ = h.join();
             stats.notifier_waits = sh.notifier.waits.load(Ordering::Relaxed);
             stats.notifier_wakes = sh.notifier.wakes.load(Ordering::Relaxed);
+            stats.notifier_rings = sh.notifier.rings.load(Ordering::Relaxed);
             stats.notifier_timeouts = sh.notifier.timeouts.load(Ordering::Relaxed);
             stats.notifier_idle_sleeps = sh.notifier.idle_sleeps.load(Ordering::Relaxed);
         }
@@ -1592,8 +1595,8 @@ fn notifier_waker(cfg: &GpuExecutorConfig) -> Option<CompletionWaker> {
 /// While requests are outstanding (more requests produced than completions), it launches
 /// `bgs_completion_wait` for the position after the last completion it saw and sleeps in
 /// `cuEventSynchronize` on a blocking-sync event; when that returns with a new completion
-/// published, it rings the transport's waker if the transport sleeps (one wake carries every
-/// completion published so far). When nothing is outstanding it sleeps on the request ring
+/// published, it rings the transport's waker if the transport sleeps with completions to reap
+/// (one wake carries every completion published so far). When nothing is outstanding it sleeps on the request ring
 /// like an idle executor, so an idle server launches nothing. It relies on every request
 /// getting exactly one completion in the ring, which holds for the GPU executor (it serves
 /// no streams, and the transports publish no cancel markers for it); anything else only
@@ -1607,7 +1610,6 @@ fn notifier(sh: &Shared) {
         return;
     }
     let d = &sh.device;
-    let region = &sh.region;
     let stop = || {
         sh.stopping.load(Ordering::Acquire)
             || sh.failed.load(Ordering::Acquire)
@@ -1615,13 +1617,44 @@ fn notifier(sh: &Shared) {
                 .load(Ordering::Acquire)
                 != 0
     };
+    let r = notifier_loop(
+        &sh.region,
+        &waker,
+        sh.idle_wait.as_ref(),
+        &stop,
+        &sh.notifier,
+        |seen| d.completion_wait(seen),
+    );
+    if let Err(e) = r {
+        sh.fail(format!("completion notifier: {e}"));
+    }
+}
+
+/// The notifier's host logic, with the device-side wait passed in (`device_wait(seen)`
+/// returns once the completion at position `seen` is published, or after a bounded time), so
+/// that it can be tested without a GPU.
+fn notifier_loop(
+    region: &RingRegion,
+    waker: &CompletionWaker,
+    idle_wait: Option<&IdleWait>,
+    stop: &dyn Fn() -> bool,
+    c: &NotifierCounters,
+    mut device_wait: impl FnMut(u64) -> Result<(), GpuError>,
+) -> Result<(), GpuError> {
     let outstanding = || region.requests().produced() > region.completions().produced();
-    let c = &sh.notifier;
     while !stop() {
         let seen = region.completions().produced();
+        // Wake a sleeping transport that has completions to reap: the one the last wait
+        // returned for, and any published since (below `seen`: the next wait only watches
+        // positions from `seen` on). A transport that registers as a sleeper after this
+        // check re-checks the ring itself before it sleeps.
+        if !region.completions().is_empty() && region.completions().has_sleepers() {
+            c.rings.fetch_add(1, Ordering::Relaxed);
+            (waker.0)();
+        }
         if region.requests().produced() <= seen {
             c.idle_sleeps.fetch_add(1, Ordering::Relaxed);
-            match &sh.idle_wait {
+            match idle_wait {
                 Some(w) => {
                     // Registered as a request-ring sleeper, the kernel transport's BPF rings
                     // its doorbell for the next request; re-check after registering.
@@ -1639,19 +1672,14 @@ fn notifier(sh: &Shared) {
             continue;
         }
         c.waits.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = d.completion_wait(seen) {
-            sh.fail(format!("completion notifier: {e}"));
-            break;
-        }
+        device_wait(seen)?;
         if region.completions().produced() > seen {
             c.wakes.fetch_add(1, Ordering::Relaxed);
-            if region.completions().has_sleepers() {
-                (waker.0)();
-            }
         } else {
             c.timeouts.fetch_add(1, Ordering::Relaxed);
         }
     }
+    Ok(())
 }
 
 /// The host-launch dispatcher: pop, stage, launch the slot's graphs on its stream.
@@ -1731,5 +1759,141 @@ fn host_dispatcher(sh: &Shared) {
             break;
         }
         sh.host_dispatched.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bgs_ring::RingConfig;
+    use std::sync::mpsc;
+
+    /// The notifier's host loop against a fake GPU (answers each request after a delay) and a
+    /// fake transport that sleeps with a long timeout: every completion reaches the transport
+    /// through the waker (no timeout ends a wait), and once nothing is outstanding the
+    /// notifier sleeps instead of launching device waits.
+    #[test]
+    fn notifier_wakes_the_transport_for_every_completion_and_idles_without_waits() {
+        const N: u32 = 40;
+        let region = Arc::new(
+            RingRegion::new(RingConfig {
+                request_slots: 64,
+                completion_slots: 64,
+            })
+            .unwrap(),
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        // The fake GPU: answers each request 2 ms after taking it.
+        let gpu = {
+            let (region, stop) = (region.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    let Some(id) = region.requests().try_pop(|e| e.request_id) else {
+                        std::thread::sleep(Duration::from_micros(200));
+                        continue;
+                    };
+                    std::thread::sleep(Duration::from_millis(2));
+                    region
+                        .completions()
+                        .try_push(|c| {
+                            c.request_id = id;
+                            c.final_ = 1;
+                            c.words = 0;
+                        })
+                        .unwrap();
+                }
+            })
+        };
+        // The waker: a channel the fake transport sleeps on.
+        let (tx, rx) = mpsc::sync_channel::<()>(1024);
+        let waker = CompletionWaker(Arc::new(move || {
+            let _ = tx.try_send(());
+        }));
+        let counters = Arc::new(NotifierCounters::default());
+        let notifier = {
+            let (region, stop, counters) = (region.clone(), stop.clone(), counters.clone());
+            std::thread::spawn(move || {
+                // The device-side wait, simulated on the host: return once position `seen` is
+                // published, or after 2 ms.
+                let wait = |seen: u64| {
+                    let end = Instant::now() + Duration::from_millis(2);
+                    while region.completions().produced() <= seen && Instant::now() < end {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                    Ok(())
+                };
+                let s = || stop.load(Ordering::Acquire);
+                notifier_loop(&region, &waker, None, &s, &counters, wait).unwrap();
+            })
+        };
+        // The fake transport: publishes requests in small batches, then sleeps like the native
+        // transport (sleep guard, re-check, wait) until it has reaped every answer.
+        let mut reaped = 0u32;
+        let mut timeouts = 0u32;
+        let mut sent = 0u32;
+        while reaped < N {
+            if sent < N && sent - reaped < 4 {
+                region
+                    .requests()
+                    .try_push(|e| {
+                        e.request_id = sent;
+                        e.words = 0;
+                    })
+                    .unwrap();
+                region.requests().notify();
+                sent += 1;
+                continue;
+            }
+            while region.completions().try_pop(|c| c.request_id).is_some() {
+                reaped += 1;
+            }
+            if reaped == N {
+                break;
+            }
+            let guard = region.completions().sleep_guard();
+            if region.completions().is_empty() {
+                // Far longer than the test: only the waker ends this wait in time.
+                if rx.recv_timeout(Duration::from_secs(10)).is_err() {
+                    timeouts += 1;
+                }
+            }
+            drop(guard);
+        }
+        assert_eq!(timeouts, 0, "a completion was found only by a timeout");
+        let rings = counters.rings.load(Ordering::Relaxed);
+        assert!(rings >= 1 && rings <= u64::from(N) * 2, "{rings} rings");
+        // Idle: wait until the notifier has gone to sleep, then check that it launches no
+        // device waits while nothing is outstanding.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !region.requests().has_sleepers() {
+            assert!(Instant::now() < deadline, "the idle notifier never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let waits = counters.waits.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(counters.waits.load(Ordering::Relaxed), waits);
+        assert!(counters.wakes.load(Ordering::Relaxed) >= 1);
+        // A request after the idle sleep wakes it through the request ring's futex.
+        region
+            .requests()
+            .try_push(|e| {
+                e.request_id = 999;
+                e.words = 0;
+            })
+            .unwrap();
+        region.requests().notify();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while region.completions().try_pop(|c| c.request_id).is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "the last request was not answered"
+            );
+            let _ = rx.recv_timeout(Duration::from_millis(100));
+        }
+        assert!(counters.waits.load(Ordering::Relaxed) > waits);
+        stop.store(true, Ordering::Release);
+        region.requests().notify();
+        notifier.join().unwrap();
+        gpu.join().unwrap();
     }
 }

@@ -233,9 +233,11 @@ pub struct GpuStats {
     pub chain_errors: u64,
     /// Completion notifier: device-side waits launched.
     pub notifier_waits: u64,
-    /// Completion notifier: waits that ended with a new completion (each rang the waker if
-    /// the transport slept).
+    /// Completion notifier: waits that ended with a new completion.
     pub notifier_wakes: u64,
+    /// Completion notifier: times it rang the transport's waker (the transport slept with
+    /// completions to reap).
+    pub notifier_rings: u64,
     /// Completion notifier: waits that ended at their time bound with nothing new.
     pub notifier_timeouts: u64,
     /// Completion notifier: times it slept on the request ring (nothing outstanding).
