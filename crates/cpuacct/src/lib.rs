@@ -364,6 +364,30 @@ pub fn thread_group_name(comm: &str) -> &str {
     comm
 }
 
+/// The CPU of threads that exited between two samples: what the process's user+system time
+/// (`process_busy_ns`, which keeps exited threads' time) grew by beyond the live threads'
+/// user+system (`live_busy_ns`). The kernel scales each thread's ticks and the group's
+/// separately, so the two sums differ by up to about a tick per thread even when nothing
+/// exited: unless threads are known to have exited (`exited_threads`, present at the earlier
+/// sample and gone at the later), a remainder within one tick per live thread (and one more)
+/// is that rounding and counts as zero. Threads that started and ended between the samples
+/// are not known to either sample; only a remainder beyond the rounding reveals them.
+pub fn exited_estimate(
+    process_busy_ns: u64,
+    live_busy_ns: u64,
+    live_threads: usize,
+    exited_threads: usize,
+) -> u64 {
+    let rest = process_busy_ns.saturating_sub(live_busy_ns);
+    let tick = ticks_to_ns(1, clock_ticks_per_second());
+    let rounding = tick.saturating_mul(live_threads as u64 + 1);
+    if exited_threads > 0 || rest > rounding {
+        rest
+    } else {
+        0
+    }
+}
+
 /// CPU of one group of same-named threads between two samples.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ThreadGroupCpu {
@@ -385,10 +409,9 @@ pub struct ThreadGroupCpu {
 ///   count whole (they started at zero).
 /// - Threads that exited in between are gone from `task/`, but their user+system time stays in
 ///   the process totals of `/proc/PID/stat`. What the totals grew by beyond the per-thread
-///   user+system deltas is reported as one [`EXITED_THREADS`] group (tick resolution; omitted
-///   when it is zero). Threads that started and ended between the samples land there too. The
-///   kernel scales each thread's and the group's tick counts separately, so the group also
-///   absorbs a rounding difference of a few ticks: an estimate, not an exact figure.
+///   user+system deltas is reported as one [`EXITED_THREADS`] group (tick resolution; see
+///   [`exited_estimate`] for when it is left out as rounding): an estimate, not an exact
+///   figure.
 pub fn thread_groups(delta: &ProcessDelta, requests: u64) -> Vec<ThreadGroupCpu> {
     let mut groups: Vec<ThreadGroupCpu> = Vec::new();
     for t in &delta.threads {
@@ -407,7 +430,12 @@ pub fn thread_groups(delta: &ProcessDelta, requests: u64) -> Vec<ThreadGroupCpu>
         }
     }
     let live_ticks: u64 = delta.threads.iter().map(|t| t.user_ns + t.system_ns).sum();
-    let exited = delta.busy_ns().saturating_sub(live_ticks);
+    let exited = exited_estimate(
+        delta.busy_ns(),
+        live_ticks,
+        delta.threads.len(),
+        delta.exited_threads,
+    );
     if exited > 0 {
         groups.push(ThreadGroupCpu {
             name: EXITED_THREADS.to_string(),
@@ -935,6 +963,12 @@ mod tests {
         // Largest first.
         assert!(g.windows(2).all(|w| w[0].cpu_ns >= w[1].cpu_ns), "{g:?}");
         assert_eq!(g[0].name, "bgs-cpu-exec");
+        // Nothing exited and the totals differ from the threads' sum by a tick of rounding:
+        // no exited-threads group. Two ticks beyond the rounding allowance: reported.
+        let tick = ticks_to_ns(1, clock_ticks_per_second());
+        assert_eq!(exited_estimate(10 * tick, 9 * tick, 3, 0), 0);
+        assert_eq!(exited_estimate(10 * tick, 4 * tick, 3, 0), 6 * tick);
+        assert_eq!(exited_estimate(10 * tick, 9 * tick, 3, 1), tick);
         // No requests: per-request values are NaN, not a division by zero.
         assert!(
             thread_groups(&d, 0)

@@ -214,9 +214,20 @@ pub fn server_threads(rec: &RunRecord) -> BTreeMap<String, f64> {
         *out.entry(name.to_string()).or_insert(0.0) += num(t, &["run_ns"]);
         live_ticks += num(t, &["user_ns"]) + num(t, &["system_ns"]);
     }
-    let exited = num(delta, &["user_ns"]) + num(delta, &["system_ns"]) - live_ticks;
-    if exited > 0.0 {
-        out.insert(bgs_cpuacct::EXITED_THREADS.to_string(), exited);
+    // Records from before `exited_threads` existed: count none as known to have exited.
+    let known_exited = num(delta, &["exited_threads"]);
+    let exited = bgs_cpuacct::exited_estimate(
+        (num(delta, &["user_ns"]) + num(delta, &["system_ns"])).max(0.0) as u64,
+        live_ticks as u64,
+        threads.len(),
+        if known_exited.is_nan() {
+            0
+        } else {
+            known_exited as usize
+        },
+    );
+    if exited > 0 {
+        out.insert(bgs_cpuacct::EXITED_THREADS.to_string(), exited as f64);
     }
     for v in out.values_mut() {
         *v = per(*v / 1000.0, ok);
@@ -344,6 +355,7 @@ mod tests {
             "counts": { "ok": 1000 },
             "server_cpu": { "delta": {
                 "user_ns": 60_000_000u64, "system_ns": 20_000_000u64, "run_ns": 75_000_000u64,
+                "exited_threads": 1,
                 "threads": [
                     { "comm": "bgs-exec", "run_ns": 20_000_000u64, "user_ns": 20_000_000u64, "system_ns": 0 },
                     { "comm": "bgs-exec", "run_ns": 30_000_000u64, "user_ns": 30_000_000u64, "system_ns": 0 },
