@@ -57,6 +57,22 @@ pub enum DispatcherKind {
     Host,
 }
 
+/// How the transport learns that the GPU published a completion.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum GpuWakeKind {
+    /// The transport polls the completion ring on its short timer (`--poll-us`,
+    /// `--reply-timer-us`) while requests are outstanding.
+    Poll,
+    /// The GPU executor's completion notifier wakes the transport: a host thread sleeps in
+    /// `cuEventSynchronize` (interrupt-driven) behind a device-side wait for the next
+    /// completion; the transport waits without its short timer (10 ms safety timeout).
+    Interrupt,
+}
+
+/// The transports' safety timeout while the notifier wakes them (`--gpu-completion-wake
+/// interrupt`): long, since the wake-up is what ends waits; its firings are counted.
+const GPU_WAKE_TIMEOUT: Duration = Duration::from_millis(10);
+
 enum Executor {
     Cpu(CpuExecutor),
     Gpu(bgs_executor_gpu::GpuExecutor),
@@ -96,6 +112,11 @@ pub struct ServeArgs {
     /// slots, 0..=64 (0: one per 8 slots, at most 2; never more than the slots).
     #[arg(long, default_value_t = 0, value_parser = args::int(0usize, 64))]
     pub gpu_schedulers: usize,
+    /// GPU executor: how the transport learns of completions. `poll`: it polls on its short
+    /// timer while requests are outstanding. `interrupt`: the completion notifier wakes it
+    /// (native, or kernel `--reply loop`; docs/gpu.md, docs/cost.md).
+    #[arg(long, value_enum, default_value = "poll")]
+    pub gpu_completion_wake: GpuWakeKind,
     /// Floor mode: the native transport answers echo itself, without ring or executor (so it
     /// takes no executor, ring or kernel-transport flags).
     #[arg(long)]
@@ -188,6 +209,7 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "dispatcher",
             "cuda_home",
             "gpu_schedulers",
+            "gpu_completion_wake",
             "ring_slots",
             "completion_slots",
         ]) {
@@ -239,7 +261,12 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
         }
     }
     if a.executor == ExecutorKind::Cpu
-        && let Some(f) = any(&["dispatcher", "cuda_home", "gpu_schedulers"])
+        && let Some(f) = any(&[
+            "dispatcher",
+            "cuda_home",
+            "gpu_schedulers",
+            "gpu_completion_wake",
+        ])
     {
         bail!("{f} applies to the GPU executor only; it does nothing with --executor cpu");
     }
@@ -286,6 +313,11 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
                     }
                 }
                 ReplyKind::ExecutorSqe => {
+                    if a.gpu_completion_wake == GpuWakeKind::Interrupt {
+                        bail!(
+                            "--gpu-completion-wake interrupt wakes the reply loop; with --reply executor-sqe the reply stage runs inside the executor and has nothing to wake (use --reply loop)"
+                        );
+                    }
                     if args::given(m, "reply_timer_us") {
                         bail!(
                             "--reply-timer-us applies to --reply loop; it does nothing with --reply executor-sqe"
@@ -328,6 +360,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         },
         cuda_home: args.cuda_home.clone(),
         schedulers: args.gpu_schedulers,
+        completion_wake: match args.gpu_completion_wake {
+            GpuWakeKind::Poll => bgs_executor_gpu::CompletionWake::Poll,
+            GpuWakeKind::Interrupt => bgs_executor_gpu::CompletionWake::Interrupt,
+        },
         ..Default::default()
     };
     let executor_kind = match args.executor {
@@ -462,6 +498,10 @@ fn start_executor(
     if kind == ExecutorKind::Gpu {
         // A CUDA error stops the server from accepting work instead of leaving it hanging.
         let mut cfg = gpu_cfg.clone();
+        // The completion notifier (interrupt mode) rings the transport's waker and sleeps,
+        // when idle, the way the transport lets executors sleep.
+        cfg.waker = waker.map(bgs_executor_gpu::CompletionWaker);
+        cfg.idle_wait = external_wait.map(bgs_executor_gpu::IdleWait);
         cfg.on_error = Some(bgs_executor_gpu::ErrorHook(Arc::new(move |msg: &str| {
             eprintln!("bgs: GPU executor failed: {msg}; shutting down");
             shutdown.shutdown();
@@ -587,7 +627,20 @@ fn announce(
 
 fn stop_executor(executor: Option<Executor>) -> Result<()> {
     match executor {
-        Some(Executor::Gpu(e)) => e.shutdown().context("stopping the GPU executor")?,
+        Some(Executor::Gpu(e)) => {
+            let st = e
+                .shutdown_with_stats()
+                .context("stopping the GPU executor")?;
+            if st.notifier_waits + st.notifier_idle_sleeps > 0 {
+                eprintln!(
+                    "bgs: GPU completion notifier: {} device waits, {} wakes, {} timed out, {} idle sleeps",
+                    st.notifier_waits,
+                    st.notifier_wakes,
+                    st.notifier_timeouts,
+                    st.notifier_idle_sleeps
+                );
+            }
+        }
         Some(Executor::Cpu(e)) => {
             let es = e.stats().clone();
             e.shutdown();
@@ -624,6 +677,9 @@ fn serve_native(
         },
         framer,
         poll_interval: Duration::from_micros(args.poll_us),
+        wake_timeout: (executor_kind == ExecutorKind::Gpu
+            && args.gpu_completion_wake == GpuWakeKind::Interrupt)
+            .then_some(GPU_WAKE_TIMEOUT),
         floor: args.floor,
         stats_every: stats_every(args)?,
         // The GPU executor holds no streams (it skips cancel markers): markers would only
@@ -702,6 +758,9 @@ fn serve_kernel(
     // publish through the same publish kernel, so `--dispatcher host` sends the same way; and
     // an executor that never sends leaves every reply to the stage, which the turn allows.
     let gpu_sends = executor_kind == ExecutorKind::Gpu && args.reply == ReplyKind::ExecutorSqe;
+    let gpu_interrupt = executor_kind == ExecutorKind::Gpu
+        && args.reply == ReplyKind::Loop
+        && args.gpu_completion_wake == GpuWakeKind::Interrupt;
     let reply = match args.reply {
         ReplyKind::Loop => ReplyMode::Loop {
             timer: Duration::from_micros(args.reply_timer_us),
@@ -716,7 +775,10 @@ fn serve_kernel(
         listen: args.listen,
         reply,
         framer,
-        executor_wakes: executor_kind == ExecutorKind::Cpu,
+        // The CPU executor writes the loop's eventfd; so does the GPU executor's completion
+        // notifier, for every completion (hence the long timeout instead of the timer).
+        executor_wakes: executor_kind == ExecutorKind::Cpu || gpu_interrupt,
+        wake_timeout: gpu_interrupt.then_some(GPU_WAKE_TIMEOUT),
         stats_every: stats_every(args)?,
         max_connections: u32::try_from(args.max_connections).unwrap_or(u32::MAX),
         request_slots: args.ring_slots,

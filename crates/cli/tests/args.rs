@@ -111,6 +111,28 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         &["--poll-us", "--transport kernel"],
     );
     refused(
+        &["serve", "--gpu-completion-wake", "interrupt"],
+        &["--gpu-completion-wake", "--executor cpu"],
+    );
+    refused(
+        &["serve", "--floor", "--gpu-completion-wake", "poll"],
+        &["--gpu-completion-wake", "--floor"],
+    );
+    refused(
+        &[
+            "serve",
+            "--transport",
+            "kernel",
+            "--reply",
+            "executor-sqe",
+            "--executor",
+            "gpu",
+            "--gpu-completion-wake",
+            "interrupt",
+        ],
+        &["--gpu-completion-wake interrupt", "--reply executor-sqe"],
+    );
+    refused(
         &["serve", "--transport", "kernel", "--sqpoll-cpu", "1"],
         &["--sqpoll-cpu", "--reply loop"],
     );

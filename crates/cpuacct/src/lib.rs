@@ -241,6 +241,8 @@ pub struct ProcessDelta {
     pub thread_count: usize,
     /// Per-thread deltas, sorted by tid, threads with no run time in between left out.
     pub threads: Vec<ThreadDelta>,
+    /// Threads present at the earlier sample and gone at the later one.
+    pub exited_threads: usize,
 }
 
 /// Per-request averages of a [`ProcessDelta`], in microseconds.
@@ -294,8 +296,14 @@ impl ProcessSample {
                 t.run_ns.saturating_sub(b.map_or(0, |b| b.run_ns))
             })
             .sum();
+        let exited_threads = before
+            .threads
+            .iter()
+            .filter(|b| !self.threads.iter().any(|t| t.tid == b.tid))
+            .count();
         ProcessDelta {
             pid: self.pid,
+            exited_threads,
             comm: self.comm.clone(),
             wall_ns: self.taken_ns.saturating_sub(before.taken_ns),
             user_ns: self.user_ns.saturating_sub(before.user_ns),
@@ -329,6 +337,118 @@ impl ProcessDelta {
             run_us: per(self.run_ns, n),
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-thread attribution, grouped by thread name
+// ---------------------------------------------------------------------------------------------
+
+/// Name of the pseudo-group that holds CPU of threads that exited between the two samples.
+pub const EXITED_THREADS: &str = "(exited threads)";
+
+/// The group a thread name belongs to.
+///
+/// Names are kept as they are (so give long-lived threads distinct names), except the kernel's
+/// io_uring helpers, which carry the owner's pid (`iou-sqp-1234`, `iou-wrk-1234`): those are
+/// grouped as `iou-sqp` / `iou-wrk`, one group per kind, however many come and go.
+pub fn thread_group_name(comm: &str) -> &str {
+    for kind in ["iou-sqp", "iou-wrk"] {
+        if let Some(rest) = comm.strip_prefix(kind)
+            && let Some(digits) = rest.strip_prefix('-')
+            && !digits.is_empty()
+            && digits.bytes().all(|b| b.is_ascii_digit())
+        {
+            return kind;
+        }
+    }
+    comm
+}
+
+/// The CPU of threads that exited between two samples: what the process's user+system time
+/// (`process_busy_ns`, which keeps exited threads' time) grew by beyond the live threads'
+/// user+system (`live_busy_ns`). The kernel scales each thread's ticks and the group's
+/// separately, so the two sums differ by up to about a tick per thread even when nothing
+/// exited: unless threads are known to have exited (`exited_threads`, present at the earlier
+/// sample and gone at the later), a remainder within one tick per live thread (and one more)
+/// is that rounding and counts as zero. Threads that started and ended between the samples
+/// are not known to either sample; only a remainder beyond the rounding reveals them.
+pub fn exited_estimate(
+    process_busy_ns: u64,
+    live_busy_ns: u64,
+    live_threads: usize,
+    exited_threads: usize,
+) -> u64 {
+    let rest = process_busy_ns.saturating_sub(live_busy_ns);
+    let tick = ticks_to_ns(1, clock_ticks_per_second());
+    let rounding = tick.saturating_mul(live_threads as u64 + 1);
+    if exited_threads > 0 || rest > rounding {
+        rest
+    } else {
+        0
+    }
+}
+
+/// CPU of one group of same-named threads between two samples.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ThreadGroupCpu {
+    /// Thread name (see [`thread_group_name`]), or [`EXITED_THREADS`].
+    pub name: String,
+    /// Threads of this name seen at the later sample with CPU in the interval (0 for the
+    /// exited-threads group, whose members are gone).
+    pub threads: usize,
+    /// Time on CPU in the interval: schedstat run time (ns resolution), except for the
+    /// exited-threads group, which can only be estimated from tick-based user+system time.
+    pub cpu_ns: u64,
+    /// `cpu_ns` per request in microseconds (NaN when no request was counted).
+    pub per_request_us: f64,
+}
+
+/// Per-thread CPU between two samples of one process, grouped by thread name, largest first.
+///
+/// - Threads alive at both samples count their difference; threads that appeared in between
+///   count whole (they started at zero).
+/// - Threads that exited in between are gone from `task/`, but their user+system time stays in
+///   the process totals of `/proc/PID/stat`. What the totals grew by beyond the per-thread
+///   user+system deltas is reported as one [`EXITED_THREADS`] group (tick resolution; see
+///   [`exited_estimate`] for when it is left out as rounding): an estimate, not an exact
+///   figure.
+pub fn thread_groups(delta: &ProcessDelta, requests: u64) -> Vec<ThreadGroupCpu> {
+    let mut groups: Vec<ThreadGroupCpu> = Vec::new();
+    for t in &delta.threads {
+        let name = thread_group_name(&t.comm);
+        match groups.iter_mut().find(|g| g.name == name) {
+            Some(g) => {
+                g.threads += 1;
+                g.cpu_ns += t.run_ns;
+            }
+            None => groups.push(ThreadGroupCpu {
+                name: name.to_string(),
+                threads: 1,
+                cpu_ns: t.run_ns,
+                per_request_us: 0.0,
+            }),
+        }
+    }
+    let live_ticks: u64 = delta.threads.iter().map(|t| t.user_ns + t.system_ns).sum();
+    let exited = exited_estimate(
+        delta.busy_ns(),
+        live_ticks,
+        delta.threads.len(),
+        delta.exited_threads,
+    );
+    if exited > 0 {
+        groups.push(ThreadGroupCpu {
+            name: EXITED_THREADS.to_string(),
+            threads: 0,
+            cpu_ns: exited,
+            per_request_us: 0.0,
+        });
+    }
+    for g in &mut groups {
+        g.per_request_us = per(g.cpu_ns, requests);
+    }
+    groups.sort_by(|a, b| b.cpu_ns.cmp(&a.cpu_ns).then_with(|| a.name.cmp(&b.name)));
+    groups
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -749,6 +869,121 @@ mod tests {
         let host = HostSample::sample().unwrap();
         assert!(!host.cpus.is_empty());
         assert!(host.total.total_ns() > 0);
+    }
+
+    /// Write a fake `/proc/PID` with the given threads (tid, comm, utime, stime ticks, run ns)
+    /// and process totals (utime, stime ticks).
+    fn fake_proc(
+        root: &Path,
+        pid: u32,
+        totals: (u64, u64),
+        threads: &[(u32, &str, u64, u64, u64)],
+    ) {
+        let stat = |id: u32, comm: &str, u: u64, s: u64, n: usize| {
+            format!(
+                "{id} ({comm}) S 1 {pid} {pid} 0 -1 4194560 0 0 0 0 {u} {s} 0 0 20 0 {n} 0 1 1 1\n"
+            )
+        };
+        let base = root.join(pid.to_string());
+        let _ = fs::remove_dir_all(&base);
+        fs::create_dir_all(base.join("task")).unwrap();
+        fs::write(
+            base.join("stat"),
+            stat(pid, "bgs", totals.0, totals.1, threads.len()),
+        )
+        .unwrap();
+        for &(tid, comm, u, s, run) in threads {
+            let d = base.join("task").join(tid.to_string());
+            fs::create_dir_all(&d).unwrap();
+            fs::write(d.join("stat"), stat(tid, comm, u, s, threads.len())).unwrap();
+            fs::write(d.join("schedstat"), format!("{run} 777 12\n")).unwrap();
+        }
+    }
+
+    #[test]
+    fn groups_threads_by_name_from_fixture_proc() {
+        let root = std::env::temp_dir().join(format!("bgs-cpuacct-{}", std::process::id()));
+        let pid = 4242;
+        // Before: main, two executor threads of the same name, an SQPOLL thread, and a
+        // worker (5000) that exits before the second sample with 30 ticks (0.3 s) in all.
+        fake_proc(
+            &root,
+            pid,
+            (100, 50),
+            &[
+                (4242, "bgs", 10, 5, 100_000_000),
+                (4243, "bgs-gpu-notify", 0, 1, 5_000_000),
+                (4244, "bgs-cpu-exec", 20, 0, 150_000_000),
+                (4245, "bgs-cpu-exec", 20, 0, 150_000_000),
+                (4246, "iou-sqp-4242", 0, 10, 80_000_000),
+                (5000, "io-burst", 15, 15, 300_000_000),
+            ],
+        );
+        let before = ProcessCpu::sample_at(&root, pid).unwrap();
+        assert_eq!(before.thread_count, 6);
+        // After: 5000 is gone (it used 10 more ticks before exiting, which only the process
+        // totals show); a new io-wq worker appeared.
+        fake_proc(
+            &root,
+            pid,
+            (100 + 10 + 30 + 20 + 10, 50 + 5 + 2 + 5 + 3),
+            &[
+                (4242, "bgs", 20, 10, 200_000_000),
+                (4243, "bgs-gpu-notify", 0, 3, 25_000_000),
+                (4244, "bgs-cpu-exec", 50, 0, 450_000_000),
+                (4245, "bgs-cpu-exec", 40, 0, 350_000_000),
+                (4246, "iou-sqp-4242", 0, 15, 130_000_000),
+                (4247, "iou-wrk-4242", 0, 3, 30_000_000),
+            ],
+        );
+        let after = ProcessCpu::sample_at(&root, pid).unwrap();
+        let _ = fs::remove_dir_all(&root);
+        let d = after.delta(&before);
+        assert_eq!(d.exited_threads, 1);
+        let g = thread_groups(&d, 1000);
+        let find = |n: &str| {
+            g.iter()
+                .find(|x| x.name == n)
+                .unwrap_or_else(|| panic!("{n}: {g:?}"))
+        };
+        // Same-named threads are summed (schedstat deltas 300 ms + 200 ms).
+        let exec = find("bgs-cpu-exec");
+        assert_eq!((exec.threads, exec.cpu_ns), (2, 500_000_000));
+        assert!((exec.per_request_us - 500.0).abs() < 1e-9);
+        assert_eq!(find("bgs").cpu_ns, 100_000_000);
+        assert_eq!(find("bgs-gpu-notify").cpu_ns, 20_000_000);
+        // The pid suffix of io_uring helpers is dropped; a new thread counts whole.
+        assert_eq!(find("iou-sqp").cpu_ns, 50_000_000);
+        assert_eq!(find("iou-wrk").cpu_ns, 30_000_000);
+        // Process user+sys grew by 85 ticks, the live threads' by 75: the remaining 10 ticks
+        // (100 ms at 100 Hz) are the exited thread's.
+        let exited = find(EXITED_THREADS);
+        assert_eq!(exited.cpu_ns, ticks_to_ns(10, clock_ticks_per_second()));
+        assert_eq!(exited.threads, 0);
+        // Largest first.
+        assert!(g.windows(2).all(|w| w[0].cpu_ns >= w[1].cpu_ns), "{g:?}");
+        assert_eq!(g[0].name, "bgs-cpu-exec");
+        // Nothing exited and the totals differ from the threads' sum by a tick of rounding:
+        // no exited-threads group. Two ticks beyond the rounding allowance: reported.
+        let tick = ticks_to_ns(1, clock_ticks_per_second());
+        assert_eq!(exited_estimate(10 * tick, 9 * tick, 3, 0), 0);
+        assert_eq!(exited_estimate(10 * tick, 4 * tick, 3, 0), 6 * tick);
+        assert_eq!(exited_estimate(10 * tick, 9 * tick, 3, 1), tick);
+        // No requests: per-request values are NaN, not a division by zero.
+        assert!(
+            thread_groups(&d, 0)
+                .iter()
+                .all(|x| x.per_request_us.is_nan())
+        );
+    }
+
+    #[test]
+    fn group_names() {
+        assert_eq!(thread_group_name("iou-sqp-1234"), "iou-sqp");
+        assert_eq!(thread_group_name("iou-wrk-9"), "iou-wrk");
+        assert_eq!(thread_group_name("iou-wrk-"), "iou-wrk-");
+        assert_eq!(thread_group_name("iou-wrk-x1"), "iou-wrk-x1");
+        assert_eq!(thread_group_name("bgs-cpu-exec-3"), "bgs-cpu-exec-3");
     }
 
     #[test]

@@ -18,7 +18,10 @@ use crate::layout::{
 };
 use crate::libs;
 use crate::plan::{self, Compute, SlotTable};
-use crate::{DeviceInfo, Dispatcher, ErrorHook, GpuError, GpuExecutorConfig, GpuStats};
+use crate::{
+    CompletionWake, CompletionWaker, DeviceInfo, Dispatcher, ErrorHook, GpuError,
+    GpuExecutorConfig, GpuStats, IdleWait,
+};
 
 const DEVICE_LAUNCH_FLAG: u64 = 4; // CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH
 const STREAM_NON_BLOCKING: u32 = 1;
@@ -26,6 +29,22 @@ const HOST_FLAGS: u32 = cu::CU_MEMHOSTALLOC_PORTABLE | cu::CU_MEMHOSTALLOC_DEVIC
 const REGISTER_FLAGS: u32 = cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
 const CUBLAS_WORKSPACE: usize = 1 << 20;
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the monitor looks for device-side failures. Failures are rare and answering the
+/// remaining requests with Internal 10 ms later is prompt next to any client's timeout; at
+/// 0.5 ms the monitor woke 2,000 times a second for nothing (docs/cost.md). Shutdown and
+/// failures on other threads unpark it at once, and in interrupt mode the notifier sees a
+/// sticky context error in its `cuEventSynchronize` too.
+const MONITOR_PERIOD: Duration = Duration::from_millis(10);
+/// Longest device-side wait of the completion notifier: the kernel then returns so that the
+/// host re-checks (shutdown, requests that were answered some other way) and relaunches.
+const NOTIFY_BUDGET_NS: u64 = 2_000_000;
+/// Longest sleep of the idle notifier on the request ring: a producer's wake-up ends it
+/// early; the bound covers a doorbell the kernel transport's BPF rang while another thread
+/// drained it, and shutdown with an external wait.
+const NOTIFIER_IDLE: Duration = Duration::from_millis(20);
+/// `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING`: `cuEventSynchronize` sleeps until the
+/// GPU's interrupt instead of spinning.
+const EVENT_FLAGS: u32 = 0x1 | 0x2;
 
 fn ck(r: cu::CUresult, what: &str) -> Result<(), GpuError> {
     if r == cu::CUresult::CUDA_SUCCESS {
@@ -288,6 +307,13 @@ struct Device {
     tx_dev: u64,
     /// The stream of the resident CQ reaper.
     tx_stream: cu::CUstream,
+    /// Completion notifier: its stream and blocking-sync event (null when not running).
+    notify_stream: cu::CUstream,
+    notify_event: cu::CUevent,
+    /// `bgs_completion_wait`.
+    f_wait: cu::CUfunction,
+    /// The device-memory completion claim counter (`Sched::tail_hint` of scheduler 0).
+    tail_hint_dev: u64,
 }
 
 // SAFETY: the handles are plain driver/library handles and pointers to pinned or device memory;
@@ -350,6 +376,39 @@ impl Device {
         }
     }
 
+    /// Launch the notifier's device-side wait for the completion at position `seen` (bounded
+    /// by `NOTIFY_BUDGET_NS`) and sleep until it returns: the event is blocking-sync, so the
+    /// calling thread waits for the GPU's interrupt without spinning.
+    fn completion_wait(&self, seen: u64) -> Result<(), GpuError> {
+        let (mut a0, mut a1, mut a2, mut a3, mut a4) = (
+            self.region_dev,
+            self.ctl_dev,
+            self.tail_hint_dev,
+            seen,
+            NOTIFY_BUDGET_NS,
+        );
+        let mut args = [
+            (&mut a0 as *mut u64).cast::<c_void>(),
+            (&mut a1 as *mut u64).cast(),
+            (&mut a2 as *mut u64).cast(),
+            (&mut a3 as *mut u64).cast(),
+            (&mut a4 as *mut u64).cast(),
+        ];
+        launch_kernel(self.f_wait, 1, self.notify_stream, &mut args)?;
+        // SAFETY: event and stream were created in `build` and live until `free`, which runs
+        // after the notifier thread (the only user) is joined.
+        unsafe {
+            ck(
+                cu::cuEventRecord(self.notify_event, self.notify_stream),
+                "cuEventRecord",
+            )?;
+            ck(
+                cu::cuEventSynchronize(self.notify_event),
+                "cuEventSynchronize",
+            )
+        }
+    }
+
     /// Release everything (best effort: errors are ignored, the context may be dead).
     fn free(&mut self) {
         // SAFETY: every handle below was created in `start` (or is null/empty) and is released
@@ -378,6 +437,14 @@ impl Device {
             if !self.tx_stream.is_null() {
                 let _ = cu::cuStreamDestroy_v2(self.tx_stream);
                 self.tx_stream = std::ptr::null_mut();
+            }
+            if !self.notify_event.is_null() {
+                let _ = cu::cuEventDestroy_v2(self.notify_event);
+                self.notify_event = std::ptr::null_mut();
+            }
+            if !self.notify_stream.is_null() {
+                let _ = cu::cuStreamDestroy_v2(self.notify_stream);
+                self.notify_stream = std::ptr::null_mut();
             }
             for p in self.tx_registered.drain(..) {
                 let _ = cu::cuMemHostUnregister(p);
@@ -540,6 +607,22 @@ struct Shared {
     error: Mutex<Option<String>>,
     on_error: Option<ErrorHook>,
     host_dispatched: AtomicU64,
+    /// The completion notifier's waker and idle wait (see `notifier`).
+    waker: Option<CompletionWaker>,
+    idle_wait: Option<IdleWait>,
+    notifier: NotifierCounters,
+    /// The monitor thread, unparked at shutdown and on failure.
+    monitor_thread: std::sync::OnceLock<std::thread::Thread>,
+}
+
+/// Counters of the completion notifier.
+#[derive(Default)]
+struct NotifierCounters {
+    waits: AtomicU64,
+    wakes: AtomicU64,
+    rings: AtomicU64,
+    timeouts: AtomicU64,
+    idle_sleeps: AtomicU64,
 }
 
 impl Shared {
@@ -551,6 +634,9 @@ impl Shared {
             drop(e);
             self.failed.store(true, Ordering::SeqCst);
             self.device.request_stop();
+            if let Some(t) = self.monitor_thread.get() {
+                t.unpark();
+            }
             if let Some(h) = &self.on_error {
                 (h.0)(&msg);
             }
@@ -600,6 +686,7 @@ pub(crate) struct Running {
     info: DeviceInfo,
     monitor: Option<JoinHandle<()>>,
     host: Option<JoinHandle<()>>,
+    notifier: Option<JoinHandle<()>>,
     cache_hit: bool,
     start_seconds: f64,
     done: bool,
@@ -653,6 +740,10 @@ impl Running {
             tx_registered: Vec::new(),
             tx_dev: 0,
             tx_stream: std::ptr::null_mut(),
+            notify_stream: std::ptr::null_mut(),
+            notify_event: std::ptr::null_mut(),
+            f_wait: std::ptr::null_mut(),
+            tail_hint_dev: 0,
         };
         let built = build(&mut d, &env, &region, cfg);
         let cache_hit = match built {
@@ -672,6 +763,10 @@ impl Running {
             error: Mutex::new(None),
             on_error: cfg.on_error.clone(),
             host_dispatched: AtomicU64::new(0),
+            waker: notifier_waker(cfg),
+            idle_wait: cfg.idle_wait.clone(),
+            notifier: NotifierCounters::default(),
+            monitor_thread: std::sync::OnceLock::new(),
         });
         // Go: the scheduler graph (device launch) or the host dispatcher thread.
         let mut host = None;
@@ -706,6 +801,21 @@ impl Running {
             .name("bgs-gpu-monitor".into())
             .spawn(move || monitor(&s))
             .map_err(|e| GpuError::Failed(format!("spawning the monitor: {e}")))?;
+        let _ = shared.monitor_thread.set(monitor.thread().clone());
+        let notifier = match shared.waker {
+            Some(_) => {
+                let s = shared.clone();
+                Some(
+                    std::thread::Builder::new()
+                        .name("bgs-gpu-notify".into())
+                        .spawn(move || notifier(&s))
+                        .map_err(|e| {
+                            GpuError::Failed(format!("spawning the completion notifier: {e}"))
+                        })?,
+                )
+            }
+            None => None,
+        };
         let start_seconds = t0.elapsed().as_secs_f64();
         tracing::info!(
             "GPU executor on {} (sm_{}{}), {} slots, {:?}, kernels {}, started in {:.2} s, host-native atomics {}",
@@ -723,6 +833,7 @@ impl Running {
             info: env.info,
             monitor: Some(monitor),
             host,
+            notifier,
             cache_hit,
             start_seconds,
             done: false,
@@ -754,6 +865,11 @@ impl Running {
             chain_errors: d
                 .ctl_u64(std::mem::offset_of!(Ctl, chain_errors))
                 .load(Ordering::Relaxed),
+            notifier_waits: self.shared.notifier.waits.load(Ordering::Relaxed),
+            notifier_wakes: self.shared.notifier.wakes.load(Ordering::Relaxed),
+            notifier_rings: self.shared.notifier.rings.load(Ordering::Relaxed),
+            notifier_timeouts: self.shared.notifier.timeouts.load(Ordering::Relaxed),
+            notifier_idle_sleeps: self.shared.notifier.idle_sleeps.load(Ordering::Relaxed),
             cache_hit: self.cache_hit,
             start_seconds: self.start_seconds,
         }
@@ -764,6 +880,17 @@ impl Running {
         let sh = &self.shared;
         let mut stats = self.stats();
         sh.device.request_stop();
+        // The notifier's wait kernel returns at `stop`; an idle notifier is woken here (or
+        // by its bounded sleep with an external wait). Joined before anything is freed.
+        if let Some(h) = self.notifier.take() {
+            sh.region.requests().notify();
+            let _ = h.join();
+            stats.notifier_waits = sh.notifier.waits.load(Ordering::Relaxed);
+            stats.notifier_wakes = sh.notifier.wakes.load(Ordering::Relaxed);
+            stats.notifier_rings = sh.notifier.rings.load(Ordering::Relaxed);
+            stats.notifier_timeouts = sh.notifier.timeouts.load(Ordering::Relaxed);
+            stats.notifier_idle_sleeps = sh.notifier.idle_sleeps.load(Ordering::Relaxed);
+        }
         let _ = sh.device.make_current();
         let mut stuck = false;
         match sh.mode {
@@ -812,6 +939,7 @@ impl Running {
         }
         sh.stopping.store(true, Ordering::SeqCst);
         if let Some(m) = self.monitor.take() {
+            m.thread().unpark();
             let _ = m.join();
         }
         if sh.mode == Dispatcher::DeviceLaunch && !stuck {
@@ -894,6 +1022,7 @@ fn build(
     let f_publish = get_function(d.module, "bgs_slot_publish")?;
     let f_probe = get_function(d.module, "bgs_layout_probe")?;
     let f_reaper = get_function(d.module, "bgs_tx_reaper")?;
+    d.f_wait = get_function(d.module, "bgs_completion_wait")?;
 
     // Layout self-check: the kernels' compiler must lay out the structs as Rust does.
     {
@@ -1031,6 +1160,20 @@ fn build(
 
     // The completion-tail hint the publish kernels share (device memory, in the `Sched`).
     let tail_hint_dev = d.sched_dev + std::mem::offset_of!(Sched, tail_hint) as u64;
+    d.tail_hint_dev = tail_hint_dev;
+    if notifier_waker(cfg).is_some() {
+        // SAFETY: a context is current; out-pointers valid; both destroyed in `free`.
+        unsafe {
+            ck(
+                cu::cuStreamCreate(&mut d.notify_stream, STREAM_NON_BLOCKING),
+                "cuStreamCreate(notifier)",
+            )?;
+            ck(
+                cu::cuEventCreate(&mut d.notify_event, EVENT_FLAGS),
+                "cuEventCreate(CU_EVENT_BLOCKING_SYNC)",
+            )?;
+        }
+    }
     let tail_now = {
         let off = std::mem::offset_of!(bgs_ring::RegionHeader, completion_tail);
         // SAFETY: the region starts with its `RegionHeader` (8-aligned, page-aligned base);
@@ -1379,7 +1522,10 @@ fn monitor(sh: &Shared) {
     let d = &sh.device;
     let mut warned = false;
     while !sh.stopping.load(Ordering::Acquire) && !sh.failed.load(Ordering::Acquire) {
-        std::thread::sleep(Duration::from_micros(500));
+        std::thread::park_timeout(MONITOR_PERIOD);
+        if sh.stopping.load(Ordering::Acquire) {
+            break;
+        }
         let err = d
             .ctl_u32(std::mem::offset_of!(Ctl, error))
             .load(Ordering::Acquire);
@@ -1432,6 +1578,108 @@ fn monitor(sh: &Shared) {
             }
         }
     }
+}
+
+/// The waker the notifier rings: only in interrupt mode, and only when the transport gave one
+/// (executor-sqe replies run inside the executor and need no wake).
+fn notifier_waker(cfg: &GpuExecutorConfig) -> Option<CompletionWaker> {
+    match cfg.completion_wake {
+        CompletionWake::Interrupt => cfg.waker.clone(),
+        CompletionWake::Poll => None,
+    }
+}
+
+/// The completion notifier: wakes the transport when the GPU publishes a completion, without
+/// a host thread spinning or the transport polling on a timer (docs/gpu.md).
+///
+/// While requests are outstanding (more requests produced than completions), it launches
+/// `bgs_completion_wait` for the position after the last completion it saw and sleeps in
+/// `cuEventSynchronize` on a blocking-sync event; when that returns with a new completion
+/// published, it rings the transport's waker if the transport sleeps with completions to reap
+/// (one wake carries every completion published so far). When nothing is outstanding it sleeps on the request ring
+/// like an idle executor, so an idle server launches nothing. It relies on every request
+/// getting exactly one completion in the ring, which holds for the GPU executor (it serves
+/// no streams, and the transports publish no cancel markers for it); anything else only
+/// costs bounded waits that time out (`notifier_timeouts`).
+fn notifier(sh: &Shared) {
+    let Some(waker) = sh.waker.clone() else {
+        return;
+    };
+    if let Err(e) = sh.device.make_current() {
+        sh.fail(e.to_string());
+        return;
+    }
+    let d = &sh.device;
+    let stop = || {
+        sh.stopping.load(Ordering::Acquire)
+            || sh.failed.load(Ordering::Acquire)
+            || d.ctl_u32(std::mem::offset_of!(Ctl, stop))
+                .load(Ordering::Acquire)
+                != 0
+    };
+    let r = notifier_loop(
+        &sh.region,
+        &waker,
+        sh.idle_wait.as_ref(),
+        &stop,
+        &sh.notifier,
+        |seen| d.completion_wait(seen),
+    );
+    if let Err(e) = r {
+        sh.fail(format!("completion notifier: {e}"));
+    }
+}
+
+/// The notifier's host logic, with the device-side wait passed in (`device_wait(seen)`
+/// returns once the completion at position `seen` is published, or after a bounded time), so
+/// that it can be tested without a GPU.
+fn notifier_loop(
+    region: &RingRegion,
+    waker: &CompletionWaker,
+    idle_wait: Option<&IdleWait>,
+    stop: &dyn Fn() -> bool,
+    c: &NotifierCounters,
+    mut device_wait: impl FnMut(u64) -> Result<(), GpuError>,
+) -> Result<(), GpuError> {
+    let outstanding = || region.requests().produced() > region.completions().produced();
+    while !stop() {
+        let seen = region.completions().produced();
+        // Wake a sleeping transport that has completions to reap: the one the last wait
+        // returned for, and any published since (below `seen`: the next wait only watches
+        // positions from `seen` on). A transport that registers as a sleeper after this
+        // check re-checks the ring itself before it sleeps.
+        if !region.completions().is_empty() && region.completions().has_sleepers() {
+            c.rings.fetch_add(1, Ordering::Relaxed);
+            (waker.0)();
+        }
+        if region.requests().produced() <= seen {
+            c.idle_sleeps.fetch_add(1, Ordering::Relaxed);
+            match idle_wait {
+                Some(w) => {
+                    // Registered as a request-ring sleeper, the kernel transport's BPF rings
+                    // its doorbell for the next request; re-check after registering.
+                    let _guard = region.requests().sleep_guard();
+                    if !outstanding() && !stop() {
+                        (w.0)(NOTIFIER_IDLE);
+                    }
+                }
+                None => {
+                    region
+                        .requests()
+                        .wait_until(NOTIFIER_IDLE, || outstanding() || stop());
+                }
+            }
+            continue;
+        }
+        c.waits.fetch_add(1, Ordering::Relaxed);
+        device_wait(seen)?;
+        if region.completions().produced() > seen {
+            c.wakes.fetch_add(1, Ordering::Relaxed);
+        } else {
+            c.timeouts.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    Ok(())
 }
 
 /// The host-launch dispatcher: pop, stage, launch the slot's graphs on its stream.
@@ -1511,5 +1759,141 @@ fn host_dispatcher(sh: &Shared) {
             break;
         }
         sh.host_dispatched.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bgs_ring::RingConfig;
+    use std::sync::mpsc;
+
+    /// The notifier's host loop against a fake GPU (answers each request after a delay) and a
+    /// fake transport that sleeps with a long timeout: every completion reaches the transport
+    /// through the waker (no timeout ends a wait), and once nothing is outstanding the
+    /// notifier sleeps instead of launching device waits.
+    #[test]
+    fn notifier_wakes_the_transport_for_every_completion_and_idles_without_waits() {
+        const N: u32 = 40;
+        let region = Arc::new(
+            RingRegion::new(RingConfig {
+                request_slots: 64,
+                completion_slots: 64,
+            })
+            .unwrap(),
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        // The fake GPU: answers each request 2 ms after taking it.
+        let gpu = {
+            let (region, stop) = (region.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    let Some(id) = region.requests().try_pop(|e| e.request_id) else {
+                        std::thread::sleep(Duration::from_micros(200));
+                        continue;
+                    };
+                    std::thread::sleep(Duration::from_millis(2));
+                    region
+                        .completions()
+                        .try_push(|c| {
+                            c.request_id = id;
+                            c.final_ = 1;
+                            c.words = 0;
+                        })
+                        .unwrap();
+                }
+            })
+        };
+        // The waker: a channel the fake transport sleeps on.
+        let (tx, rx) = mpsc::sync_channel::<()>(1024);
+        let waker = CompletionWaker(Arc::new(move || {
+            let _ = tx.try_send(());
+        }));
+        let counters = Arc::new(NotifierCounters::default());
+        let notifier = {
+            let (region, stop, counters) = (region.clone(), stop.clone(), counters.clone());
+            std::thread::spawn(move || {
+                // The device-side wait, simulated on the host: return once position `seen` is
+                // published, or after 2 ms.
+                let wait = |seen: u64| {
+                    let end = Instant::now() + Duration::from_millis(2);
+                    while region.completions().produced() <= seen && Instant::now() < end {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                    Ok(())
+                };
+                let s = || stop.load(Ordering::Acquire);
+                notifier_loop(&region, &waker, None, &s, &counters, wait).unwrap();
+            })
+        };
+        // The fake transport: publishes requests in small batches, then sleeps like the native
+        // transport (sleep guard, re-check, wait) until it has reaped every answer.
+        let mut reaped = 0u32;
+        let mut timeouts = 0u32;
+        let mut sent = 0u32;
+        while reaped < N {
+            if sent < N && sent - reaped < 4 {
+                region
+                    .requests()
+                    .try_push(|e| {
+                        e.request_id = sent;
+                        e.words = 0;
+                    })
+                    .unwrap();
+                region.requests().notify();
+                sent += 1;
+                continue;
+            }
+            while region.completions().try_pop(|c| c.request_id).is_some() {
+                reaped += 1;
+            }
+            if reaped == N {
+                break;
+            }
+            let guard = region.completions().sleep_guard();
+            if region.completions().is_empty() {
+                // Far longer than the test: only the waker ends this wait in time.
+                if rx.recv_timeout(Duration::from_secs(10)).is_err() {
+                    timeouts += 1;
+                }
+            }
+            drop(guard);
+        }
+        assert_eq!(timeouts, 0, "a completion was found only by a timeout");
+        let rings = counters.rings.load(Ordering::Relaxed);
+        assert!(rings >= 1 && rings <= u64::from(N) * 2, "{rings} rings");
+        // Idle: wait until the notifier has gone to sleep, then check that it launches no
+        // device waits while nothing is outstanding.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !region.requests().has_sleepers() {
+            assert!(Instant::now() < deadline, "the idle notifier never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let waits = counters.waits.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(counters.waits.load(Ordering::Relaxed), waits);
+        assert!(counters.wakes.load(Ordering::Relaxed) >= 1);
+        // A request after the idle sleep wakes it through the request ring's futex.
+        region
+            .requests()
+            .try_push(|e| {
+                e.request_id = 999;
+                e.words = 0;
+            })
+            .unwrap();
+        region.requests().notify();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while region.completions().try_pop(|c| c.request_id).is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "the last request was not answered"
+            );
+            let _ = rx.recv_timeout(Duration::from_millis(100));
+        }
+        assert!(counters.waits.load(Ordering::Relaxed) > waits);
+        stop.store(true, Ordering::Release);
+        region.requests().notify();
+        notifier.join().unwrap();
+        gpu.join().unwrap();
     }
 }

@@ -45,6 +45,11 @@ __device__ __forceinline__ bgs_u32 ld_acquire_sys32(const bgs_u32 *p) {
     asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ bgs_u64 ld_acquire_gpu(const bgs_u64 *p) {
+    bgs_u64 v;
+    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ void st_release_sys(bgs_u64 *p, bgs_u64 v) {
     asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -664,6 +669,39 @@ extern "C" __global__ void bgs_tx_reaper(struct bgs_gpu_tx *tx, struct bgs_gpu_c
             head++;
         }
         st_release_sys32(cq_head, head);
+    }
+}
+
+/* ---- the completion notifier's wait (docs/gpu.md, "Completion notifier") ----
+ * One thread, launched by the host's notifier thread on its own stream and followed by an event
+ * created with CU_EVENT_BLOCKING_SYNC: the host sleeps in cuEventSynchronize (the driver waits
+ * for the GPU's interrupt; no host CPU spins) until this kernel returns. It returns when the
+ * completion at position `seen` is published and the host's completion_tail (the word the
+ * transport's emptiness check reads) has passed it, after `budget_ns` (globaltimer), or at stop.
+ * Phase 1 polls the device-memory claim counter the publish kernels share (tail_hint: every
+ * publish claims its position there first, in both producer modes), so waiting costs no PCIe
+ * traffic; phase 2, once a position at or past `seen` is claimed, polls the two host words of
+ * that position until the publish is visible to the host. Completions written as GPU SENDs
+ * claim no position and wake nobody: the host's reply stage never sees them. */
+extern "C" __global__ void bgs_completion_wait(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
+                                               const bgs_u64 *claimed, bgs_u64 seen,
+                                               bgs_u64 budget_ns) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const bgs_u64 t0 = globaltimer_ns();
+    bgs_u32 polls = 0;
+    while (ld_acquire_gpu(claimed) <= seen) {
+        if (globaltimer_ns() - t0 >= budget_ns) return;
+        if ((++polls & 255u) == 0 && ld_acquire_sys32(&ctl->stop)) return;
+        __nanosleep(500);
+    }
+    struct bgs_ring_header *h = ring_header(ring);
+    const struct bgs_completion_slot *cs = completion_slot(ring, seen);
+    /* Published: seq == seen + 1 (or later, once consumed and reused); signed distance. */
+    while ((long long)(ld_acquire_sys(&cs->seq) - (seen + 1)) < 0 ||
+           ld_acquire_sys(&h->completion_tail) <= seen) {
+        if (globaltimer_ns() - t0 >= budget_ns) return;
+        if (ld_acquire_sys32(&ctl->stop)) return;
+        __nanosleep(200);
     }
 }
 

@@ -17,6 +17,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bgs_ring::RingRegion;
 
@@ -46,6 +47,54 @@ pub struct ErrorHook(pub Arc<dyn Fn(&str) + Send + Sync>);
 impl std::fmt::Debug for ErrorHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ErrorHook")
+    }
+}
+
+/// How the transport learns that the GPU published a completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CompletionWake {
+    /// Nobody wakes it: the transport polls the completion ring on a short timer while
+    /// requests are outstanding.
+    #[default]
+    Poll,
+    /// The completion notifier (docs/gpu.md): a host thread sleeps in `cuEventSynchronize`
+    /// behind a device-side wait for the next completion and rings the transport's waker.
+    Interrupt,
+}
+
+impl std::str::FromStr for CompletionWake {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "poll" => Ok(CompletionWake::Poll),
+            "interrupt" => Ok(CompletionWake::Interrupt),
+            other => Err(format!(
+                "unknown completion wake mode {other:?} (expected poll or interrupt)"
+            )),
+        }
+    }
+}
+
+/// The transport's waker: called (from the notifier thread) after the GPU published a
+/// completion while the transport sleeps. The same interface the CPU executor rings.
+#[derive(Clone)]
+pub struct CompletionWaker(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for CompletionWaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CompletionWaker")
+    }
+}
+
+/// How the idle notifier sleeps when producers cannot wake the request ring's futex (the
+/// kernel transport's BPF rings a doorbell descriptor instead): called with a timeout after
+/// the notifier registered as a request-ring sleeper.
+#[derive(Clone)]
+pub struct IdleWait(pub Arc<dyn Fn(Duration) + Send + Sync>);
+
+impl std::fmt::Debug for IdleWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IdleWait")
     }
 }
 
@@ -79,6 +128,14 @@ pub struct GpuExecutorConfig {
     /// set, the GPU puts replies on the wire itself (docs/gpu.md, "GPU-written SENDs") and
     /// hands the rest to the host's reply stage through the completion ring.
     pub tx: Option<bgs_ring::tx::TxDesc>,
+    /// How the transport learns of completions (`bgs serve --gpu-completion-wake`). With
+    /// [`CompletionWake::Interrupt`] and a `waker`, the executor runs the completion notifier;
+    /// without a waker (executor-sqe replies) there is nobody to wake and it runs none.
+    pub completion_wake: CompletionWake,
+    /// The transport's waker (for the notifier).
+    pub waker: Option<CompletionWaker>,
+    /// How the idle notifier sleeps (else on the request ring's futex).
+    pub idle_wait: Option<IdleWait>,
 }
 
 impl Default for GpuExecutorConfig {
@@ -93,6 +150,9 @@ impl Default for GpuExecutorConfig {
             on_error: None,
             sole_completion_producer: true,
             tx: None,
+            completion_wake: CompletionWake::Poll,
+            waker: None,
+            idle_wait: None,
         }
     }
 }
@@ -171,6 +231,17 @@ pub struct GpuStats {
     pub completion_full: u64,
     /// Repeat-chain launches that failed (those requests were answered Internal).
     pub chain_errors: u64,
+    /// Completion notifier: device-side waits launched.
+    pub notifier_waits: u64,
+    /// Completion notifier: waits that ended with a new completion.
+    pub notifier_wakes: u64,
+    /// Completion notifier: times it rang the transport's waker (the transport slept with
+    /// completions to reap).
+    pub notifier_rings: u64,
+    /// Completion notifier: waits that ended at their time bound with nothing new.
+    pub notifier_timeouts: u64,
+    /// Completion notifier: times it slept on the request ring (nothing outstanding).
+    pub notifier_idle_sleeps: u64,
     /// Kernel cubin came from the cache.
     pub cache_hit: bool,
     /// Seconds spent in `start`.

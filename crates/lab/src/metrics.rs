@@ -188,6 +188,53 @@ fn busy_on(report: &Value, set: Option<&[usize]>) -> f64 {
     busy
 }
 
+/// Server CPU per ok request by thread name (us/req, schedstat), recomputed from the raw
+/// per-thread deltas of `server_cpu` with the grouping of [`bgs_cpuacct::thread_groups`]
+/// (io_uring helpers lose their pid suffix; what the process totals grew by beyond the live
+/// threads' user+system is [`bgs_cpuacct::EXITED_THREADS`]). Empty when not measured.
+pub fn server_threads(rec: &RunRecord) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let null = Value::Null;
+    let r = rec
+        .load
+        .as_ref()
+        .and_then(|d| d.get("report"))
+        .unwrap_or(&null);
+    let ok = num(r, &["counts", "ok"]);
+    let Some(delta) = r.get("server_cpu").and_then(|s| s.get("delta")) else {
+        return out;
+    };
+    let Some(threads) = delta.get("threads").and_then(Value::as_array) else {
+        return out;
+    };
+    let mut live_ticks = 0.0;
+    for t in threads {
+        let comm = t.get("comm").and_then(Value::as_str).unwrap_or("?");
+        let name = bgs_cpuacct::thread_group_name(comm);
+        *out.entry(name.to_string()).or_insert(0.0) += num(t, &["run_ns"]);
+        live_ticks += num(t, &["user_ns"]) + num(t, &["system_ns"]);
+    }
+    // Records from before `exited_threads` existed: count none as known to have exited.
+    let known_exited = num(delta, &["exited_threads"]);
+    let exited = bgs_cpuacct::exited_estimate(
+        (num(delta, &["user_ns"]) + num(delta, &["system_ns"])).max(0.0) as u64,
+        live_ticks as u64,
+        threads.len(),
+        if known_exited.is_nan() {
+            0
+        } else {
+            known_exited as usize
+        },
+    );
+    if exited > 0 {
+        out.insert(bgs_cpuacct::EXITED_THREADS.to_string(), exited as f64);
+    }
+    for v in out.values_mut() {
+        *v = per(*v / 1000.0, ok);
+    }
+    out
+}
+
 /// The metrics of one run (NaN where not applicable or not measured).
 pub fn compute(rec: &RunRecord) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
@@ -294,4 +341,35 @@ pub fn compute(rec: &RunRecord) -> BTreeMap<String, f64> {
     put("cpu_per_token", per(srv_run / 1000.0, tokens));
     put("host_cpu_per_token", per(host_busy * ok, tokens));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_threads_group_by_name_and_estimate_exited() {
+        // 1,000 ok requests; two executor threads, an SQPOLL thread with its pid suffix, and
+        // 10 ms of user time that only the process totals show (a thread that exited).
+        let r = crate::record::tests::rec(serde_json::json!({
+            "counts": { "ok": 1000 },
+            "server_cpu": { "delta": {
+                "user_ns": 60_000_000u64, "system_ns": 20_000_000u64, "run_ns": 75_000_000u64,
+                "exited_threads": 1,
+                "threads": [
+                    { "comm": "bgs-exec", "run_ns": 20_000_000u64, "user_ns": 20_000_000u64, "system_ns": 0 },
+                    { "comm": "bgs-exec", "run_ns": 30_000_000u64, "user_ns": 30_000_000u64, "system_ns": 0 },
+                    { "comm": "iou-sqp-77", "run_ns": 25_000_000u64, "user_ns": 0, "system_ns": 20_000_000u64 }
+                ]
+            } }
+        }));
+        let t = server_threads(&r);
+        assert_eq!(t.len(), 3, "{t:?}");
+        assert!((t["bgs-exec"] - 50.0).abs() < 1e-9);
+        assert!((t["iou-sqp"] - 25.0).abs() < 1e-9);
+        assert!((t[bgs_cpuacct::EXITED_THREADS] - 10.0).abs() < 1e-9);
+        // No server CPU: no breakdown.
+        let none = crate::record::tests::rec(serde_json::json!({ "counts": { "ok": 1 } }));
+        assert!(server_threads(&none).is_empty());
+    }
 }

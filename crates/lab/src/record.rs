@@ -188,10 +188,10 @@ pub fn invalid_reasons(rec: &RunRecord, asked_rate: f64, behind_fraction: f64) -
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn rec(report: Value) -> RunRecord {
+    pub(crate) fn rec(report: Value) -> RunRecord {
         RunRecord {
             experiment: "t".into(),
             phase: "screen".into(),

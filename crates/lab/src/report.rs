@@ -108,6 +108,8 @@ pub struct RunRow {
     pub invalid_reasons: Vec<String>,
     /// Metrics recomputed from the raw record.
     pub metrics: BTreeMap<String, f64>,
+    /// Server CPU per request by thread name (us/req), recomputed from the raw record.
+    pub server_threads: BTreeMap<String, f64>,
     /// Record file, relative to DIR.
     pub file: String,
 }
@@ -205,6 +207,61 @@ fn utc(ms: u64) -> String {
     )
 }
 
+/// Thread groups shown per cell in the report (the rest are in `report.json`).
+const THREADS_SHOWN: usize = 8;
+
+/// The server's CPU per request by thread name, mean over each condition's valid runs: where
+/// the schedstat total of the condition table goes. Nothing when no run has a breakdown.
+fn thread_table(s: &mut String, c: &CellAnalysis) {
+    let mean = |cond: &str, name: &str| -> f64 {
+        let xs: Vec<f64> = c
+            .runs
+            .iter()
+            .filter(|r| r.valid && r.condition == cond && !r.server_threads.is_empty())
+            .map(|r| r.server_threads.get(name).copied().unwrap_or(0.0))
+            .collect();
+        if xs.is_empty() {
+            f64::NAN
+        } else {
+            xs.iter().sum::<f64>() / xs.len() as f64
+        }
+    };
+    // Names ordered by their largest mean over the conditions.
+    let mut names: Vec<(String, f64)> = Vec::new();
+    for r in &c.runs {
+        for n in r.server_threads.keys() {
+            if !names.iter().any(|(x, _)| x == n) {
+                let top = c
+                    .conditions
+                    .iter()
+                    .map(|x| mean(&x.condition, n))
+                    .filter(|v| !v.is_nan())
+                    .fold(0.0, f64::max);
+                names.push((n.clone(), top));
+            }
+        }
+    }
+    if names.is_empty() {
+        return;
+    }
+    names.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let _ = writeln!(
+        s,
+        "\nServer CPU by thread (schedstat us/req, mean of valid runs; top {THREADS_SHOWN}):\n"
+    );
+    let header: Vec<&str> = c.conditions.iter().map(|x| x.condition.as_str()).collect();
+    let _ = writeln!(s, "| thread | {} |", header.join(" | "));
+    let _ = writeln!(s, "|---|{}", "---|".repeat(header.len()));
+    for (n, _) in names.iter().take(THREADS_SHOWN) {
+        let row: Vec<String> = c
+            .conditions
+            .iter()
+            .map(|x| fnum(mean(&x.condition, n)))
+            .collect();
+        let _ = writeln!(s, "| `{n}` | {} |", row.join(" | "));
+    }
+}
+
 /// Analyse the results in `dir` (the experiment file is `dir/experiment.toml`).
 pub fn analyse(dir: &Path) -> Result<Analysis> {
     let e = Experiment::load(&dir.join("experiment.toml"))?;
@@ -264,6 +321,7 @@ pub fn analyse(dir: &Path) -> Result<Analysis> {
                     valid: why.is_empty(),
                     invalid_reasons: why,
                     metrics: metrics::compute(r),
+                    server_threads: metrics::server_threads(r),
                     file: p.display().to_string(),
                 }
             })
@@ -631,6 +689,7 @@ pub fn markdown(a: &Analysis, e: &Experiment, plots: &[String]) -> String {
                 fnum(get(m, "failures")),
             );
         }
+        thread_table(&mut s, c);
         for cmp in &c.comparisons {
             let _ = writeln!(
                 s,

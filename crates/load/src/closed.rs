@@ -319,6 +319,7 @@ pub fn run_closed(cfg: &LoadConfig) -> anyhow::Result<LoadReport> {
         }
         _ => None,
     };
+    let server_cpu = process_report(&before.server, &after.server, ok);
     Ok(LoadReport {
         config: ReportConfig {
             target: cfg.target.to_string(),
@@ -355,7 +356,8 @@ pub fn run_closed(cfg: &LoadConfig) -> anyhow::Result<LoadReport> {
         send_lag: None,
         request_bytes: req_b,
         reply_bytes: rep_b,
-        server_cpu: process_report(&before.server, &after.server, ok),
+        server_threads: crate::server_threads(server_cpu.as_ref(), ok),
+        server_cpu,
         host_cpu,
         softirqs,
         generate: None,

@@ -25,7 +25,9 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail, ensure};
-use bgs_cpuacct::{HostSample, ProcessCpu, ProcessSample, SoftirqSample, monotonic_ns};
+use bgs_cpuacct::{
+    HostSample, ProcessCpu, ProcessSample, SoftirqSample, ThreadGroupCpu, monotonic_ns,
+};
 use bgs_protocol::reply::{encode_http_request, encode_request};
 use bgs_protocol::{HEADER_LEN, MAX_REPEAT, Op, RequestHeader, Status};
 
@@ -261,6 +263,11 @@ fn process_report(
         per_request: delta.per_request(ok),
         delta,
     })
+}
+
+/// The server's CPU per thread name, largest first (empty without a server pid).
+fn server_threads(server: Option<&ProcessCpuReport>, ok: u64) -> Vec<ThreadGroupCpu> {
+    server.map_or_else(Vec::new, |s| bgs_cpuacct::thread_groups(&s.delta, ok))
 }
 
 /// Run a load test and report on it. Fails on bad configuration, when the server cannot be
@@ -658,6 +665,7 @@ fn build_report(
         send_lag,
         request_bytes,
         reply_bytes,
+        server_threads: server_threads(server_cpu.as_ref(), ok),
         server_cpu,
         host_cpu,
         softirqs,

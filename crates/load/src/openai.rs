@@ -488,6 +488,7 @@ pub fn run_openai(cfg: &LoadConfig, oa: &OpenAiConfig) -> anyhow::Result<LoadRep
         }
         _ => None,
     };
+    let server_cpu = process_report(&before.server, &after.server, ok);
     Ok(LoadReport {
         config: ReportConfig {
             target: oa.url.clone(),
@@ -523,7 +524,8 @@ pub fn run_openai(cfg: &LoadConfig, oa: &OpenAiConfig) -> anyhow::Result<LoadRep
         send_lag: None,
         request_bytes: 0,
         reply_bytes: 0,
-        server_cpu: process_report(&before.server, &after.server, ok),
+        server_threads: crate::server_threads(server_cpu.as_ref(), ok),
+        server_cpu,
         host_cpu,
         softirqs,
         generate: Some(GenerateReport {

@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use bgs_cpuacct::{HostDelta, HostPerRequest, ProcessDelta, ProcessPerRequest, SoftirqDelta};
+use bgs_cpuacct::{
+    HostDelta, HostPerRequest, ProcessDelta, ProcessPerRequest, SoftirqDelta, ThreadGroupCpu,
+};
 use serde::Serialize;
 
 pub use crate::engine::Counts;
@@ -118,6 +120,9 @@ pub struct GenerateReport {
     pub final_statuses: BTreeMap<String, u64>,
 }
 
+/// Thread groups listed in the text report (all of them are in the JSON).
+const SERVER_THREADS_SHOWN: usize = 6;
+
 /// CPU of one process over the measured interval.
 #[derive(Clone, Debug, Serialize)]
 pub struct ProcessCpuReport {
@@ -190,6 +195,9 @@ pub struct LoadReport {
     pub reply_bytes: u64,
     /// Server process CPU, when its pid is known.
     pub server_cpu: Option<ProcessCpuReport>,
+    /// The server's CPU per thread name over the measured interval (schedstat), largest
+    /// first; threads that exited in between as one estimated group. Empty without a pid.
+    pub server_threads: Vec<ThreadGroupCpu>,
     /// Whole-host CPU.
     pub host_cpu: Option<HostCpuReport>,
     /// Network softirq counts (absent when `/proc/softirqs` could not be read).
@@ -347,6 +355,36 @@ impl fmt::Display for LoadReport {
                 f(s.per_request.run_us)
             )?,
             None => writeln!(out, "  server    CPU not accounted (see notes)")?,
+        }
+        // The top threads by CPU (schedstat): where the server's time per request goes.
+        if !self.server_threads.is_empty() {
+            let top: Vec<String> = self
+                .server_threads
+                .iter()
+                .take(SERVER_THREADS_SHOWN)
+                .map(|t| {
+                    let n = if t.threads > 1 {
+                        format!(" x{}", t.threads)
+                    } else {
+                        String::new()
+                    };
+                    format!("{}{n} {}", t.name, f(t.per_request_us))
+                })
+                .collect();
+            let more = self
+                .server_threads
+                .len()
+                .saturating_sub(SERVER_THREADS_SHOWN);
+            writeln!(
+                out,
+                "  threads   us/req: {}{}",
+                top.join(", "),
+                if more > 0 {
+                    format!(" (+{more} more in the JSON)")
+                } else {
+                    String::new()
+                }
+            )?;
         }
         if let Some(h) = &self.host_cpu {
             let p = &h.per_request;

@@ -381,6 +381,25 @@ impl<E: Entry> Ring<E> {
         }
     }
 
+    /// Like [`Ring::wait_nonempty`], for a sleeper whose condition is not "this ring is
+    /// non-empty" (the GPU executor's completion notifier waits for requests the GPU has not
+    /// answered yet, which the GPU may already have taken off the ring). `ready` is checked
+    /// after registering as a sleeper and reading the doorbell, so a producer that makes it
+    /// true and then calls [`Ring::notify`] cannot be missed. Returns `ready()`'s last value.
+    pub fn wait_until(&self, timeout: Duration, ready: impl Fn() -> bool) -> bool {
+        if ready() {
+            return true;
+        }
+        let _guard = self.sleep_guard_inner();
+        fence(Ordering::SeqCst);
+        let bell = self.doorbell().load(Ordering::SeqCst);
+        if ready() {
+            return true;
+        }
+        self.futex_wait(bell, timeout);
+        ready()
+    }
+
     /// Producer, after [`Ring::try_push`]: wake sleeping consumers, if any. Costs a fence and a
     /// load when nobody sleeps.
     pub fn notify(&self) {

@@ -282,3 +282,38 @@ fn sleep_guard_counts_a_waiter() {
     }
     assert!(!ring.has_sleepers());
 }
+
+#[test]
+fn wait_until_wakes_on_notify_even_when_the_entry_is_already_gone() {
+    // The notifier's case: its condition ("the producer count passed what I saw") stays true
+    // after another consumer took the entry, so a wait on "non-empty" would sleep on.
+    let region = small_region(8);
+    let seen = region.requests().produced();
+    let sleeper = {
+        let region = Arc::clone(&region);
+        thread::spawn(move || {
+            let ring = region.requests();
+            let mut ok = false;
+            for _ in 0..100 {
+                // A long timeout: only notify() ends the wait early.
+                if ring.wait_until(Duration::from_secs(10), || ring.produced() > seen) {
+                    ok = true;
+                    break;
+                }
+            }
+            ok
+        })
+    };
+    let ring = region.requests();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !ring.has_sleepers() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(1));
+    }
+    assert!(ring.has_sleepers());
+    ring.try_push(|e| e.request_id = 7).unwrap();
+    assert_eq!(ring.try_pop(|e| e.request_id), Some(7));
+    ring.notify();
+    assert!(sleeper.join().unwrap());
+    assert!(!ring.has_sleepers());
+    assert!(ring.wait_until(Duration::from_secs(10), || true));
+}

@@ -4,8 +4,9 @@
 //! otherwise at most `poll_interval`, and the executor can cut the wait short through an
 //! eventfd when it sees the transport asleep), read readable connections and publish the
 //! requests they frame, notify the executor once per batch, reap the completion ring, and
-//! write replies. A GPU executor cannot write an eventfd; the timed wait is what bounds its
-//! completion latency.
+//! write replies. A GPU executor cannot write an eventfd itself: either the timed wait bounds
+//! its completion latency, or its completion notifier calls [`NativeTransport::waker`] like
+//! the CPU executor does, and `wake_timeout` replaces `poll_interval` as a safety net.
 //!
 //! Streams ([`crate::credit`]): every streamed completion is acknowledged once it is encoded
 //! (or dropped), but held back while its connection is over `max_unsent`, and released as
@@ -49,6 +50,11 @@ pub struct NativeConfig {
     pub framer: FramerConfig,
     /// Longest epoll wait while requests are outstanding.
     pub poll_interval: Duration,
+    /// The executor rings [`NativeTransport::waker`] for every completion it publishes while
+    /// this transport sleeps (the CPU executor, or the GPU executor's completion notifier):
+    /// wait at most this long while requests are outstanding instead of `poll_interval`. A
+    /// safety net only; [`TransportStats::wake_timeouts`] counts how often it ends a wait.
+    pub wake_timeout: Option<Duration>,
     /// Floor mode: answer echo directly, without ring or executor.
     pub floor: bool,
     /// How long shutdown waits for outstanding replies.
@@ -69,6 +75,7 @@ impl Default for NativeConfig {
             limits: ConnLimits::default(),
             framer: FramerConfig::default(),
             poll_interval: Duration::from_micros(100),
+            wake_timeout: None,
             floor: false,
             drain_timeout: Duration::from_secs(2),
             stats_every: None,
@@ -281,11 +288,19 @@ impl NativeTransport {
             };
             events.clear();
             self.stats.epoll_waits += 1;
+            // Did this wait rely on the executor's wake-up (so a timeout is worth counting)?
+            let wake_wait = self.cfg.wake_timeout.is_some_and(|w| {
+                self.outstanding > 0
+                    && self.owed_cancels.is_empty()
+                    && timeout
+                        .is_some_and(|t| Duration::new(t.tv_sec as u64, t.tv_nsec as u32) >= w)
+            });
             match epoll::wait(
                 &self.epoll,
                 rustix::buffer::spare_capacity(&mut events),
                 timeout.as_ref(),
             ) {
+                Ok(0) if wake_wait => self.stats.wake_timeouts += 1,
                 Ok(_) => {}
                 Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(e.into()),
@@ -331,7 +346,7 @@ impl NativeTransport {
             _ if !self.owed_cancels.is_empty() => self.cfg.poll_interval,
             (0, 0) => return None,
             (0, _) => Duration::from_millis(250),
-            _ => self.cfg.poll_interval,
+            _ => self.cfg.wake_timeout.unwrap_or(self.cfg.poll_interval),
         };
         Some(Timespec {
             tv_sec: d.as_secs() as _,

@@ -36,6 +36,10 @@ pub struct TransportStats {
     pub bytes_out: u64,
     /// epoll_wait calls.
     pub epoll_waits: u64,
+    /// With an executor that wakes the transport on every completion (`wake_timeout` set):
+    /// waits that ended at that safety timeout while requests were outstanding. Near zero
+    /// when the wakes work; each one is a completion found late or a slow request.
+    pub wake_timeouts: u64,
     /// Connections closed by a read or write error (reset, broken pipe).
     pub io_errors: u64,
     /// Cancel markers (`OP_CANCEL`) published for ended connections.
@@ -107,8 +111,8 @@ impl std::fmt::Display for TransportStats {
         )?;
         write!(
             f,
-            "bytes: {} in, {} out; epoll waits: {}",
-            self.bytes_in, self.bytes_out, self.epoll_waits
+            "bytes: {} in, {} out; epoll waits: {} ({} ended at the completion-wake safety timeout)",
+            self.bytes_in, self.bytes_out, self.epoll_waits, self.wake_timeouts
         )
     }
 }

@@ -55,6 +55,7 @@ fn config(reply: ReplyMode) -> KernelConfig {
         limits: ConnLimits::default(),
         // The stand-in GPU skips them, as the GPU executor will once it streams.
         cancel_markers: true,
+        wake_timeout: None,
     }
 }
 

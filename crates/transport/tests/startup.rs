@@ -120,6 +120,7 @@ fn start_once(round: u32, reply: ReplyMode) {
         gpu_sends: false,
         limits: bgs_transport::conn::ConnLimits::default(),
         cancel_markers: true,
+        wake_timeout: None,
     })
     .expect("kernel transport (root)");
     let stop = Arc::new(AtomicBool::new(false));
@@ -187,6 +188,7 @@ fn connections_bpf_refuses_are_reset_not_left_hanging() {
         gpu_sends: false,
         limits: bgs_transport::conn::ConnLimits::default(),
         cancel_markers: true,
+        wake_timeout: None,
     })
     .expect("kernel transport (root)");
     let addr = transport.local_addr();

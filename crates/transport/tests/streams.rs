@@ -345,6 +345,7 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
                     gpu_sends: false,
                     limits,
                     cancel_markers: true,
+                    wake_timeout: None,
                 };
                 let t = KernelTransport::bind(cfg).expect("kernel transport (root)");
                 let (addr, handle, waker) = (t.local_addr(), t.shutdown_handle(), t.waker());

@@ -83,6 +83,11 @@ pub struct KernelConfig {
     pub executor_wakes: bool,
     /// Print the counters to stderr this often (None: only at shutdown).
     pub stats_every: Option<Duration>,
+    /// `--reply loop` with `executor_wakes` and an executor that wakes us for *every*
+    /// completion (the GPU executor's completion notifier): while requests are only waiting
+    /// in the executor, sleep up to this long instead of the loop's timer. A safety net;
+    /// [`KernelStats::wake_timeouts`] counts the waits it ended.
+    pub wake_timeout: Option<Duration>,
     /// Request ring slots.
     pub request_slots: u32,
     /// Completion ring slots.
@@ -111,6 +116,9 @@ pub struct KernelStats {
     pub reply: ReplyStats,
     /// Times the reply loop woke up (loop mode) or the watchdog woke the SQPOLL thread.
     pub wakeups: u64,
+    /// Loop mode with [`KernelConfig::wake_timeout`]: waits that ended at that safety timeout
+    /// while requests were in the executor (near zero when the executor's wakes work).
+    pub wake_timeouts: u64,
     /// Accepts seen.
     pub accepts: u64,
     /// Of those, connections BPF had refused at their handshake (its maps were full): reset
@@ -206,8 +214,8 @@ impl std::fmt::Display for KernelStats {
         }
         writeln!(
             f,
-            "wake-ups: {}; accepts: {} ({} reset: refused by BPF)",
-            self.wakeups, self.accepts, self.untracked
+            "wake-ups: {} ({} at the completion-wake safety timeout); accepts: {} ({} reset: refused by BPF)",
+            self.wakeups, self.wake_timeouts, self.accepts, self.untracked
         )?;
         write!(
             f,
@@ -404,6 +412,8 @@ struct StageDriver {
     accepts: u64,
     /// Accepted connections BPF does not track (reset at once).
     untracked: u64,
+    /// Loop waits ended by `KernelConfig::wake_timeout` ([`KernelStats::wake_timeouts`]).
+    wake_timeouts: u64,
     rx: Arc<KernelRx>,
     /// Final completions taken from the executor's completion ring. Every request-ring entry
     /// (request or rejection) ends in exactly one, and cancel markers (published by the stage,
@@ -442,6 +452,7 @@ impl StageDriver {
             side: rx.side_region(),
             accepts: 0,
             untracked: 0,
+            wake_timeouts: 0,
             rx,
             finals: 0,
             listener_fd,
@@ -616,6 +627,7 @@ fn collect_stats(
         bpf: rx.counters(),
         reply: driver.stage.stats().clone(),
         wakeups,
+        wake_timeouts: driver.wake_timeouts,
         accepts: driver.accepts,
         untracked: driver.untracked,
         sockhash_entries: rx.sockhash_len(),
@@ -991,14 +1003,22 @@ impl KernelTransport {
             // is its completion latency); otherwise a longer timer still catches markers BPF
             // published (it cannot write the eventfd either).
             let executing = driver.region.requests().produced() > driver.answered();
-            let t = if executing || driver.stage.busy() {
-                timer
-            } else {
-                Duration::from_millis(5)
+            // With an executor that wakes us for every completion, requests that are only
+            // executing need no timer: the wake ends the wait (the long timeout is a net).
+            let woken = self.cfg.executor_wakes && !driver.stage.busy();
+            let t = match self.cfg.wake_timeout {
+                Some(w) if executing && woken => w,
+                _ if executing || driver.stage.busy() => timer,
+                _ => Duration::from_millis(5),
             };
+            let wake_wait = executing && woken && self.cfg.wake_timeout.is_some();
             match self.uring.enter(io.queued, u32::from(idle), Some(t)) {
                 Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(rustix::io::Errno::TIME.raw_os_error()) => {}
+                Err(e) if e.raw_os_error() == Some(rustix::io::Errno::TIME.raw_os_error()) => {
+                    if wake_wait {
+                        driver.wake_timeouts += 1;
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
