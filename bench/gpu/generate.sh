@@ -18,6 +18,8 @@ set -uo pipefail
 bin=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); work=/tmp/bgs-gen
 rm -rf "$work"; mkdir -p "$work"
 export XDG_CACHE_HOME=/tmp/bgs-cache
+# Qwen2.5's tokenizer for the synthetic Qwen2.5-0.5B checkpoint (carried beside the binaries).
+export BGS_QWEN_TOKENIZER=${BGS_QWEN_TOKENIZER:-$bin/qwen-tokenizer.json}
 SECS=${SECS:-30}
 PARTS=${PARTS:-check hf bench served}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -69,7 +71,7 @@ fi
 if want bench; then
 for m in qwen2.5-0.5b smollm2-135m; do
   step "bench-$m" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 \
-    --batches 1,16,64,256 --context 128 --json "$work/bench-$m.json"
+    --batches 1,16,64,256 --context 128 --per-op --json "$work/bench-$m.json"
 done
 step "bench-qwen2.5-0.5b-invariant" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 \
   --batches 1,16,64,256 --context 128 --invariant-gemm --json "$work/bench-qwen2.5-0.5b-invariant.json"

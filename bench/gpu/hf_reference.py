@@ -32,7 +32,7 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = False
     t0 = time.time()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        a.model, torch_dtype=dtype, attn_implementation="eager"
+        a.model, dtype=dtype, attn_implementation="eager"
     ).to("cuda")
     model.eval()
     load_s = time.time() - t0

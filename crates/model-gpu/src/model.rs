@@ -928,6 +928,96 @@ impl GpuModel {
             .collect()
     }
 
+    /// Device time of every launch of one step over `items`, summed per operation (kernel
+    /// name or GEMM role) in order of first appearance: `(name, launches per step, ms per
+    /// step)`, averaged over `iters` replays after one warm-up. The step's launches are
+    /// captured into one graph with an external event record after each (so host enqueue
+    /// gaps do not count) and replayed; an interval is one launch's device time plus the
+    /// graph's gap before it.
+    pub fn profile_ops(
+        &mut self,
+        items: &[StepItem<'_>],
+        iters: usize,
+    ) -> Result<Vec<(String, usize, f64)>, GpuModelError> {
+        self.make_current()?;
+        let want: Vec<bool> = items.iter().map(|it| it.sample).collect();
+        let p = self.pack(items, &want)?;
+        let plan = self.plan();
+        let mut ops = plan.body(p.bucket);
+        if p.sample_bucket > 0 {
+            ops.extend(plan.head(p.sample_bucket));
+        }
+        let names: Vec<&str> = ops
+            .iter()
+            .map(|op| match op {
+                Op::Launch { kernel, .. } => kernel.name(),
+                Op::Gemm(g) => g.what,
+            })
+            .collect();
+        let events = Events::new(ops.len() + 1)?;
+        let record = |i: usize, stream: cu::CUstream| {
+            ck(
+                // SAFETY: a live event and stream of the current context; under capture the
+                // external flag makes the record a node of the graph.
+                unsafe {
+                    cu::cuEventRecordWithFlags(
+                        events.0[i],
+                        stream,
+                        cu::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32,
+                    )
+                },
+                "cuEventRecordWithFlags(external)",
+            )
+        };
+        let graph = self.capture("per-op profile", |m| {
+            record(0, m.stream)?;
+            for (i, op) in ops.iter().enumerate() {
+                m.run(std::slice::from_ref(op))?;
+                record(i + 1, m.stream)?;
+            }
+            Ok(())
+        })?;
+        let mut acc = vec![0f64; ops.len()];
+        for it in 0..iters.max(1) + 1 {
+            ck(
+                // SAFETY: as in `enqueue_step`; the stream is synchronized below before the
+                // staging is written again.
+                unsafe {
+                    cu::cuMemcpyHtoDAsync_v2(
+                        self.inputs,
+                        self.staging.cast(),
+                        p.words * 4,
+                        self.stream,
+                    )
+                },
+                "cuMemcpyHtoDAsync(step inputs)",
+            )?;
+            ck(
+                // SAFETY: `graph` is instantiated and uploaded on this context.
+                unsafe { cu::cuGraphLaunch(graph, self.stream) },
+                "cuGraphLaunch(per-op profile)",
+            )?;
+            self.sync("profiled step")?;
+            if it > 0 {
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a += events.elapsed_ms(i, i + 1)?;
+                }
+            }
+        }
+        let n = iters.max(1) as f64;
+        let mut out: Vec<(String, usize, f64)> = Vec::new();
+        for (name, ms) in names.iter().zip(&acc) {
+            match out.iter_mut().find(|(o, _, _)| o == name) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.2 += ms / n;
+                }
+                None => out.push(((*name).to_string(), 1, ms / n)),
+            }
+        }
+        Ok(out)
+    }
+
     /// Device copy bandwidth: a `bytes` device-to-device copy (`cuMemcpyDtoDAsync`), best of
     /// `iters`, as bytes read plus written per second.
     pub fn copy_bandwidth(&mut self, bytes: usize, iters: usize) -> Result<f64, GpuModelError> {

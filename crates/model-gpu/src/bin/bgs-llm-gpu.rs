@@ -33,6 +33,27 @@ enum Cmd {
     Check(CheckArgs),
     /// Decode step time and prefill throughput on synthetic weights.
     Bench(BenchArgs),
+    /// Compare the GPU model with Hugging Face transformers' logits and greedy tokens
+    /// (written by `bench/gpu/hf_reference.py` for the same checkpoint and prompts).
+    Hf(HfArgs),
+}
+
+#[derive(Args, Debug)]
+struct HfArgs {
+    /// The checkpoint the reference was computed from (Hugging Face directory or GGUF).
+    #[arg(long)]
+    model: PathBuf,
+    /// The reference JSON (`prompt`, `logits` of its last position, greedy `tokens`).
+    #[arg(long)]
+    reference: PathBuf,
+    /// Device element type (compare with a reference of the same dtype).
+    #[arg(long, default_value = "bf16")]
+    dtype: GpuDtype,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    dev: DeviceArgs,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -104,6 +125,9 @@ struct BenchArgs {
     /// Untimed steps before timing.
     #[arg(long, default_value_t = 20)]
     warmup: usize,
+    /// Also time every launch of the step (`GpuModel::profile_ops`), summed per operation.
+    #[arg(long)]
+    per_op: bool,
     /// Bytes of the device-to-device copy that measures bandwidth.
     #[arg(long, default_value_t = 1 << 30)]
     copy_bytes: usize,
@@ -122,6 +146,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Check(a) => check(a),
         Cmd::Bench(a) => bench(a),
+        Cmd::Hf(a) => hf(a),
     };
     match r {
         Ok(true) => ExitCode::SUCCESS,
@@ -659,10 +684,29 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
             "| {b} | {med:.4} | {p90:.4} | {tps:.0} | {floor_ms:.4} | {:.2} |",
             med / floor_ms
         );
+        let per_op = if a.per_op {
+            let ops = m
+                .profile_ops(&items, a.iters.min(50))
+                .map_err(|e| e.to_string())?;
+            let total: f64 = ops.iter().map(|o| o.2).sum();
+            println!("  per operation at batch {b} (device ms per step, {total:.4} in all):");
+            for (name, n, ms) in &ops {
+                println!(
+                    "    {name:<24} x{n:<4} {ms:.4} ms ({:.1}%, {:.2} us each)",
+                    100.0 * ms / total.max(1e-12),
+                    1e3 * ms / *n as f64
+                );
+            }
+            ops.iter()
+                .map(|(name, n, ms)| json!({"op": name, "launches": n, "ms": ms}))
+                .collect::<Vec<_>>()
+        } else {
+            Vec::new()
+        };
         rows.push(json!({
             "batch": b, "context": a.context, "step_ms_median": med, "step_ms_p90": p90,
             "tokens_per_s": tps, "floor_bytes": floor_bytes, "floor_ms": floor_ms,
-            "step_over_floor": med / floor_ms,
+            "step_over_floor": med / floor_ms, "per_op": per_op,
         }));
     }
     let prefill = {
@@ -695,6 +739,127 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
     });
     write_json(&a.json, &v)?;
     Ok(true)
+}
+
+/// One prompt of a transformers reference.
+#[derive(serde::Deserialize)]
+struct HfPrompt {
+    prompt: Vec<u32>,
+    logits: Vec<f32>,
+    tokens: Vec<u32>,
+}
+
+#[derive(serde::Deserialize)]
+struct HfReference {
+    dtype: String,
+    transformers: String,
+    results: Vec<HfPrompt>,
+}
+
+/// Each reference prompt alone: the logits of its last position after the prefill, then as
+/// many greedy tokens as the reference has. The logits must be within the dtype's tolerance
+/// (f32: 1e-3, f16/bf16: 5e-2 of the largest |logit|: transformers keeps the residual stream
+/// in the dtype, this model in f32); tokens are reported (first divergence), since a near tie
+/// may go either way under a different summation order.
+fn hf(a: HfArgs) -> Result<bool, String> {
+    let text = std::fs::read_to_string(&a.reference)
+        .map_err(|e| format!("reading {}: {e}", a.reference.display()))?;
+    let r: HfReference = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not a reference file: {e}", a.reference.display()))?;
+    if r.dtype != a.dtype.name() && !(r.dtype == "f16" && a.dtype == GpuDtype::F16) {
+        eprintln!(
+            "note: the reference was computed in {}, the GPU model runs in {}",
+            r.dtype,
+            a.dtype.name()
+        );
+    }
+    let ck = bgs_model::load(&a.model).map_err(|e| e.to_string())?;
+    let (cfg, weights) = (ck.config, ck.weights);
+    let bs = 16;
+    let longest = r
+        .results
+        .iter()
+        .map(|p| p.prompt.len() + p.tokens.len() + 1)
+        .max()
+        .ok_or("the reference has no prompts")?;
+    let per = longest.div_ceil(bs);
+    let mut opts = options(&a.dev, a.dtype);
+    opts.block_size = bs;
+    opts.num_blocks = Some(per);
+    opts.max_seqs = 1;
+    let mut gpu = GpuModel::new(cfg.clone(), &weights, &opts).map_err(|e| e.to_string())?;
+    drop(weights);
+    let tol = match a.dtype {
+        GpuDtype::F32 => 1e-3,
+        GpuDtype::F16 | GpuDtype::Bf16 => 5e-2,
+    };
+    let table: Vec<u32> = (0..per as u32).collect();
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    let mut per_prompt = Vec::new();
+    for (i, p) in r.results.iter().enumerate() {
+        if p.logits.len() != cfg.vocab_size {
+            return Err(format!(
+                "prompt {i}: the reference has {} logits, the model's vocabulary is {}",
+                p.logits.len(),
+                cfg.vocab_size
+            ));
+        }
+        let item = [StepItem {
+            tokens: &p.prompt,
+            pos: 0,
+            blocks: &table,
+            sample: true,
+        }];
+        let logits = gpu.step_logits(&item).map_err(|e| e.to_string())?.remove(0);
+        let mut tokens = vec![argmax(&logits) as u32];
+        while tokens.len() < p.tokens.len() {
+            let last = [*tokens.last().expect("one token")];
+            let item = [StepItem {
+                tokens: &last,
+                pos: p.prompt.len() + tokens.len() - 1,
+                blocks: &table,
+                sample: true,
+            }];
+            let mut next = [0u32];
+            StepModel::step(&mut gpu, &item, &mut next)?;
+            tokens.push(next[0]);
+        }
+        let div = first_divergence(&p.tokens, &tokens);
+        println!(
+            "prompt {i} ({} tokens): greedy tokens {} (of {})",
+            p.prompt.len(),
+            match div {
+                None => "equal".to_string(),
+                Some(s) => format!(
+                    "diverge at step {s} (transformers {}, ours {})",
+                    p.tokens[s], tokens[s]
+                ),
+            },
+            p.tokens.len()
+        );
+        per_prompt.push(
+            json!({"prompt_tokens": p.prompt.len(), "steps": p.tokens.len(),
+            "first_divergence": div}),
+        );
+        want.push(p.logits.clone());
+        got.push(logits);
+    }
+    let d = compare_logits(&want, &got, tol);
+    let pass = d.worst <= tol;
+    println!(
+        "logits: {} -> {}",
+        d.describe(tol, "transformers", "gpu"),
+        if pass { "ok" } else { "FAILED" }
+    );
+    let v = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "model": a.model.display().to_string(), "dtype": a.dtype.name(),
+        "reference_dtype": r.dtype, "transformers": r.transformers,
+        "max_rel_diff": d.worst, "tolerance": tol, "argmax_equal": d.argmax_equal,
+        "prompts": per_prompt, "pass": pass,
+    });
+    write_json(&a.json, &v)?;
+    Ok(pass)
 }
 
 #[cfg(test)]
