@@ -74,14 +74,14 @@ for m in qwen2.5-0.5b smollm2-135m; do
     --batches 1,16,64,256 --context 128 --per-op --json "$work/bench-$m.json"
 done
 step "bench-qwen2.5-0.5b-invariant" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 \
-  --batches 1,16,64,256 --context 128 --invariant-gemm --json "$work/bench-qwen2.5-0.5b-invariant.json"
+  --batches 1,16,64,256 --context 128 --iters 20 --warmup 3 --invariant-gemm --json "$work/bench-qwen2.5-0.5b-invariant.json"
 fi
 
 # 4. Served over TCP.
 port=7990
-start_server() { # log-name, then serve flags
+# start_server NAME SERVE-FLAGS...: serve on $port (the caller moves $port on first).
+start_server() {
   local name=$1; shift
-  port=$((port + 2))
   rm -f "$work/$name.server.log"
   "$bin/bgs" serve --listen 127.0.0.1:$port --cpus 0-3 --executor gpu "$@" >"$work/$name.server.log" 2>&1 &
   spid=$!
@@ -97,6 +97,7 @@ gen_load() { # name, then load flags
 }
 if want served; then
 for slots in 16 32; do
+  port=$((port + 2))
   if start_server "native-s$slots" --model "$work/qwen2.5-0.5b" --slots $slots --api-listen 127.0.0.1:$((port + 1)); then
     gen_load "paper-native-s$slots" --rate 192 --duration "$SECS" --warmup 2 --prompts 64
     if [ $slots = 32 ]; then
@@ -104,12 +105,16 @@ for slots in 16 32; do
       step "openai-native" 60 curl -sS --max-time 30 "http://127.0.0.1:$((port + 1))/v1/completions" \
         -H 'content-type: application/json' \
         -d '{"model":"m","prompt":"The capital of France is","max_tokens":16,"stream":false}'
+      step "openai-load-native" 60 "$bin/bgs" load --openai "http://127.0.0.1:$((port + 1))/v1/completions" \
+        --model m --prompt-tokens 24 --max-tokens 64 --ignore-eos --connections 32 --cpus 4-15 \
+        --rate 64 --duration 10 --prompts 16 --server-pid "$spid" --json "$work/openai-load-native.json"
       gen_load "saturation-native-s$slots" --rate 2000 --duration 10 --prompts 64
     fi
     stop_server
   fi
 done
 for reply in loop executor-sqe; do
+  port=$((port + 2))
   if start_server "kernel-$reply" --transport kernel --reply "$reply" --model "$work/qwen2.5-0.5b" --slots 32 --api-listen off; then
     gen_load "paper-kernel-$reply" --rate 192 --duration 10 --warmup 2 --prompts 64
     stop_server
@@ -137,7 +142,7 @@ for kind in ["check", "hf", "bench"]:
 s["served"] = {}
 for p in sorted(glob.glob(f"{work}/*.json")):
     n = os.path.basename(p)[:-5]
-    if n.split("-")[0] in ("paper", "http", "saturation"):
+    if n.split("-")[0] in ("paper", "http", "saturation", "openai"):
         s["served"][n] = load(p)
 print(json.dumps(s, indent=1))
 PY

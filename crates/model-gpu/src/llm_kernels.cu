@@ -82,6 +82,7 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
     float dot = 0.0f;
     if (hd % BGS_PER16 == 0 && ((unsigned long long)k & 15ull) == 0) {
         const bgs_u4 *k4 = (const bgs_u4 *)k;
+#pragma unroll 4
         for (int c = 0; c < hd / BGS_PER16; c++) {
             float e[BGS_PER16];
             unpack16(k4[c], e);
@@ -96,6 +97,8 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
 
 #define BGS_NEG_INF (__int_as_float(0xff800000))
 #define BGS_MAX_HEAD_DIM 128
+// Value rows an attention lane loads before adding them (loads in flight per warp).
+#define BGS_ATTN_V_ROWS 8
 #define BGS_NORM_THREADS 256
 #define BGS_ARGMAX_THREADS 1024
 
@@ -241,8 +244,11 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
     for (int p0 = 0; p0 <= last; p0 += 32) {
         const int p = p0 + lane;
         float sc = BGS_NEG_INF;
+        // The cache block of this lane's position: for its key here and, shuffled, for every
+        // lane's value reads below (one table read per position, not one per lane).
+        const int blk = p <= last ? table[p / block_size] : 0;
         if (p <= last) {
-            const wt *k = cache + (long long)table[p / block_size] * block_stride + head_off +
+            const wt *k = cache + (long long)blk * block_stride + head_off +
                           (long long)(p % block_size) * head_dim;
             sc = dot_row(qs, k, head_dim) * scale;
         }
@@ -253,15 +259,33 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 #pragma unroll
         for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = acc[r] * corr;
         const int n = min(32, last - p0 + 1);
-        for (int j = 0; j < n; j++) {
-            const float w = __shfl_sync(0xffffffffu, e, j);
-            const int pj = p0 + j;
-            const wt *v = cache + (long long)table[pj / block_size] * block_stride + head_off +
-                          v_off + (long long)(pj % block_size) * head_dim;
+        // Values, 8 positions at a time: the 8 rows are loaded before any is added (8 loads
+        // in flight instead of one after another), then added in position order, the same
+        // sums in the same order as one position at a time.
+        for (int j0 = 0; j0 < n; j0 += BGS_ATTN_V_ROWS) {
+            float vv[BGS_ATTN_V_ROWS][BGS_MAX_HEAD_DIM / 32];
 #pragma unroll
-            for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-                const int d = lane + 32 * r;
-                if (d < head_dim) acc[r] = acc[r] + w * ld(v[d]);
+            for (int j = 0; j < BGS_ATTN_V_ROWS; j++) {
+                const int pj = p0 + j0 + j;
+                const int bj = __shfl_sync(0xffffffffu, blk, (j0 + j) & 31);
+                const wt *v = cache + (long long)bj * block_stride + head_off + v_off +
+                              (long long)(pj % block_size) * head_dim;
+#pragma unroll
+                for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+                    const int d = lane + 32 * r;
+                    vv[j][r] = (j0 + j < n && d < head_dim) ? ld(v[d]) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < BGS_ATTN_V_ROWS; j++) {
+                const float w = __shfl_sync(0xffffffffu, e, (j0 + j) & 31);
+                if (j0 + j < n) {
+#pragma unroll
+                    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+                        const int d = lane + 32 * r;
+                        if (d < head_dim) acc[r] = acc[r] + w * vv[j][r];
+                    }
+                }
             }
         }
         m = mn;

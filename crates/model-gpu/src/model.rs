@@ -251,6 +251,10 @@ pub struct GpuModel {
     ctx: cu::CUcontext,
     module: cu::CUmodule,
     stream: cu::CUstream,
+    /// Recorded after each served step and waited on with `cuEventSynchronize`: created with
+    /// `CU_EVENT_BLOCKING_SYNC`, so the engine's thread sleeps until the GPU's interrupt
+    /// instead of spinning a core for the whole step (the default for stream synchronization).
+    step_done: cu::CUevent,
     blas: cublas::cublasHandle_t,
     /// The kernels, in `Kernel::ALL` order.
     funcs: Vec<cu::CUfunction>,
@@ -346,6 +350,7 @@ impl GpuModel {
             ctx: std::ptr::null_mut(),
             module: std::ptr::null_mut(),
             stream: std::ptr::null_mut(),
+            step_done: std::ptr::null_mut(),
             blas: std::ptr::null_mut(),
             funcs: Vec::new(),
             allocs: Vec::new(),
@@ -395,6 +400,17 @@ impl GpuModel {
             // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
             unsafe { cu::cuStreamCreate(&mut self.stream, STREAM_NON_BLOCKING) },
             "cuStreamCreate",
+        )?;
+        ck(
+            // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
+            unsafe {
+                cu::cuEventCreate(
+                    &mut self.step_done,
+                    cu::CUevent_flags_enum::CU_EVENT_BLOCKING_SYNC as u32
+                        | cu::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32,
+                )
+            },
+            "cuEventCreate(blocking sync)",
         )?;
 
         self.w = plan::upload_weights(self, weights, self.dtype)?;
@@ -589,6 +605,21 @@ impl GpuModel {
             // SAFETY: `stream` is live.
             unsafe { cu::cuStreamSynchronize(self.stream) },
             &format!("cuStreamSynchronize ({what})"),
+        )
+    }
+
+    /// Wait for everything enqueued so far without spinning: record `step_done` and sleep in
+    /// `cuEventSynchronize` (woken by the GPU's interrupt).
+    fn sleep_until_done(&self, what: &str) -> Result<(), GpuError> {
+        ck(
+            // SAFETY: a live event and stream of the current context.
+            unsafe { cu::cuEventRecord(self.step_done, self.stream) },
+            &format!("cuEventRecord ({what})"),
+        )?;
+        ck(
+            // SAFETY: the event was recorded above.
+            unsafe { cu::cuEventSynchronize(self.step_done) },
+            &format!("cuEventSynchronize ({what})"),
         )
     }
 
@@ -855,7 +886,7 @@ impl GpuModel {
                 "cuMemcpyDtoHAsync(next tokens)",
             )?;
         }
-        self.sync("step")?;
+        self.sleep_until_done("step")?;
         // SAFETY: the copy above completed; `p.samples` values were written.
         let got = unsafe { std::slice::from_raw_parts(self.next_host, p.samples) };
         for (&i, &t) in p.sampled_items.iter().zip(got) {
@@ -1147,6 +1178,9 @@ impl Drop for GpuModel {
             }
             if !self.blas.is_null() {
                 let _ = cublas::cublasDestroy_v2(self.blas);
+            }
+            if !self.step_done.is_null() {
+                let _ = cu::cuEventDestroy_v2(self.step_done);
             }
             if !self.stream.is_null() {
                 let _ = cu::cuStreamDestroy_v2(self.stream);
