@@ -298,7 +298,11 @@ impl Emu {
                 }
             }
             Kernel::Attention => {
-                assert_eq!(block, 32);
+                assert!(
+                    block.is_multiple_of(32) && (32..=256).contains(&block),
+                    "block {block}"
+                );
+                let warps = (block / 32) as usize;
                 let (qkv, cache, pos, seq, bt_off, bt, out) =
                     (p(0), p(1), p(2), p(3), p(4), p(5), p(6));
                 let (nh, nkv, hd, bs, stride, scale) =
@@ -322,45 +326,70 @@ impl Emu {
                     for head in 0..gx {
                         let kvh = head / group;
                         let q = self.f32s(qkv + ((t * (qd + 2 * kvd) + head * hd) * 4) as u64, hd);
-                        let mut acc = vec![0f32; hd];
-                        let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-                        let mut p0 = 0;
-                        while p0 <= last {
-                            let mut sc = [f32::NEG_INFINITY; 32];
-                            for (lane, s) in sc.iter_mut().enumerate() {
-                                let pp = p0 + lane;
-                                if pp <= last {
-                                    let k = self.wts(addr(&table, pp, kvh, false), hd);
-                                    let mut dot = 0f32;
-                                    for d in 0..hd {
-                                        dot += q[d] * k[d];
+                        // Each warp's (max, sum, accumulator) over its groups of 32 positions
+                        // (group g to warp g % warps).
+                        let mut states = Vec::with_capacity(warps);
+                        for warp in 0..warps {
+                            let mut acc = vec![0f32; hd];
+                            let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+                            let mut p0 = warp * 32;
+                            while p0 <= last {
+                                let mut sc = [f32::NEG_INFINITY; 32];
+                                for (lane, s) in sc.iter_mut().enumerate() {
+                                    let pp = p0 + lane;
+                                    if pp <= last {
+                                        let k = self.wts(addr(&table, pp, kvh, false), hd);
+                                        let mut dot = 0f32;
+                                        for d in 0..hd {
+                                            dot += q[d] * k[d];
+                                        }
+                                        *s = dot * scale;
                                     }
-                                    *s = dot * scale;
                                 }
-                            }
-                            let gmax = butterfly(sc, f32::max);
-                            let mn = m.max(gmax);
-                            let mut e = [0f32; 32];
-                            for lane in 0..32 {
-                                if p0 + lane <= last {
-                                    e[lane] = (sc[lane] - mn).exp();
+                                let gmax = butterfly(sc, f32::max);
+                                let mn = m.max(gmax);
+                                let mut e = [0f32; 32];
+                                for lane in 0..32 {
+                                    if p0 + lane <= last {
+                                        e[lane] = (sc[lane] - mn).exp();
+                                    }
                                 }
-                            }
-                            let corr = (m - mn).exp();
-                            l = l * corr + butterfly(e, |a, b| a + b);
-                            for a in acc.iter_mut() {
-                                *a *= corr;
-                            }
-                            for (j, &w) in e.iter().enumerate().take((last - p0 + 1).min(32)) {
-                                let v = self.wts(addr(&table, p0 + j, kvh, true), hd);
-                                for d in 0..hd {
-                                    acc[d] += w * v[d];
+                                let corr = (m - mn).exp();
+                                l = l * corr + butterfly(e, |a, b| a + b);
+                                for a in acc.iter_mut() {
+                                    *a *= corr;
                                 }
+                                for (j, &w) in e.iter().enumerate().take((last - p0 + 1).min(32)) {
+                                    let v = self.wts(addr(&table, p0 + j, kvh, true), hd);
+                                    for d in 0..hd {
+                                        acc[d] += w * v[d];
+                                    }
+                                }
+                                m = mn;
+                                p0 += 32 * warps;
                             }
-                            m = mn;
-                            p0 += 32;
+                            states.push((m, l, acc));
                         }
-                        let o: Vec<f32> = acc.iter().map(|a| a / l).collect();
+                        let o: Vec<f32> = if warps == 1 {
+                            let (_, l, acc) = &states[0];
+                            acc.iter().map(|a| a / l).collect()
+                        } else {
+                            // The kernel's combine, in warp order.
+                            let mm = states.iter().fold(f32::NEG_INFINITY, |a, s| a.max(s.0));
+                            let (mut ll, mut oo) = (0f32, vec![0f32; hd]);
+                            for (m, l, acc) in &states {
+                                let f = if *m == f32::NEG_INFINITY {
+                                    0.0
+                                } else {
+                                    (m - mm).exp()
+                                };
+                                ll += l * f;
+                                for d in 0..hd {
+                                    oo[d] += acc[d] * f;
+                                }
+                            }
+                            oo.iter().map(|a| a / ll).collect()
+                        };
                         self.put_wts(out + ((t * qd + head * hd) as u64) * es, &o);
                     }
                 }
@@ -477,6 +506,7 @@ pub(crate) struct EmuModel {
     inputs: u64,
     staging: Vec<i32>,
     invariant_gemm: bool,
+    attention_warps: u32,
 }
 
 impl EmuModel {
@@ -511,7 +541,14 @@ impl EmuModel {
             cache,
             inputs,
             invariant_gemm,
+            attention_warps: 1,
         }
+    }
+
+    /// Split attention across `w` warps (as `GpuModelOptions::attention_warps`).
+    pub(crate) fn with_attention_warps(mut self, w: u32) -> EmuModel {
+        self.attention_warps = w;
+        self
     }
 
     fn plan(&self) -> Plan<'_> {
@@ -524,6 +561,7 @@ impl EmuModel {
             cache: self.cache,
             inputs: self.inputs,
             invariant_gemm: self.invariant_gemm,
+            attention_warps: self.attention_warps,
         }
     }
 
@@ -667,15 +705,31 @@ mod tests {
     }
 
     fn check_arch(arch: SynthArch, dtype: GpuDtype, tol: f32, exact_tokens: bool, inv: bool) {
+        check_arch_with(arch, dtype, tol, exact_tokens, inv, 1, &[3, 9, 1, 14]);
+    }
+
+    fn check_arch_with(
+        arch: SynthArch,
+        dtype: GpuDtype,
+        tol: f32,
+        exact_tokens: bool,
+        inv: bool,
+        warps: u32,
+        lens: &[usize],
+    ) {
         let dt = match dtype {
             GpuDtype::F32 => DType::F32,
             GpuDtype::F16 => DType::F16,
             GpuDtype::Bf16 => DType::Bf16,
         };
         let (cfg, w) = synth_weights(arch, 5, dt);
-        let (bs, per) = (4, 12);
+        let bs = 4;
+        let per = (lens.iter().max().unwrap() + 21).div_ceil(bs);
         // Token capacity 32 and 4 items: buckets and padding are exercised.
-        let mut emu = EmuModel::new(cfg.clone(), &w, dtype, [bs, 4 * per, 30, 4], inv);
+        // (Long prompts need a token capacity that holds the whole prefill of the logit check.)
+        let capacity = 30.max(lens.iter().sum::<usize>());
+        let mut emu = EmuModel::new(cfg.clone(), &w, dtype, [bs, 4 * per, capacity, 4], inv)
+            .with_attention_warps(warps);
         let mut cpu = CpuModel::new(
             cfg.clone(),
             w,
@@ -686,7 +740,7 @@ mod tests {
             1,
         )
         .unwrap();
-        let ps = prompts(cfg.vocab_size, &[3, 9, 1, 14]);
+        let ps = prompts(cfg.vocab_size, lens);
         let tables: Vec<Vec<u32>> = (0..4)
             .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
             .collect();
@@ -725,6 +779,23 @@ mod tests {
     fn emulated_plan_matches_the_cpu_oracle_in_f32() {
         check_arch(SynthArch::TinyQwen2, GpuDtype::F32, 1e-4, true, false);
         check_arch(SynthArch::TinyLlama, GpuDtype::F32, 1e-4, true, false);
+    }
+
+    /// Attention split across 2 and 4 warps (prompts long enough that every warp holds
+    /// positions): f32 tokens still equal the oracle's, each sequence alone equals the batch.
+    #[test]
+    fn emulated_attention_across_warps_matches_the_cpu_oracle() {
+        for warps in [2, 4] {
+            check_arch_with(
+                SynthArch::TinyQwen2,
+                GpuDtype::F32,
+                1e-4,
+                true,
+                false,
+                warps,
+                &[3, 100, 1, 130],
+            );
+        }
     }
 
     #[test]

@@ -82,7 +82,6 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
     float dot = 0.0f;
     if (hd % BGS_PER16 == 0 && ((unsigned long long)k & 15ull) == 0) {
         const bgs_u4 *k4 = (const bgs_u4 *)k;
-#pragma unroll 4
         for (int c = 0; c < hd / BGS_PER16; c++) {
             float e[BGS_PER16];
             unpack16(k4[c], e);
@@ -97,8 +96,8 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
 
 #define BGS_NEG_INF (__int_as_float(0xff800000))
 #define BGS_MAX_HEAD_DIM 128
-// Value rows an attention lane loads before adding them (loads in flight per warp).
-#define BGS_ATTN_V_ROWS 8
+// Most warps of one attention block (positions split across warps, see bgs_attention).
+#define BGS_ATTN_MAX_WARPS 8
 #define BGS_NORM_THREADS 256
 #define BGS_ARGMAX_THREADS 1024
 
@@ -213,13 +212,16 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Paged attention for decode and ragged prefill: one warp per (query head, token). The token
-// attends to positions 0..=pos[t] of its own sequence through that sequence's block table
-// (grouped-query: kv head = head / group), with an online softmax in f32 over groups of 32
-// positions: lane j scores position p0 + j (a full dot product over the head, in dimension
+// Paged attention for decode and ragged prefill: one block of W warps (blockDim / 32, at most
+// BGS_ATTN_MAX_WARPS) per (query head, token). The token attends to positions 0..=pos[t] of
+// its own sequence through that sequence's block table (grouped-query: kv head = head /
+// group), with an online softmax in f32 over groups of 32 positions, group g going to warp
+// g % W: lane j scores position p0 + j (a full dot product over the head, in dimension
 // order), the group's max and sum are butterfly reductions, then every lane accumulates the
-// group's values for its dimensions (l, l + 32, ...) in position order. The groups depend
-// only on the position, so a token's result is the same whatever else is in the batch.
+// group's values for its dimensions (l, l + 32, ...) in position order. With W > 1 the warps'
+// states are combined in warp order at the end (W = 1 writes its own state, unchanged). The
+// split depends only on the positions and W, so a token's result is the same whatever else
+// is in the batch; W only sets how many warps wait on memory at once.
 // out: [T][num_heads * head_dim] in `wt`.
 extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, const int *pos,
                                          const int *seq, const int *bt_off, const int *bt,
@@ -227,12 +229,15 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
                                          int head_dim, int block_size, long long block_stride,
                                          float scale) {
     __shared__ float qs[BGS_MAX_HEAD_DIM];
-    const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
+    __shared__ float part_acc[BGS_ATTN_MAX_WARPS][BGS_MAX_HEAD_DIM];
+    __shared__ float part_m[BGS_ATTN_MAX_WARPS], part_l[BGS_ATTN_MAX_WARPS];
+    const int head = blockIdx.x, t = blockIdx.y;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
     const int kvh = head / (num_heads / num_kv_heads);
     const float *q = qkv + (size_t)t * (qd + 2 * kvd) + head * head_dim;
-    for (int d = lane; d < head_dim; d += 32) qs[d] = q[d];
-    __syncwarp();
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[d];
+    __syncthreads();
     const int *table = bt + bt_off[seq[t]];
     const int last = pos[t];
     const long long head_off = (long long)kvh * block_size * head_dim;
@@ -241,11 +246,13 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 #pragma unroll
     for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = 0.0f;
     float m = BGS_NEG_INF, l = 0.0f;
-    for (int p0 = 0; p0 <= last; p0 += 32) {
+    // Warp w takes the groups of 32 positions w, w + W, w + 2W, ...: which warp holds which
+    // position depends only on the position, never on the batch.
+    for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
         const int p = p0 + lane;
         float sc = BGS_NEG_INF;
         // The cache block of this lane's position: for its key here and, shuffled, for every
-        // lane's value reads below (one table read per position, not one per lane).
+        // lane's value read below (one table read per position, not one per value row).
         const int blk = p <= last ? table[p / block_size] : 0;
         if (p <= last) {
             const wt *k = cache + (long long)blk * block_stride + head_off +
@@ -259,42 +266,60 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 #pragma unroll
         for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = acc[r] * corr;
         const int n = min(32, last - p0 + 1);
-        // Values, 8 positions at a time: the 8 rows are loaded before any is added (8 loads
-        // in flight instead of one after another), then added in position order, the same
-        // sums in the same order as one position at a time.
-        for (int j0 = 0; j0 < n; j0 += BGS_ATTN_V_ROWS) {
-            float vv[BGS_ATTN_V_ROWS][BGS_MAX_HEAD_DIM / 32];
+        for (int j = 0; j < n; j++) {
+            const float w = __shfl_sync(0xffffffffu, e, j);
+            const int bj = __shfl_sync(0xffffffffu, blk, j);
+            const int pj = p0 + j;
+            const wt *v = cache + (long long)bj * block_stride + head_off + v_off +
+                          (long long)(pj % block_size) * head_dim;
 #pragma unroll
-            for (int j = 0; j < BGS_ATTN_V_ROWS; j++) {
-                const int pj = p0 + j0 + j;
-                const int bj = __shfl_sync(0xffffffffu, blk, (j0 + j) & 31);
-                const wt *v = cache + (long long)bj * block_stride + head_off + v_off +
-                              (long long)(pj % block_size) * head_dim;
-#pragma unroll
-                for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-                    const int d = lane + 32 * r;
-                    vv[j][r] = (j0 + j < n && d < head_dim) ? ld(v[d]) : 0.0f;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < BGS_ATTN_V_ROWS; j++) {
-                const float w = __shfl_sync(0xffffffffu, e, (j0 + j) & 31);
-                if (j0 + j < n) {
-#pragma unroll
-                    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-                        const int d = lane + 32 * r;
-                        if (d < head_dim) acc[r] = acc[r] + w * vv[j][r];
-                    }
-                }
+            for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+                const int d = lane + 32 * r;
+                if (d < head_dim) acc[r] = acc[r] + w * ld(v[d]);
             }
         }
         m = mn;
     }
     wt *o = out + (size_t)t * qd + head * head_dim;
+    if (warps == 1) {
+#pragma unroll
+        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+            const int d = lane + 32 * r;
+            if (d < head_dim) o[d] = st(acc[r] / l);
+        }
+        return;
+    }
+    // Several warps: combine their (max, sum, accumulator) states in warp order.
 #pragma unroll
     for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
         const int d = lane + 32 * r;
-        if (d < head_dim) o[d] = st(acc[r] / l);
+        if (d < head_dim) part_acc[warp][d] = acc[r];
+    }
+    if (lane == 0) {
+        part_m[warp] = m;
+        part_l[warp] = l;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    float mm = BGS_NEG_INF;
+    for (int w = 0; w < warps; w++) mm = fmaxf(mm, part_m[w]);
+    float ll = 0.0f, oo[BGS_MAX_HEAD_DIM / 32];
+#pragma unroll
+    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) oo[r] = 0.0f;
+    for (int w = 0; w < warps; w++) {
+        // A warp without positions (m = -inf) weighs nothing.
+        const float f = part_m[w] == BGS_NEG_INF ? 0.0f : expf(part_m[w] - mm);
+        ll = ll + part_l[w] * f;
+#pragma unroll
+        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+            const int d = lane + 32 * r;
+            if (d < head_dim) oo[r] = oo[r] + part_acc[w][d] * f;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+        const int d = lane + 32 * r;
+        if (d < head_dim) o[d] = st(oo[r] / ll);
     }
 }
 

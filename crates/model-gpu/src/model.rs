@@ -44,6 +44,10 @@ pub struct GpuModelOptions {
     /// reduction order per output, whatever the bucket) instead of cuBLAS. Slower (weights
     /// are read once per 16 tokens), for measuring and guaranteeing batch invariance.
     pub batch_invariant_gemm: bool,
+    /// Warps per attention block, 1..=8: the positions a token attends to are split across
+    /// them in fixed groups of 32 (more memory requests in flight at small batch; the split
+    /// depends only on the positions, so results stay batch-invariant).
+    pub attention_warps: u32,
 }
 
 impl Default for GpuModelOptions {
@@ -60,6 +64,7 @@ impl Default for GpuModelOptions {
             cache_dir: None,
             use_graphs: true,
             batch_invariant_gemm: false,
+            attention_warps: 4,
         }
     }
 }
@@ -244,6 +249,7 @@ pub struct GpuModel {
     geo: StepGeometry,
     use_graphs: bool,
     invariant_gemm: bool,
+    attention_warps: u32,
     device_name: String,
     compute_capability: (i32, i32),
     cache_hit: bool,
@@ -335,6 +341,12 @@ impl GpuModel {
             )
         }
         .map_err(GpuModelError::Config)?;
+        if !(1..=8).contains(&opts.attention_warps) {
+            return Err(GpuModelError::Config(format!(
+                "attention_warps must be 1..=8, got {}",
+                opts.attention_warps
+            )));
+        }
 
         let env = init(opts.device, opts.cuda_home.as_deref())?;
         let mut m = GpuModel {
@@ -343,6 +355,7 @@ impl GpuModel {
             geo: pre,
             use_graphs: opts.use_graphs,
             invariant_gemm: opts.batch_invariant_gemm,
+            attention_warps: opts.attention_warps,
             device_name: env.name.clone(),
             compute_capability: env.cc,
             cache_hit: false,
@@ -633,6 +646,7 @@ impl GpuModel {
             cache: self.cache,
             inputs: self.inputs,
             invariant_gemm: self.invariant_gemm,
+            attention_warps: self.attention_warps,
         }
     }
 

@@ -265,6 +265,8 @@ pub(crate) struct Plan<'a> {
     pub inputs: u64,
     /// Projections through `bgs_gemm_invariant` instead of cuBLAS.
     pub invariant_gemm: bool,
+    /// Warps of one attention block (positions split across them), 1..=8.
+    pub attention_warps: u32,
 }
 
 impl Plan<'_> {
@@ -390,7 +392,7 @@ impl Plan<'_> {
             ops.push(launch(
                 Kernel::Attention,
                 (nh as u32, nu),
-                32,
+                32 * self.attention_warps,
                 &[
                     Arg::P(b.qkv),
                     Arg::P(cache_l),

@@ -73,6 +73,9 @@ struct DeviceArgs {
     /// Projections through the batch-invariant kernel instead of cuBLAS.
     #[arg(long)]
     invariant_gemm: bool,
+    /// Warps per attention block (positions split across them), 1..=8.
+    #[arg(long, default_value_t = GpuModelOptions::default().attention_warps)]
+    attention_warps: u32,
 }
 
 #[derive(Args, Debug)]
@@ -166,6 +169,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         cache_dir: dev.cache_dir.clone(),
         use_graphs: !dev.no_graphs,
         batch_invariant_gemm: dev.invariant_gemm,
+        attention_warps: dev.attention_warps,
         ..Default::default()
     }
 }
@@ -493,6 +497,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "model": name, "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
+        "attention_warps": a.dev.attention_warps,
         "pass": ok, "checks": results,
     });
     write_json(&a.json, &v)?;
@@ -732,6 +737,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "arch": a.arch.name(), "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
+        "attention_warps": a.dev.attention_warps,
         "weight_bytes": m.weight_bytes(),
         "kv_bytes_per_position": m.kv_bytes_per_position(),
         "copy_bandwidth_bytes_per_s": bw, "decode": rows, "prefill": prefill,
