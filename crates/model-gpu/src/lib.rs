@@ -25,13 +25,19 @@ pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
 /// NVRTC options for compute capability `major.minor` and `dtype` (no `-rdc`: the kernels
 /// launch nothing themselves, so NVRTC's cubin loads as is).
 pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype) -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("-arch=sm_{major}{minor}"),
         "-std=c++17".into(),
         // Keep multiplies and adds separate, as the CPU oracle computes them.
         "-fmad=false".into(),
         format!("-DBGS_DT={}", dtype.kernel_id()),
-    ]
+    ];
+    // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_V_UNROLL=8`); part of the
+    // cache key like every option.
+    if let Ok(extra) = std::env::var("BGS_LLM_KERNEL_DEFINES") {
+        o.extend(extra.split_whitespace().map(|d| format!("-D{d}")));
+    }
+    o
 }
 
 /// The kernel cache key: a 128-bit hash of the source, options, device name and the driver
