@@ -690,7 +690,7 @@ fn serve_kernel(
         // As for the native transport: the GPU executor holds no streams.
         cancel_markers: executor_kind != ExecutorKind::Gpu,
     };
-    let transport = match KernelTransport::bind(cfg) {
+    let mut transport = match KernelTransport::bind(cfg) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
             bail!(
@@ -711,6 +711,7 @@ fn serve_kernel(
         s.rings = Some(region.clone());
         s.bpf = Some(transport.bpf_counters());
         s.open_connections = Some(transport.open_connections());
+        s.requests = Some(transport.enable_metrics());
     });
     admin.up(admin::BPF);
     admin.up(admin::TRANSPORT);

@@ -43,6 +43,7 @@ use bgs_uring::{RingOptions, SqPoll, Uring};
 use serde::Serialize;
 
 use crate::native::ShutdownHandle;
+use crate::stats::RequestMetrics;
 use reply::{ReplyIo, ReplyStage, ReplyStats};
 
 /// Where the reply stage runs.
@@ -330,6 +331,8 @@ pub struct KernelTransport {
     waker_fd: Arc<OwnedFd>,
     /// The send table and the GPU's ring ([`KernelConfig::gpu_sends`]).
     gpu: Option<Arc<GpuTx>>,
+    /// Set by [`KernelTransport::enable_metrics`]; without it nothing is measured.
+    metrics: Option<Arc<RequestMetrics>>,
 }
 
 impl std::fmt::Debug for KernelTransport {
@@ -793,6 +796,7 @@ impl KernelTransport {
             shutdown_tx: ShutdownHandle::from_stream(tx),
             waker_fd,
             gpu,
+            metrics: None,
         })
     }
 
@@ -864,6 +868,17 @@ impl KernelTransport {
     pub fn open_connections(&self) -> Arc<dyn Fn() -> usize + Send + Sync> {
         let rx = self.rx.clone();
         Arc::new(move || rx.sockhash_len())
+    }
+
+    /// Count answered requests by op and status, and their durations, for a metrics
+    /// scrape: the reply stage counts each request's final frame when it encodes it, from the
+    /// op and `publish_ns` (BPF's CLOCK_MONOTONIC stamp at publication) that every completion
+    /// carries. Rejections and connection markers are not counted, and neither are replies a
+    /// GPU executor sends itself (`gpu_sends`: they never reach the stage). The connection
+    /// counters of the returned value stay 0 here: [`Self::open_connections`] counts those.
+    /// Call before [`Self::run`].
+    pub fn enable_metrics(&mut self) -> Arc<RequestMetrics> {
+        self.metrics.get_or_insert_default().clone()
     }
 
     /// The bound address.
@@ -943,6 +958,9 @@ impl KernelTransport {
         }
         driver.stage.set_limits(self.cfg.limits);
         driver.stage.set_cancel_markers(self.cfg.cancel_markers);
+        if let Some(m) = &self.metrics {
+            driver.stage.set_metrics(m.clone());
+        }
         let region = self.rx.region();
         let mut wakeups = 0u64;
         let mut last_sweep = Instant::now();
@@ -1028,6 +1046,7 @@ impl KernelTransport {
         let stats_every = self.cfg.stats_every;
         let gpu = self.gpu.clone();
         let (limits, cancel_markers) = (self.cfg.limits, self.cfg.cancel_markers);
+        let metrics = self.metrics.clone();
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
@@ -1038,6 +1057,9 @@ impl KernelTransport {
                 }
                 driver.stage.set_limits(limits);
                 driver.stage.set_cancel_markers(cancel_markers);
+                if let Some(m) = metrics {
+                    driver.stage.set_metrics(m);
+                }
                 let mut last_sweep = Instant::now();
                 let mut stats_timer = StatsTimer::new(stats_every);
                 while !stop2.load(Ordering::Acquire) {
