@@ -719,11 +719,70 @@ fn bind_unlistened(addr: SocketAddr) -> io::Result<(OwnedFd, SocketAddr)> {
     Ok((socket, local))
 }
 
+/// The unprivileged user a server will switch to (`bgs serve --user`), for
+/// [`KernelTransport::bind_as`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingOwner {
+    /// User id.
+    pub uid: u32,
+    /// Group id (also the only supplementary group while the rings are created).
+    pub gid: u32,
+}
+
+/// Run `f` on a thread of its own whose credentials are `owner`'s (no capability), or here
+/// when there is no owner.
+///
+/// An io_uring ring keeps the credentials of the thread that created it where requests run
+/// on the ring's behalf: an SQPOLL ring's kernel thread submits every SQE with them (and is a
+/// thread of this process that a later `setresuid` cannot reach). A ring created by root
+/// would go on executing whatever the process writes into its submission queue as root after
+/// the process dropped to `owner`; created by a thread that is already `owner`, it cannot.
+/// The raw system calls (`rustix::thread`) change only the calling thread, which exits
+/// afterwards; the rest of the process stays root until it drops privileges itself.
+fn as_ring_owner<T: Send>(
+    owner: Option<RingOwner>,
+    f: impl FnOnce() -> io::Result<T> + Send,
+) -> io::Result<T> {
+    let Some(o) = owner else {
+        return f();
+    };
+    std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("bgs-ring-setup".into())
+            .spawn_scoped(s, move || {
+                let gid = rustix::process::Gid::from_raw(o.gid);
+                let uid = rustix::process::Uid::from_raw(o.uid);
+                rustix::thread::set_thread_groups(&[gid])?;
+                rustix::thread::set_thread_res_gid(gid, gid, gid)?;
+                rustix::thread::set_thread_res_uid(uid, uid, uid)?;
+                f().map_err(|e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!(
+                            "setting up io_uring as uid {} ({e}; with sysctl kernel.io_uring_disabled=1 only root and kernel.io_uring_group may use io_uring)",
+                            o.uid
+                        ),
+                    )
+                })
+            })?
+            .join()
+            .map_err(|_| io::Error::other("the io_uring set-up thread panicked"))?
+    })
+}
+
 impl KernelTransport {
     /// Bind, load and attach the BPF programs for the port, listen, set up io_uring. No
     /// connection can complete its handshake before the programs are attached (see
     /// `bind_unlistened`).
     pub fn bind(cfg: KernelConfig) -> io::Result<Self> {
+        Self::bind_as(cfg, None)
+    }
+
+    /// As [`Self::bind`], for a server that will drop root for `ring_owner` once it is set up:
+    /// the io_uring rings are created with that user's credentials (see `as_ring_owner`), so
+    /// that nothing the process keeps acts as root after the drop. Everything else (BPF, the
+    /// listening socket) is set up with the caller's privileges.
+    pub fn bind_as(cfg: KernelConfig, ring_owner: Option<RingOwner>) -> io::Result<Self> {
         if cfg.gpu_sends && !matches!(cfg.reply, ReplyMode::ExecutorSqe { .. }) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -773,12 +832,15 @@ impl KernelTransport {
                 ..RingOptions::default()
             },
         };
-        let uring = Uring::new(&opts)?;
-        let gpu = if cfg.gpu_sends {
-            Some(Arc::new(Self::gpu_ring(&cfg, &opts, &uring)?))
-        } else {
-            None
-        };
+        let (uring, gpu) = as_ring_owner(ring_owner, || {
+            let uring = Uring::new(&opts)?;
+            let gpu = if cfg.gpu_sends {
+                Some(Arc::new(Self::gpu_ring(&cfg, &opts, &uring)?))
+            } else {
+                None
+            };
+            Ok((uring, gpu))
+        })?;
         let (shutdown_rx, tx) = UnixStream::pair()?;
         shutdown_rx.set_nonblocking(true)?;
         tx.set_nonblocking(true)?;
