@@ -752,3 +752,49 @@ fn kernel_transport_readiness_and_bpf_metrics() {
         );
     }
 }
+
+/// With `--user nobody` the admin endpoints, BPF counters (map reads through descriptors
+/// opened as root) and request metrics keep working after the drop, and the server is ready
+/// only once it dropped.
+#[test]
+fn kernel_transport_admin_works_after_dropping_privileges() {
+    let mut srv = Served::start(
+        &[
+            "--transport",
+            "kernel",
+            "--reply",
+            "executor-sqe",
+            "--user",
+            "nobody",
+        ],
+        None,
+    );
+    let addr = srv.listening();
+    wait_for_code(srv.admin, "/readyz", 200, Duration::from_secs(10));
+    let pid = srv.child.id();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    assert_ne!(uid, "0", "ready only after the drop");
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for id in 1..=10 {
+        assert_eq!(request(&mut c, Op::Fft32, id, 64), Status::Ok);
+    }
+    let m = parse(&srv.get("/metrics").1).expect("valid metrics");
+    assert_eq!(
+        m.value("bgs_requests_total", &[("op", "fft32"), ("status", "ok")]),
+        Some(10.0)
+    );
+    assert_eq!(m.value("bgs_bpf_requests_total", &[]), Some(10.0));
+    assert_eq!(m.value("bgs_connections_open", &[]), Some(1.0));
+    drop(c);
+    srv.sigterm();
+    assert!(srv.wait_exit(Duration::from_secs(15)), "clean exit");
+}
