@@ -49,7 +49,7 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 
 /* Constants. */
 #define BGS_RING_MAGIC 0x31474e4952534742ULL             /* "BGSRING1" as a little-endian u64 */
-#define BGS_RING_LAYOUT_VERSION 2u
+#define BGS_RING_LAYOUT_VERSION 3u
 #define BGS_RING_SLOT_WORDS 256u                         /* payload u32 words per slot */
 #define BGS_RING_HEADER_SIZE 4096u                       /* request slots start here */
 #define BGS_RING_PAGE_SIZE 4096u                         /* slot arrays are page aligned */
@@ -180,7 +180,9 @@ struct bgs_completion_entry {
     bgs_u32 stream_seq;                      /*   24: token index of a streamed completion */
     bgs_u32 route;                           /*   28: BGS_ROUTE_* bits */
     bgs_u32 stream;                          /*   32: credit stream index + 1 (0: no credit taken) */
-    bgs_u32 reserved[5];                     /*   36: zero */
+    bgs_u32 op;                              /*   36: the request's op (BGS_OP_*, 0xffff: rejection; 0: marker) */
+    bgs_u64 publish_ns;                      /*   40: the request's publish_ns (0: marker / unstamped) */
+    bgs_u32 reserved[2];                     /*   48: zero */
     bgs_u32 payload[256];                    /*   56: payload words */
 };
 BGS_STATIC_ASSERT(sizeof(struct bgs_completion_entry) == 1080, "sizeof bgs_completion_entry");
@@ -193,7 +195,9 @@ BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, words) == 20, "bgs_c
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, stream_seq) == 24, "bgs_completion_entry.stream_seq");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, route) == 28, "bgs_completion_entry.route");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, stream) == 32, "bgs_completion_entry.stream");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, reserved) == 36, "bgs_completion_entry.reserved");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, op) == 36, "bgs_completion_entry.op");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, publish_ns) == 40, "bgs_completion_entry.publish_ns");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, reserved) == 48, "bgs_completion_entry.reserved");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, payload) == 56, "bgs_completion_entry.payload");
 
 /* A request slot. seq: pos = free for position pos; pos + 1 = published; the consumer frees it with pos + capacity. */

@@ -39,7 +39,8 @@ pub type BpfReader = Arc<dyn Fn() -> bgs_bpf::KernelCounters + Send + Sync>;
 /// The server's counters a scrape reads. Each is set once the part that owns it exists.
 #[derive(Default)]
 pub struct Sources {
-    /// Answered requests, durations, open connections (native transport).
+    /// Answered requests and durations (both transports), open connections (native
+    /// transport; the kernel transport's come from `open_connections`).
     pub requests: Option<Arc<RequestMetrics>>,
     /// The shared rings (occupancy).
     pub rings: Option<Arc<RingRegion>>,
@@ -355,7 +356,8 @@ impl Collector for Scrape {
         }
         let s = lock(&self.0.inner.sources);
         if let Some(m) = &s.requests {
-            encode_requests(&mut enc, &m.snapshot())?;
+            // The kernel transport counts open connections from the sockhash instead.
+            encode_requests(&mut enc, &m.snapshot(), s.open_connections.is_none())?;
         }
         if let Some(r) = &s.rings {
             encode_rings(&mut enc, r)?;
@@ -403,6 +405,7 @@ impl Collector for Scrape {
 fn encode_requests(
     enc: &mut DescriptorEncoder<'_>,
     snap: &bgs_transport::stats::RequestSnapshot,
+    with_connections: bool,
 ) -> std::fmt::Result {
     let answered: Vec<(Labels, u64)> = snap
         .answered
@@ -423,12 +426,14 @@ fn encode_requests(
         "Requests answered (final reply queued for sending), by op and reply status",
         &answered,
     )?;
-    gauge(
-        enc,
-        "bgs_connections_open",
-        "Client connections open now",
-        i64::try_from(snap.conns_open).unwrap_or(i64::MAX),
-    )?;
+    if with_connections {
+        gauge(
+            enc,
+            "bgs_connections_open",
+            "Client connections open now",
+            i64::try_from(snap.conns_open).unwrap_or(i64::MAX),
+        )?;
+    }
     let mut buckets: Vec<(f64, u64)> = DURATION_BOUNDS_NS
         .iter()
         .map(|&ns| ns as f64 / 1e9)

@@ -8,6 +8,7 @@ mod lab;
 mod llm;
 mod meta;
 mod model;
+mod privdrop;
 mod serve;
 
 use std::net::SocketAddr;

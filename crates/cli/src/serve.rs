@@ -191,6 +191,13 @@ pub struct ServeArgs {
     /// seconds before stopping, so that a load balancer takes the server out first.
     #[arg(long, default_value_t = 0.0)]
     pub shutdown_grace: f64,
+    /// Run as this user (and group: NAME[:GROUP], names or numeric ids; default group: the
+    /// user's primary group) once the privileged steps are done: started as root, the server
+    /// loads and attaches the BPF programs, binds its ports, sets up io_uring and starts the
+    /// executor, then switches every thread to the user for good (no capability kept) before
+    /// it reports ready. See docs/operations.md.
+    #[arg(long, value_name = "NAME[:GROUP]")]
+    pub user: Option<String>,
 }
 
 /// Refuse flags that do nothing in the combination given, naming both (ranges are checked by
@@ -334,6 +341,16 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
+    // Resolve the user first: a bad name fails before anything starts.
+    let user = args
+        .user
+        .as_deref()
+        .map(crate::privdrop::resolve)
+        .transpose()?;
+    if let Some(t) = &user {
+        crate::privdrop::check_root(t)?;
+    }
+    let user = user.as_ref();
     if let Some(list) = &args.cpus {
         crate::affinity::pin(list)?;
     }
@@ -407,8 +424,12 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         admin.up(admin::MODEL);
     }
     match args.transport {
-        TransportKind::Native => serve_native(args, framer, executor_kind, &gpu_cfg, model, &admin),
-        TransportKind::Kernel => serve_kernel(args, framer, executor_kind, &gpu_cfg, model, &admin),
+        TransportKind::Native => {
+            serve_native(args, framer, executor_kind, &gpu_cfg, model, &admin, user)
+        }
+        TransportKind::Kernel => {
+            serve_kernel(args, framer, executor_kind, &gpu_cfg, model, &admin, user)
+        }
     }
 }
 
@@ -438,6 +459,17 @@ fn install_signals(
 }
 
 /// A stop signal arrived during start-up: stop what was started and exit cleanly.
+/// `--user`: every privileged step is done (ports bound, BPF attached, io_uring set up, the
+/// executor started and its devices opened); switch to the user before reporting ready, so a
+/// server that answers `/readyz` 200 no longer runs as root.
+fn drop_privileges(user: Option<&crate::privdrop::Target>) -> Result<()> {
+    if let Some(t) = user {
+        crate::privdrop::drop_to(t)?;
+        tracing::info!(uid = t.uid(), gid = t.gid(), "dropped privileges");
+    }
+    Ok(())
+}
+
 fn stopped_during_startup(stop: &AtomicBool, executor: &mut Option<Executor>) -> Result<bool> {
     if !stop.load(Ordering::Relaxed) {
         return Ok(false);
@@ -665,6 +697,7 @@ fn serve_native(
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
     mut model: Option<crate::llm::Loaded>,
     admin: &AdminHook,
+    user: Option<&crate::privdrop::Target>,
 ) -> Result<()> {
     let codec = api_codec(model.as_ref());
     let generation_on = model.as_ref().map(|m| m.forward.clone());
@@ -725,6 +758,7 @@ fn serve_native(
     if stopped_during_startup(&stop, &mut executor)? {
         return Ok(());
     }
+    drop_privileges(user)?;
     admin_executor(admin, executor.as_ref());
     announce(
         args,
@@ -750,8 +784,9 @@ fn serve_kernel(
     gpu_cfg: &bgs_executor_gpu::GpuExecutorConfig,
     model: Option<crate::llm::Loaded>,
     admin: &AdminHook,
+    user: Option<&crate::privdrop::Target>,
 ) -> Result<()> {
-    use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
+    use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode, RingOwner};
     let codec = api_codec(model.as_ref());
     let generation_on = model.as_ref().map(|m| m.forward.clone());
     // The GPU writes SEND SQEs itself (docs/kernel.md, "GPU-written SENDs"). Both dispatchers
@@ -796,7 +831,12 @@ fn serve_kernel(
         // As for the native transport: the GPU executor holds no streams.
         cancel_markers: executor_kind != ExecutorKind::Gpu,
     };
-    let transport = match KernelTransport::bind(cfg) {
+    // With --user, the io_uring rings are created as that user (KernelTransport::bind_as).
+    let ring_owner = user.map(|t| RingOwner {
+        uid: t.uid(),
+        gid: t.gid(),
+    });
+    let mut transport = match KernelTransport::bind_as(cfg, ring_owner) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
             bail!(
@@ -817,6 +857,7 @@ fn serve_kernel(
         s.rings = Some(region.clone());
         s.bpf = Some(transport.bpf_counters());
         s.open_connections = Some(transport.open_connections());
+        s.requests = Some(transport.enable_metrics());
     });
     admin.up(admin::BPF);
     admin.up(admin::TRANSPORT);
@@ -841,6 +882,7 @@ fn serve_kernel(
         return Ok(());
     }
     let executor = executor.context("the executor")?;
+    drop_privileges(user)?;
     let mode = match args.reply {
         ReplyKind::Loop => "kernel, reply loop",
         ReplyKind::ExecutorSqe if gpu_sends => "kernel, reply executor-sqe, GPU-written sends",

@@ -611,10 +611,39 @@ fn parser_rejects_malformed_expositions() {
     }
 }
 
+/// `bgs_requests_total` as `(op, status) -> count`, checking each sample's label set.
+fn requests_by_op_status(m: &Exposition) -> BTreeMap<(String, String), u64> {
+    let mut counted = BTreeMap::new();
+    for s in &m.family("bgs_requests").samples {
+        assert_eq!(s.name, "bgs_requests_total");
+        let keys: Vec<&str> = s.labels.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["op", "status"], "label set of {s:?}");
+        counted.insert(
+            (s.labels["op"].clone(), s.labels["status"].clone()),
+            s.value as u64,
+        );
+    }
+    counted
+}
+
 #[test]
 fn kernel_transport_readiness_and_bpf_metrics() {
     for reply in ["loop", "executor-sqe"] {
-        let mut srv = Served::start(&["--transport", "kernel", "--reply", reply], Some(500));
+        // A request ring of 2 slots and one executor slot: the pipelined burst below gets
+        // busy replies from BPF itself (through the side ring), which count too.
+        let mut srv = Served::start(
+            &[
+                "--transport",
+                "kernel",
+                "--reply",
+                reply,
+                "--ring-slots",
+                "2",
+                "--slots",
+                "1",
+            ],
+            Some(500),
+        );
         let (code, body) = srv.get("/readyz");
         assert_eq!(
             (code, body.as_str()),
@@ -622,14 +651,61 @@ fn kernel_transport_readiness_and_bpf_metrics() {
         );
         let addr = srv.listening();
         wait_for_code(srv.admin, "/readyz", 200, Duration::from_secs(10));
+        let before = parse(&srv.get("/metrics").1).expect("valid metrics");
+        assert_eq!(before.family("bgs_requests").samples.len(), 0, "{reply}");
+        check_histogram(&before);
         let mut c = TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut seen: BTreeMap<(String, String), u64> = BTreeMap::new();
+        let mut count = |op: Op, st: u16| {
+            *seen
+                .entry((
+                    op.name().to_string(),
+                    bgs_admin::status_label(st).to_string(),
+                ))
+                .or_default() += 1;
+        };
         for id in 1..=50 {
             assert_eq!(request(&mut c, Op::Gemm8, id, 64), Status::Ok);
+            count(Op::Gemm8, Status::Ok as u16);
         }
+        for id in 51..=70 {
+            assert_eq!(request(&mut c, Op::Echo, id, 8), Status::Ok);
+            count(Op::Echo, Status::Ok as u16);
+        }
+        let mut burst = Vec::new();
+        for k in 0..100u32 {
+            encode_request(&mut burst, &header(Op::Echo, 1000 + k, 8), &[0u32; 8]);
+        }
+        c.write_all(&burst).unwrap();
+        for _ in 0..100 {
+            let (h, _) = read_reply(&mut c);
+            count(Op::Echo, h.status);
+        }
+        let answered: u64 = seen.values().sum();
+        let busy: u64 = seen
+            .iter()
+            .filter(|((_, s), _)| s == "busy")
+            .map(|(_, n)| *n)
+            .sum();
         let m = parse(&srv.get("/metrics").1).expect("valid metrics");
+        assert_eq!(
+            requests_by_op_status(&m),
+            seen,
+            "{reply}: bgs_requests_total matches the replies received"
+        );
+        check_histogram(&m);
+        assert_eq!(
+            m.value("bgs_request_duration_seconds_count", &[]),
+            Some(answered as f64),
+            "{reply}"
+        );
+        assert!(m.value("bgs_request_duration_seconds_sum", &[]).unwrap() > 0.0);
+        assert_eq!(m.value("bgs_bpf_busy_total", &[]), Some(busy as f64));
         for (name, ty) in [
             ("bgs_ready", "gauge"),
+            ("bgs_requests", "counter"),
+            ("bgs_request_duration_seconds", "histogram"),
             ("bgs_connections_open", "gauge"),
             ("bgs_bpf_frames", "counter"),
             ("bgs_bpf_requests", "counter"),
@@ -642,15 +718,19 @@ fn kernel_transport_readiness_and_bpf_metrics() {
         ] {
             assert_eq!(m.family(name).ty, ty, "{reply}: type of {name}");
         }
-        // The kernel path does not measure per-request durations (docs/operations.md).
-        assert!(!m.families.contains_key("bgs_requests"));
+        let published = (answered - busy) as f64;
         assert_eq!(
             m.value("bgs_bpf_requests_total", &[]),
-            Some(50.0),
+            Some(published),
             "{reply}"
         );
-        assert_eq!(m.value("bgs_request_ring_published_total", &[]), Some(50.0));
-        assert_eq!(m.value("bgs_executor_requests_total", &[]), Some(50.0));
+        assert_eq!(
+            m.value("bgs_request_ring_published_total", &[]),
+            Some(published)
+        );
+        assert_eq!(m.value("bgs_executor_requests_total", &[]), Some(published));
+        // One gauge (from the sockhash), not a second one from the request counters.
+        assert_eq!(m.family("bgs_connections_open").samples.len(), 1);
         assert_eq!(m.value("bgs_connections_open", &[]), Some(1.0), "{reply}");
         drop(c);
         let end = Instant::now() + Duration::from_secs(10);
@@ -671,4 +751,50 @@ fn kernel_transport_readiness_and_bpf_metrics() {
             "{reply}: clean exit"
         );
     }
+}
+
+/// With `--user nobody` the admin endpoints, BPF counters (map reads through descriptors
+/// opened as root) and request metrics keep working after the drop, and the server is ready
+/// only once it dropped.
+#[test]
+fn kernel_transport_admin_works_after_dropping_privileges() {
+    let mut srv = Served::start(
+        &[
+            "--transport",
+            "kernel",
+            "--reply",
+            "executor-sqe",
+            "--user",
+            "nobody",
+        ],
+        None,
+    );
+    let addr = srv.listening();
+    wait_for_code(srv.admin, "/readyz", 200, Duration::from_secs(10));
+    let pid = srv.child.id();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    assert_ne!(uid, "0", "ready only after the drop");
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for id in 1..=10 {
+        assert_eq!(request(&mut c, Op::Fft32, id, 64), Status::Ok);
+    }
+    let m = parse(&srv.get("/metrics").1).expect("valid metrics");
+    assert_eq!(
+        m.value("bgs_requests_total", &[("op", "fft32"), ("status", "ok")]),
+        Some(10.0)
+    );
+    assert_eq!(m.value("bgs_bpf_requests_total", &[]), Some(10.0));
+    assert_eq!(m.value("bgs_connections_open", &[]), Some(1.0));
+    drop(c);
+    srv.sigterm();
+    assert!(srv.wait_exit(Duration::from_secs(15)), "clean exit");
 }

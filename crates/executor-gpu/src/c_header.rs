@@ -153,7 +153,14 @@ pub fn gpu_structs() -> Vec<StructDesc> {
                     U32,
                     "1: this executor is the completion ring's only producer"
                 ),
-                field!(GpuSlot, pad, U8; 36, ""),
+                field!(GpuSlot, pad0, U32, ""),
+                field!(
+                    GpuSlot,
+                    publish_ns,
+                    U64,
+                    "the request's publish_ns, copied into its completion"
+                ),
+                field!(GpuSlot, pad, U8; 24, ""),
                 field!(GpuSlot, input, U32; bgs_ring::SLOT_WORDS, "request payload"),
                 field!(
                     GpuSlot,

@@ -649,13 +649,20 @@ impl Shared {
         let popped = self.region.requests().try_pop(|e| {
             // OP_CANCEL entries are never answered, not even after a failure.
             if e.op != OP_CANCEL {
-                meta = Some((e.conn, e.conn_seq, e.request_id, e.route));
+                meta = Some((
+                    e.conn,
+                    e.conn_seq,
+                    e.request_id,
+                    e.route,
+                    e.op,
+                    e.publish_ns,
+                ));
             }
         });
         if popped.is_none() {
             return false;
         }
-        let Some((conn, conn_seq, request_id, route)) = meta else {
+        let Some((conn, conn_seq, request_id, route, op, publish_ns)) = meta else {
             return true;
         };
         loop {
@@ -669,6 +676,8 @@ impl Shared {
                 c.stream_seq = 0;
                 c.route = route;
                 c.stream = 0;
+                c.op = u32::from(op);
+                c.publish_ns = publish_ns;
             });
             if r.is_ok() || self.stopping.load(Ordering::Acquire) {
                 break;

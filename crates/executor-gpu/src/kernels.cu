@@ -347,6 +347,7 @@ extern "C" __global__ void bgs_slot_start(bgs_u8 *ring, struct bgs_gpu_ctl *ctl,
         s->request_id = m->request_id;
         s->route = m->route;
         s->op = m->op;
+        s->publish_ns = m->publish_ns;
         s->param = m->param;
         s->words = words;
     }
@@ -595,6 +596,8 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             ce->stream_seq = 0;
             ce->route = s->route;
             ce->stream = 0; /* one-shot replies take no stream credit (ring layout v2) */
+            ce->op = s->op; /* the reply stage counts requests by op and duration (v3) */
+            ce->publish_ns = s->publish_ns;
             for (unsigned i = 0; i < sizeof(ce->reserved) / sizeof(ce->reserved[0]); i++)
                 ce->reserved[i] = 0;
         }

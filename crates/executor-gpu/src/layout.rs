@@ -61,7 +61,10 @@ pub struct GpuSlot {
     pub tail_hint: u64,
     pub tx: u64,
     pub sole_producer: u32,
-    pub pad: [u8; 36],
+    pub pad0: u32,
+    /// The request's `publish_ns`, copied into its completion (request metrics).
+    pub publish_ns: u64,
+    pub pad: [u8; 24],
     pub input: [u32; 256],
     pub out: [f32; 64],
 }

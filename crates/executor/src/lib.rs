@@ -332,6 +332,7 @@ struct Job {
     param: u32,
     flags: u32,
     route: u32,
+    publish_ns: u64,
     words: usize,
     payload: [u32; SLOT_WORDS],
 }
@@ -346,6 +347,7 @@ impl Job {
             param: 0,
             flags: 0,
             route: 0,
+            publish_ns: 0,
             words: 0,
             payload: [0; SLOT_WORDS],
         })
@@ -357,17 +359,23 @@ impl Job {
             conn_seq: self.conn_seq,
             request_id: self.request_id,
             route: self.route,
+            op: u32::from(self.op),
+            publish_ns: self.publish_ns,
         }
     }
 }
 
-/// What a completion copies from its request.
+/// What a completion copies from its request: every completion of a request (tokens, final
+/// frame, owed rejections and refusals) carries the request's op and `publish_ns`, which the
+/// kernel transport's reply stage counts its request metrics from.
 #[derive(Clone, Copy, Debug, Default)]
 struct ReplyTo {
     conn: u64,
     conn_seq: u32,
     request_id: u32,
     route: u32,
+    op: u32,
+    publish_ns: u64,
 }
 
 /// Per stream id of a thread.
@@ -655,6 +663,7 @@ impl Worker {
             job.param = e.param;
             job.flags = e.flags;
             job.route = e.route;
+            job.publish_ns = e.publish_ns;
             job.words = n;
             if e.op != OP_CANCEL && e.op != OP_REJECT {
                 job.payload[..n].copy_from_slice(&e.payload[..n]);
@@ -904,6 +913,8 @@ fn publish(
         e.stream_seq = frame.seq;
         e.route = reply.route;
         e.stream = stream;
+        e.op = reply.op;
+        e.publish_ns = reply.publish_ns;
         e.payload[..n].copy_from_slice(&frame.words[..n]);
     });
     if pushed.is_err() {
@@ -1039,6 +1050,8 @@ mod tests {
         seq: u32,
         route: u32,
         stream: u32,
+        op: u32,
+        publish_ns: u64,
         words: Vec<u32>,
     }
 
@@ -1054,6 +1067,8 @@ mod tests {
                 seq: e.stream_seq,
                 route: e.route,
                 stream: e.stream,
+                op: e.op,
+                publish_ns: e.publish_ns,
                 words: e.payload().to_vec(),
             });
             if let Some(g) = got {
@@ -1083,11 +1098,17 @@ mod tests {
                 e.flags = 0;
                 e.request_id = conn_seq + 100;
                 e.route = 0;
+                e.publish_ns = publish_ns_of(conn, conn_seq);
                 e.words = payload.len() as u32;
                 e.payload[..payload.len()].copy_from_slice(payload);
             })
             .unwrap();
         region.requests().notify();
+    }
+
+    /// The `publish_ns` [`push`] stamps a request with (distinct per request).
+    fn publish_ns_of(conn: u64, conn_seq: u32) -> u64 {
+        (conn << 32) + u64::from(conn_seq) + 1
     }
 
     /// What a fake engine saw, shared with the test.
@@ -1266,6 +1287,59 @@ mod tests {
         );
         assert!(next(&region, true, Duration::from_millis(50)).is_none());
         assert_eq!(exec.stats().requests.load(Ordering::Relaxed), 3);
+        exec.shutdown();
+    }
+
+    /// The kernel transport's reply stage counts requests from what the completions carry:
+    /// every completion of a request, whatever produced it, has its op and `publish_ns`.
+    #[test]
+    fn every_completion_carries_its_requests_op_and_publish_time() {
+        // One-shot adapters: a reply, an unknown op, a rejection passed through.
+        let region = region();
+        let exec = CpuExecutor::start(region.clone(), &CpuExecutorConfig::default(), None).unwrap();
+        push(&region, 1, 0, Op::Echo as u16, 0, &[4]);
+        push(&region, 1, 1, 77, 0, &[]);
+        push(&region, 1, 2, OP_REJECT, Status::BadParam as u32, &[]);
+        let mut got: Vec<_> = (0..3)
+            .map(|_| next(&region, true, Duration::from_secs(10)).expect("a completion"))
+            .map(|g| (g.conn_seq, g.status, g.op, g.publish_ns))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                (0, Status::Ok as u16, Op::Echo as u32, publish_ns_of(1, 0)),
+                (1, Status::UnknownOp as u16, 77, publish_ns_of(1, 1)),
+                (
+                    2,
+                    Status::BadParam as u16,
+                    u32::from(OP_REJECT),
+                    publish_ns_of(1, 2)
+                ),
+            ]
+        );
+        exec.shutdown();
+        // A generation stream: every token and the final frame; and an admission refused by
+        // the engine (an owed frame).
+        let region = self::region();
+        let (engine, _log) = FakeGen::boxed(4, Duration::ZERO);
+        let exec = CpuExecutor::start_engines(region.clone(), &cfg(8), None, vec![engine]).unwrap();
+        push(&region, 2, 0, GEN, 3, &[7]);
+        push(&region, 3, 0, GEN, 3, &[u32::MAX]);
+        let mut frames = 0;
+        let mut finals = 0;
+        while finals < 2 {
+            let g = next(&region, true, Duration::from_secs(10)).expect("frames");
+            assert_eq!(
+                (g.op, g.publish_ns),
+                (u32::from(GEN), publish_ns_of(g.conn, 0)),
+                "{g:?}"
+            );
+            frames += 1;
+            finals += usize::from(g.final_);
+        }
+        // Three tokens and the end of stream, and the refusal.
+        assert_eq!(frames, 5);
         exec.shutdown();
     }
 

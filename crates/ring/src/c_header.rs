@@ -287,7 +287,19 @@ pub fn ring_structs() -> Vec<StructDesc> {
                     U32,
                     "credit stream index + 1 (0: no credit taken)"
                 ),
-                field!(C, reserved, U32; 5, "zero"),
+                field!(
+                    C,
+                    op,
+                    U32,
+                    "the request's op (BGS_OP_*, 0xffff: rejection; 0: marker)"
+                ),
+                field!(
+                    C,
+                    publish_ns,
+                    U64,
+                    "the request's publish_ns (0: marker / unstamped)"
+                ),
+                field!(C, reserved, U32; 2, "zero"),
                 field!(C, payload, U32; SLOT_WORDS, "payload words"),
             ],
         },

@@ -27,6 +27,8 @@ pub use layout::{
     HEADER_SIZE, LAYOUT_VERSION, MAX_STREAMS, OP_CANCEL, OP_REJECT, REGION_MAGIC,
     REQUEST_SLOT_SIZE, RegionHeader, RequestEntry, SLOT_WORDS, Slot, route,
 };
+#[cfg(loom)]
+pub use region::LOOM_STREAMS;
 pub use region::{RingConfig, RingError, RingRegion};
 pub use ring::{CompletionRing, Full, RequestRing, Ring, SleepGuard};
 

@@ -5,8 +5,8 @@ use core::ptr::NonNull;
 
 use crate::layout::{
     COMPLETION_SLOT_SIZE, CompletionEntry, DEFAULT_COMPLETION_SLOTS, DEFAULT_REQUEST_SLOTS, Entry,
-    Geometry, HEADER_SIZE, LAYOUT_VERSION, MAX_STREAMS, REGION_MAGIC, REQUEST_SLOT_SIZE,
-    RegionHeader, RequestEntry, SLOT_WORDS,
+    Geometry, HEADER_SIZE, LAYOUT_VERSION, REGION_MAGIC, REQUEST_SLOT_SIZE, RegionHeader,
+    RequestEntry, SLOT_WORDS,
 };
 use crate::ring::{CompletionRing, RequestRing, Ring};
 
@@ -99,7 +99,16 @@ pub struct RingRegion {
     owned: bool,
     requests: RequestRing,
     completions: CompletionRing,
+    /// Under loom the credit counters are loom atomics on the heap (as the rings are), so
+    /// that models see [`RingRegion::ack_stream`] and the executor's loads interleave; only
+    /// [`LOOM_STREAMS`] of them, to keep the models small.
+    #[cfg(loom)]
+    acks: Box<[crate::sync::AtomicU32]>,
 }
+
+/// Credit counters a region has under loom (instead of [`MAX_STREAMS`](crate::MAX_STREAMS)).
+#[cfg(loom)]
+pub const LOOM_STREAMS: usize = 4;
 
 // SAFETY: the region is a plain block of memory; all shared mutable state in it is accessed
 // through atomics and the slot protocol (see `Ring`'s Send/Sync). The base pointer is only used
@@ -378,6 +387,9 @@ impl RingRegion {
             owned: false,
             requests: Ring::new_loom(cfg.request_slots),
             completions: Ring::new_loom(cfg.completion_slots),
+            acks: (0..LOOM_STREAMS)
+                .map(|_| crate::sync::AtomicU32::new(0))
+                .collect(),
         }
     }
 
@@ -402,8 +414,10 @@ impl RingRegion {
         &self.completions
     }
 
-    /// The per-stream credit counters of the header ([`RegionHeader::stream_acks`]).
-    pub fn stream_acks(&self) -> &[core::sync::atomic::AtomicU32; MAX_STREAMS] {
+    /// The per-stream credit counters of the header ([`RegionHeader::stream_acks`]):
+    /// [`MAX_STREAMS`](crate::MAX_STREAMS) of them.
+    #[cfg(not(loom))]
+    pub fn stream_acks(&self) -> &[crate::sync::AtomicU32] {
         // SAFETY: the header is inside the region (at least HEADER_SIZE bytes, checked when
         // the region was made or attached), `stream_acks` is 4-aligned inside it, and every
         // agent accesses these words only atomically; AtomicU32 has u32's layout. The
@@ -413,8 +427,14 @@ impl RingRegion {
                 .base
                 .as_ptr()
                 .add(offset_of!(RegionHeader, stream_acks))
-                .cast::<[core::sync::atomic::AtomicU32; MAX_STREAMS]>()
+                .cast::<[crate::sync::AtomicU32; crate::MAX_STREAMS]>()
         }
+    }
+
+    /// Under loom: heap-backed loom atomics, [`LOOM_STREAMS`] of them.
+    #[cfg(loom)]
+    pub fn stream_acks(&self) -> &[crate::sync::AtomicU32] {
+        &self.acks
     }
 
     /// Acknowledge `n` disposed-of completions of credit stream `stream` (the completion's
@@ -429,7 +449,7 @@ impl RingRegion {
             .checked_sub(1)
             .and_then(|i| self.stream_acks().get(i))
         {
-            c.fetch_add(n, core::sync::atomic::Ordering::Release);
+            c.fetch_add(n, crate::sync::Ordering::Release);
         }
     }
 }

@@ -1,5 +1,6 @@
 //! loom model checks of the ring algorithm, the sleep/notify handshakes (doorbell futex and
-//! epoll-style `sleep_guard`), the send table's turn (a model of the protocol) and a round trip
+//! epoll-style `sleep_guard`), the send table's turn (a model of the protocol), the stream
+//! credit counters (`ack_stream` against the executor's window check) and a round trip
 //! through a `RingRegion`. Each model finishes in seconds (the whole file in about 10 s on
 //! the shared 2-core machine).
 //!
@@ -496,8 +497,9 @@ fn doorbell_sleeper_two_producers() {
 // Not modelled, therefore: the pointer arithmetic and field offsets (checked by the region's
 // unit tests, `init_then_attach_external` and the C header's layout assertions), two handles
 // attached to the same memory (under loom each handle gets its own rings), agents outside the
-// process (BPF, the GPU), and the header's `stream_acks` words (std atomics in the header,
-// which loom does not explore). Modelled: the region's own code path end to end (map,
+// process (BPF, the GPU), and where the header's `stream_acks` words live (under loom they
+// are heap-backed loom atomics too, so the credit protocol below is explored, but not the
+// view of the header's words as atomics). Modelled: the region's own code path end to end (map,
 // validate, build both rings) under the real protocol of the two rings, a request one way and
 // its completion back, both sides sleeping on the doorbells.
 
@@ -552,4 +554,136 @@ fn region_round_trip() {
         region.ack_stream(done.2, 1);
         assert_eq!(region.stream_acks()[0].load(Ordering::Acquire), 1);
     });
+}
+
+// ---- Stream credit (`RegionHeader::stream_acks`, `RingRegion::ack_stream`) ----
+//
+// The executor keeps each credit stream's frames in flight (published, not yet acknowledged)
+// under a window: before publishing a frame of stream `s` it loads `stream_acks[s - 1]`
+// (acquire) and publishes only while `published - acked < window` (wrapping arithmetic, a
+// difference past `i32::MAX` read as 0: the check of `bgs-executor`'s `Sink::in_flight`,
+// modelled here since that crate has no loom build). One executor thread runs two streams
+// (as a worker thread does), one of them on a counter that wraps during the model (stream
+// indices are reused without resetting their counters). The transport pops completions,
+// holds them (unsent bytes), and acknowledges what it disposed of with the real
+// `RingRegion::ack_stream`, in batches, by each completion's `stream` field. Checked: the
+// transport never holds more than a window of a stream (the window is never exceeded),
+// every frame arrives once and in order, and at the end each counter moved by exactly its
+// stream's frames (no credit lost, none counted twice, none on the wrong stream). A lost
+// credit would leave the executor polling forever, which loom reports too.
+
+const WINDOWS: [u32; 2] = [2, 1];
+const FRAMES: [u32; 2] = [4, 3];
+/// Counter values the two streams start from (the first one wraps during the model).
+const STARTS: [u32; 2] = [u32::MAX - 1, 0];
+
+fn credit_model(extra_ack: bool) {
+    model(move || {
+        let region = Arc::new(
+            bgs_ring::RingRegion::new(bgs_ring::RingConfig {
+                request_slots: 2,
+                completion_slots: 4,
+            })
+            .expect("region"),
+        );
+        const { assert!(bgs_ring::LOOM_STREAMS >= 2) };
+        for (i, &start) in STARTS.iter().enumerate() {
+            region.stream_acks()[i].store(start, Ordering::Relaxed);
+        }
+        let executor = {
+            let region = region.clone();
+            thread::spawn(move || {
+                // As `Worker::new`: each stream starts level with its counter.
+                let mut published: Vec<u32> = (0..2)
+                    .map(|i| region.stream_acks()[i].load(Ordering::Acquire))
+                    .collect();
+                let mut sent = [0u32; 2];
+                while sent != FRAMES {
+                    let mut progress = false;
+                    for i in 0..2 {
+                        if sent[i] == FRAMES[i] {
+                            continue;
+                        }
+                        let acked = region.stream_acks()[i].load(Ordering::Acquire);
+                        let d = published[i].wrapping_sub(acked);
+                        let in_flight = if d > i32::MAX as u32 { 0 } else { d };
+                        if in_flight >= WINDOWS[i] {
+                            continue;
+                        }
+                        let k = sent[i];
+                        region
+                            .completions()
+                            .try_push(|c| {
+                                c.stream = i as u32 + 1;
+                                c.stream_seq = k;
+                                c.final_ = u16::from(k + 1 == FRAMES[i]);
+                            })
+                            .expect("the ring has room for more than the windows");
+                        published[i] = published[i].wrapping_add(1);
+                        sent[i] += 1;
+                        progress = true;
+                    }
+                    if !progress {
+                        thread::yield_now();
+                    }
+                }
+            })
+        };
+        // The transport: pop what is there, hold it, then acknowledge everything held.
+        let mut held = [0u32; 2];
+        let mut next = [0u32; 2];
+        let mut first_ack = extra_ack;
+        while next != FRAMES {
+            let mut popped = false;
+            while let Some((stream, seq)) =
+                region.completions().try_pop(|c| (c.stream, c.stream_seq))
+            {
+                let i = stream as usize - 1;
+                assert_eq!(seq, next[i], "stream {stream}: frames once and in order");
+                next[i] += 1;
+                held[i] += 1;
+                assert!(
+                    held[i] <= WINDOWS[i],
+                    "window exceeded: stream {stream} holds {} frames",
+                    held[i]
+                );
+                popped = true;
+            }
+            for (i, h) in held.iter_mut().enumerate() {
+                if *h > 0 {
+                    // The mutation acknowledges one frame twice.
+                    let extra = u32::from(std::mem::take(&mut first_ack));
+                    region.ack_stream(i as u32 + 1, *h + extra);
+                    *h = 0;
+                }
+            }
+            if !popped {
+                thread::yield_now();
+            }
+        }
+        executor.join().unwrap();
+        assert_eq!(region.completions().try_pop(|c| c.stream), None);
+        // Left out under the mutation, to show that the window check alone catches it.
+        for i in (0..2).filter(|_| !extra_ack) {
+            assert_eq!(
+                region.stream_acks()[i].load(Ordering::Acquire),
+                STARTS[i].wrapping_add(FRAMES[i]),
+                "stream {}: every frame acknowledged exactly once",
+                i + 1
+            );
+        }
+    });
+}
+
+#[test]
+fn stream_credit_keeps_the_window_and_loses_no_credit() {
+    credit_model(false);
+}
+
+#[test]
+#[should_panic(expected = "window exceeded")]
+fn mutation_credit_counted_twice_is_caught() {
+    // Mutation check: one acknowledgement too many lets the executor run a frame past the
+    // window, and the model must say so.
+    credit_model(true);
 }

@@ -418,9 +418,12 @@ static __always_inline void notify(void *region, __u32 ring, __u64 cookie)
 }
 
 /* A completion published by BPF itself: busy, a rejection that found the request ring full,
- * or an EOF / RESET marker. It goes to the side region's completion ring (see side_map). */
+ * or an EOF / RESET marker. It goes to the side region's completion ring (see side_map).
+ * `op` is the request's op (BGS_RING_OP_REJECT for a rejection, 0 for a marker) and the
+ * completion's publish_ns is now: the reply stage counts answered requests from them. */
 static __always_inline int push_completion(void *unused, __u64 cookie, __u32 conn_seq,
-					   __u32 status, __u32 request_id, __u32 route)
+					   __u32 status, __u32 request_id, __u32 route,
+					   __u32 op)
 {
 	void *region = side_region_ptr();
 	__u64 pos;
@@ -437,6 +440,11 @@ static __always_inline int push_completion(void *unused, __u64 cookie, __u32 con
 	s->entry.words = 0;
 	s->entry.stream_seq = 0;
 	s->entry.route = route;
+	s->entry.stream = 0;
+	s->entry.op = op;
+	s->entry.publish_ns = bpf_ktime_get_ns();
+	s->entry.reserved[0] = 0;
+	s->entry.reserved[1] = 0;
 	publish_seq(&s->seq, pos + 1);
 	notify(region, 2, cookie);
 	return 0;
@@ -456,7 +464,7 @@ static __always_inline int push_marker(struct conn *st, __u32 route)
 	void *region = region_ptr();
 	if (!region)
 		return -1;
-	if (push_completion(region, st->cookie, st->next_seq, 0, 0, route)) {
+	if (push_completion(region, st->cookie, st->next_seq, 0, 0, route, 0)) {
 		cnt_add(C_MARKER_FAILED, 1);
 		return -1;
 	}
@@ -1098,7 +1106,8 @@ static __always_inline void publish_item(struct ctx *c)
 	/* Request ring full: answer in place (busy for a request, the rejection itself for a
 	 * rejection: exactly the completion the executor would have produced). */
 	__u32 status = reject ? it->param : BGS_STATUS_BUSY;
-	if (push_completion(region, st->cookie, conn_seq, status, it->request_id, it->route) == 0) {
+	if (push_completion(region, st->cookie, conn_seq, status, it->request_id, it->route,
+			    it->op) == 0) {
 		cnt_add(reject ? C_REJECTS_DIRECT : C_BUSY, 1);
 		return;
 	}

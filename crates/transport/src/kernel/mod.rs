@@ -43,6 +43,7 @@ use bgs_uring::{RingOptions, SqPoll, Uring};
 use serde::Serialize;
 
 use crate::native::ShutdownHandle;
+use crate::stats::RequestMetrics;
 use reply::{ReplyIo, ReplyStage, ReplyStats};
 
 /// Where the reply stage runs.
@@ -338,6 +339,8 @@ pub struct KernelTransport {
     waker_fd: Arc<OwnedFd>,
     /// The send table and the GPU's ring ([`KernelConfig::gpu_sends`]).
     gpu: Option<Arc<GpuTx>>,
+    /// Set by [`KernelTransport::enable_metrics`]; without it nothing is measured.
+    metrics: Option<Arc<RequestMetrics>>,
 }
 
 impl std::fmt::Debug for KernelTransport {
@@ -728,11 +731,70 @@ fn bind_unlistened(addr: SocketAddr) -> io::Result<(OwnedFd, SocketAddr)> {
     Ok((socket, local))
 }
 
+/// The unprivileged user a server will switch to (`bgs serve --user`), for
+/// [`KernelTransport::bind_as`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingOwner {
+    /// User id.
+    pub uid: u32,
+    /// Group id (also the only supplementary group while the rings are created).
+    pub gid: u32,
+}
+
+/// Run `f` on a thread of its own whose credentials are `owner`'s (no capability), or here
+/// when there is no owner.
+///
+/// An io_uring ring keeps the credentials of the thread that created it where requests run
+/// on the ring's behalf: an SQPOLL ring's kernel thread submits every SQE with them (and is a
+/// thread of this process that a later `setresuid` cannot reach). A ring created by root
+/// would go on executing whatever the process writes into its submission queue as root after
+/// the process dropped to `owner`; created by a thread that is already `owner`, it cannot.
+/// The raw system calls (`rustix::thread`) change only the calling thread, which exits
+/// afterwards; the rest of the process stays root until it drops privileges itself.
+fn as_ring_owner<T: Send>(
+    owner: Option<RingOwner>,
+    f: impl FnOnce() -> io::Result<T> + Send,
+) -> io::Result<T> {
+    let Some(o) = owner else {
+        return f();
+    };
+    std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("bgs-ring-setup".into())
+            .spawn_scoped(s, move || {
+                let gid = rustix::process::Gid::from_raw(o.gid);
+                let uid = rustix::process::Uid::from_raw(o.uid);
+                rustix::thread::set_thread_groups(&[gid])?;
+                rustix::thread::set_thread_res_gid(gid, gid, gid)?;
+                rustix::thread::set_thread_res_uid(uid, uid, uid)?;
+                f().map_err(|e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!(
+                            "setting up io_uring as uid {} ({e}; with sysctl kernel.io_uring_disabled=1 only root and kernel.io_uring_group may use io_uring)",
+                            o.uid
+                        ),
+                    )
+                })
+            })?
+            .join()
+            .map_err(|_| io::Error::other("the io_uring set-up thread panicked"))?
+    })
+}
+
 impl KernelTransport {
     /// Bind, load and attach the BPF programs for the port, listen, set up io_uring. No
     /// connection can complete its handshake before the programs are attached (see
     /// `bind_unlistened`).
     pub fn bind(cfg: KernelConfig) -> io::Result<Self> {
+        Self::bind_as(cfg, None)
+    }
+
+    /// As [`Self::bind`], for a server that will drop root for `ring_owner` once it is set up:
+    /// the io_uring rings are created with that user's credentials (see `as_ring_owner`), so
+    /// that nothing the process keeps acts as root after the drop. Everything else (BPF, the
+    /// listening socket) is set up with the caller's privileges.
+    pub fn bind_as(cfg: KernelConfig, ring_owner: Option<RingOwner>) -> io::Result<Self> {
         if cfg.gpu_sends && !matches!(cfg.reply, ReplyMode::ExecutorSqe { .. }) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -782,12 +844,15 @@ impl KernelTransport {
                 ..RingOptions::default()
             },
         };
-        let uring = Uring::new(&opts)?;
-        let gpu = if cfg.gpu_sends {
-            Some(Arc::new(Self::gpu_ring(&cfg, &opts, &uring)?))
-        } else {
-            None
-        };
+        let (uring, gpu) = as_ring_owner(ring_owner, || {
+            let uring = Uring::new(&opts)?;
+            let gpu = if cfg.gpu_sends {
+                Some(Arc::new(Self::gpu_ring(&cfg, &opts, &uring)?))
+            } else {
+                None
+            };
+            Ok((uring, gpu))
+        })?;
         let (shutdown_rx, tx) = UnixStream::pair()?;
         shutdown_rx.set_nonblocking(true)?;
         tx.set_nonblocking(true)?;
@@ -805,6 +870,7 @@ impl KernelTransport {
             shutdown_tx: ShutdownHandle::from_stream(tx),
             waker_fd,
             gpu,
+            metrics: None,
         })
     }
 
@@ -876,6 +942,17 @@ impl KernelTransport {
     pub fn open_connections(&self) -> Arc<dyn Fn() -> usize + Send + Sync> {
         let rx = self.rx.clone();
         Arc::new(move || rx.sockhash_len())
+    }
+
+    /// Count answered requests by op and status, and their durations, for a metrics
+    /// scrape: the reply stage counts each request's final frame when it encodes it, from the
+    /// op and `publish_ns` (BPF's CLOCK_MONOTONIC stamp at publication) that every completion
+    /// carries. Rejections and connection markers are not counted, and neither are replies a
+    /// GPU executor sends itself (`gpu_sends`: they never reach the stage). The connection
+    /// counters of the returned value stay 0 here: [`Self::open_connections`] counts those.
+    /// Call before [`Self::run`].
+    pub fn enable_metrics(&mut self) -> Arc<RequestMetrics> {
+        self.metrics.get_or_insert_default().clone()
     }
 
     /// The bound address.
@@ -955,6 +1032,9 @@ impl KernelTransport {
         }
         driver.stage.set_limits(self.cfg.limits);
         driver.stage.set_cancel_markers(self.cfg.cancel_markers);
+        if let Some(m) = &self.metrics {
+            driver.stage.set_metrics(m.clone());
+        }
         let region = self.rx.region();
         let mut wakeups = 0u64;
         let mut last_sweep = Instant::now();
@@ -1048,6 +1128,7 @@ impl KernelTransport {
         let stats_every = self.cfg.stats_every;
         let gpu = self.gpu.clone();
         let (limits, cancel_markers) = (self.cfg.limits, self.cfg.cancel_markers);
+        let metrics = self.metrics.clone();
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
@@ -1058,6 +1139,9 @@ impl KernelTransport {
                 }
                 driver.stage.set_limits(limits);
                 driver.stage.set_cancel_markers(cancel_markers);
+                if let Some(m) = metrics {
+                    driver.stage.set_metrics(m);
+                }
                 let mut last_sweep = Instant::now();
                 let mut stats_timer = StatsTimer::new(stats_every);
                 while !stop2.load(Ordering::Acquire) {

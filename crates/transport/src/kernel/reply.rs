@@ -59,12 +59,13 @@ use std::time::{Duration, Instant};
 
 use bgs_protocol::{Framing, HEADER_LEN, Reject, Status};
 use bgs_ring::tx::TxTable;
-use bgs_ring::{CompletionEntry, route};
+use bgs_ring::{CompletionEntry, OP_REJECT, monotonic_ns, route};
 use serde::Serialize;
 use slab::Slab;
 
 use crate::conn::{ConnLimits, FrameOut, encode_frame, encode_reject};
 use crate::credit::Withheld;
+use crate::stats::RequestMetrics;
 
 /// Operations the stage asks for; an io_uring submission queue in production, a recorder in
 /// tests. Each returns false when there is no room (the stage retries on the next flush).
@@ -182,6 +183,9 @@ struct FrameRef<'a> {
     stream_seq: u32,
     request_id: u32,
     route: u32,
+    /// The request's op and publication time (request metrics, counted at the final frame).
+    op: u32,
+    publish_ns: u64,
     words: &'a [u32],
 }
 
@@ -194,6 +198,8 @@ struct Parked {
     stream_seq: u32,
     request_id: u32,
     route: u32,
+    op: u32,
+    publish_ns: u64,
     words: Vec<u32>,
 }
 
@@ -205,6 +211,8 @@ impl Parked {
             stream_seq: self.stream_seq,
             request_id: self.request_id,
             route: self.route,
+            op: self.op,
+            publish_ns: self.publish_ns,
             words: &self.words,
         }
     }
@@ -379,6 +387,8 @@ pub struct ReplyStage {
     /// executor cannot tell us when it has room).
     cancels_blocked: bool,
     stats: ReplyStats,
+    /// Where answered requests and their durations are counted (`None`: not measured).
+    metrics: Option<Arc<RequestMetrics>>,
 }
 
 impl ReplyStage {
@@ -400,6 +410,12 @@ impl ReplyStage {
     /// [`ConnLimits::default`]).
     pub fn set_limits(&mut self, limits: ConnLimits) {
         self.limits = limits;
+    }
+
+    /// Count answered requests by op and status, and the time from BPF's publication of each
+    /// request to its final frame being encoded, in `metrics` (see `emit`).
+    pub fn set_metrics(&mut self, metrics: Arc<RequestMetrics>) {
+        self.metrics = Some(metrics);
     }
 
     /// Counters.
@@ -573,7 +589,7 @@ impl ReplyStage {
         }
         if let (Some(t), Some(ti)) = (&self.turns, c.tx) {
             // Skip what the GPU sent meanwhile, so this item is not parked for nothing.
-            Self::catch_up(c, t, ti, &mut self.stats);
+            Self::catch_up(c, t, ti, &mut self.stats, self.metrics.as_deref());
         }
         // A registered, open connection takes its reset in order: the GPU may still hold
         // earlier replies and write SENDs on the descriptor. Otherwise (host-only, or the
@@ -606,12 +622,14 @@ impl ReplyStage {
             stream_seq: e.stream_seq,
             request_id: e.request_id,
             route: e.route,
+            op: e.op,
+            publish_ns: e.publish_ns,
             words: &e.payload[..(e.words as usize).min(e.payload.len())],
         };
         if e.conn_seq == c.next_seq {
-            Self::emit(c, frame, &mut self.stats);
+            Self::emit(c, frame, &mut self.stats, self.metrics.as_deref());
             // Items that were waiting behind this one.
-            Self::drain_parked(c, &mut self.stats);
+            Self::drain_parked(c, &mut self.stats, self.metrics.as_deref());
         } else {
             if e.route & route::RESET != 0
                 && let Some((t, ti)) = self.turns.as_ref().zip(c.tx)
@@ -625,6 +643,8 @@ impl ReplyStage {
                 stream_seq: frame.stream_seq,
                 request_id: frame.request_id,
                 route: frame.route,
+                op: frame.op,
+                publish_ns: frame.publish_ns,
                 words: frame.words.to_vec(),
             });
         }
@@ -661,14 +681,14 @@ impl ReplyStage {
     }
 
     /// Emit the parked items that are now in turn, up to a gap or the end of the connection.
-    fn drain_parked(c: &mut ConnOut, stats: &mut ReplyStats) {
+    fn drain_parked(c: &mut ConnOut, stats: &mut ReplyStats, metrics: Option<&RequestMetrics>) {
         while c.phase == Phase::Open && !c.parked.is_empty() {
             let Some(frames) = c.parked.remove(&c.next_seq) else {
                 break;
             };
             for p in &frames {
                 c.parked_bytes -= HEADER_LEN + 4 * p.words.len();
-                Self::emit(c, p.as_ref(), stats);
+                Self::emit(c, p.as_ref(), stats, metrics);
             }
         }
     }
@@ -676,7 +696,13 @@ impl ReplyStage {
     /// Registered connection holding nothing: if the turn moved past the next item we
     /// expect, the GPU sent the items in between (they never come here); continue at the
     /// turn and emit what was parked there.
-    fn catch_up(c: &mut ConnOut, t: &TxTable, ti: u32, stats: &mut ReplyStats) {
+    fn catch_up(
+        c: &mut ConnOut,
+        t: &TxTable,
+        ti: u32,
+        stats: &mut ReplyStats,
+        metrics: Option<&RequestMetrics>,
+    ) {
         if c.phase != Phase::Open || c.holds_turn || c.inflight.is_some() || !c.out.is_empty() {
             return;
         }
@@ -702,11 +728,21 @@ impl ReplyStage {
             !behind
         });
         c.parked_bytes -= dropped;
-        Self::drain_parked(c, stats);
+        Self::drain_parked(c, stats, metrics);
     }
 
     /// Encode one frame of the front item (or handle a marker in its turn).
-    fn emit(c: &mut ConnOut, p: FrameRef<'_>, stats: &mut ReplyStats) {
+    ///
+    /// A final frame of a request (not a marker, not a framer rejection: `op` is not
+    /// [`OP_REJECT`], as the native transport does not count rejected input either) is
+    /// counted in `metrics` with the request's op and the frame's status, and the time since
+    /// its `publish_ns` (BPF stamps it when it publishes the request, or its busy answer).
+    fn emit(
+        c: &mut ConnOut,
+        p: FrameRef<'_>,
+        stats: &mut ReplyStats,
+        metrics: Option<&RequestMetrics>,
+    ) {
         if c.phase != Phase::Open {
             return;
         }
@@ -764,6 +800,13 @@ impl ReplyStage {
             c.out_first = c.next_seq;
         }
         if p.final_ {
+            if let Some(m) = metrics
+                && p.op != u32::from(OP_REJECT)
+            {
+                // Ops are u16 on the wire; anything wider is counted as an unnamed op.
+                let op = u16::try_from(p.op).unwrap_or(u16::MAX);
+                m.observe(op, status, monotonic_ns().saturating_sub(p.publish_ns));
+            }
             c.next_seq = c.next_seq.wrapping_add(1);
             c.http_started = false;
             if p.route & route::CLOSE != 0 {
@@ -915,7 +958,7 @@ impl ReplyStage {
         }
         let turns = self.turns.as_deref();
         if let (Some(t), Some(ti)) = (turns, c.tx) {
-            Self::catch_up(c, t, ti, &mut self.stats);
+            Self::catch_up(c, t, ti, &mut self.stats, self.metrics.as_deref());
         }
         let ud_send = user_data(KIND_SEND, idx, c.generation);
         if let Some(inf) = c.inflight.as_mut() {
@@ -1190,6 +1233,53 @@ mod tests {
         st.sweep(Instant::now() + ACCEPT_GRACE + Duration::from_secs(1));
         check(&st);
         assert!(!st.busy());
+    }
+
+    #[test]
+    fn final_frames_of_requests_are_counted_by_op_and_publish_time() {
+        let m = Arc::new(RequestMetrics::default());
+        let mut st = ReplyStage::new();
+        st.set_metrics(m.clone());
+        let mut io = Recorder::default();
+        let now = monotonic_ns();
+        // Out of order: the parked one is counted when it is emitted, not when it arrives.
+        let mut gemm = completion(3, 1, 11, 0, Status::Ok);
+        (gemm.op, gemm.publish_ns) = (bgs_protocol::Op::Gemm8 as u32, now - 2_000_000);
+        st.on_completion(&gemm);
+        assert!(m.snapshot().answered.is_empty(), "parked, not yet emitted");
+        let mut busy = completion(3, 0, 10, 0, Status::Busy);
+        (busy.op, busy.publish_ns) = (bgs_protocol::Op::Echo as u32, now);
+        st.on_completion(&busy);
+        // A stream: only its final frame counts.
+        let mut token = completion(3, 2, 12, 0, Status::Token);
+        token.final_ = 0;
+        (token.op, token.publish_ns) = (bgs_protocol::Op::Generate as u32, now);
+        st.on_completion(&token);
+        let mut end = token.clone();
+        (end.final_, end.status) = (1, Status::EndOfStream as u16);
+        st.on_completion(&end);
+        // A rejection the framer found and a marker: not requests.
+        let mut reject = completion(3, 3, 13, 0, Status::BadParam);
+        reject.op = u32::from(OP_REJECT);
+        st.on_completion(&reject);
+        let mut eof = completion(3, 4, 0, route::EOF, Status::Ok);
+        eof.words = 0;
+        st.on_completion(&eof);
+        st.on_accept(9, 3);
+        st.flush(&mut io);
+        let snap = m.snapshot();
+        let mut answered = snap.answered.clone();
+        answered.sort();
+        assert_eq!(
+            answered,
+            vec![
+                (Some(0), Status::Busy as u16, 1),
+                (Some(1), Status::Ok as u16, 1),
+                (Some(3), Status::EndOfStream as u16, 1),
+            ]
+        );
+        assert_eq!(snap.buckets.iter().sum::<u64>(), 3);
+        assert!(snap.sum_ns >= 2_000_000, "{}", snap.sum_ns);
     }
 
     #[test]
