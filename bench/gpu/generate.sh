@@ -12,7 +12,7 @@
 # Runs ON the GPU machine from the repo root. Writes OUT_DIR/summary.json (date, machine,
 # command, revision) and the logs.
 # Usage: bash bench/gpu/generate.sh BIN_DIR OUT_DIR   (BIN_DIR: bgs, bgs-llm-gpu, REVISION)
-# PARTS (default "check hf bench served") picks parts; SECS (default 30) is the paper
+# PARTS (default "check hf bench served openai") picks parts; SECS (default 30) is the paper
 # workload's duration per slot count.
 set -uo pipefail
 bin=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); work=/tmp/bgs-gen
@@ -21,7 +21,7 @@ export XDG_CACHE_HOME=/tmp/bgs-cache
 # Qwen2.5's tokenizer for the synthetic Qwen2.5-0.5B checkpoint (carried beside the binaries).
 export BGS_QWEN_TOKENIZER=${BGS_QWEN_TOKENIZER:-$bin/qwen-tokenizer.json}
 SECS=${SECS:-30}
-PARTS=${PARTS:-check hf bench served}
+PARTS=${PARTS:-check hf bench served openai}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 log() { echo "$*" | tee -a "$out/steps.log"; }
 # step NAME TIMEOUT CMD...: run, keep the output, log rc and the last line.
@@ -102,12 +102,6 @@ for slots in 16 32; do
     gen_load "paper-native-s$slots" --rate 192 --duration "$SECS" --warmup 2 --prompts 64
     if [ $slots = 32 ]; then
       gen_load "http-native-s$slots" --rate 192 --duration 5 --http --prompts 16
-      step "openai-native" 60 curl -sS --max-time 30 "http://127.0.0.1:$((port + 1))/v1/completions" \
-        -H 'content-type: application/json' \
-        -d '{"model":"m","prompt":"The capital of France is","max_tokens":16,"stream":false}'
-      step "openai-load-native" 60 "$bin/bgs" load --openai "http://127.0.0.1:$((port + 1))/v1/completions" \
-        --model m --prompt-tokens 24 --max-tokens 64 --ignore-eos --connections 32 --cpus 4-15 \
-        --rate 64 --duration 10 --prompts 16 --server-pid "$spid" --json "$work/openai-load-native.json"
       gen_load "saturation-native-s$slots" --rate 2000 --duration 10 --prompts 64
     fi
     stop_server
@@ -120,6 +114,22 @@ for reply in loop executor-sqe; do
     stop_server
   fi
 done
+fi
+
+# 5. The OpenAI-compatible API over the GPU model: one completion by curl, then a load run
+#    through the API (streamed, the same prompts as above).
+if want openai; then
+  port=$((port + 2))
+  if start_server "openai" --model "$work/qwen2.5-0.5b" --slots 32 --api-listen 127.0.0.1:$((port + 1)); then
+    step "openai-curl" 60 curl -sS --max-time 30 "http://127.0.0.1:$((port + 1))/v1/completions" \
+      -H 'content-type: application/json' \
+      -d '{"model":"qwen2.5-0.5b","prompt":"The capital of France is","max_tokens":16,"stream":false}'
+    step "openai-load" 90 "$bin/bgs" load --openai "http://127.0.0.1:$((port + 1))/v1/completions" \
+      --model qwen2.5-0.5b --op generate --prompt-tokens 24 --max-tokens 64 --ignore-eos \
+      --connections 64 --cpus 4-15 --rate 96 --duration 10 --prompts 16 --server-pid "$spid" \
+      --json "$work/openai-load.json"
+    stop_server
+  fi
 fi
 
 python3 - "$work" "$out" <<'PY' >"$out/summary.json"

@@ -31,5 +31,25 @@ for http in "" "--http"; do
   echo "generate tiny $http rc=$? $(grep -E 'requests|tokens ' "$work/gen$http.txt" | tr '\n' ' ')" | tee -a "$out/steps.log"
 done
 kill -TERM $spid; wait $spid
+# The completion notifier (--gpu-completion-wake interrupt): strict gemm8 through native + GPU
+# and kernel loop + GPU, at a low and a high rate; the server's shutdown lines carry the
+# notifier's and the transport's wake-up counters.
+mount | grep -q cgroup2 || { mkdir -p /tmp/cg2 && mount -t cgroup2 none /tmp/cg2; }
+p=7980
+for t in "--transport native" "--transport kernel --reply loop"; do
+  p=$((p + 1)); name=int-$(echo $t | awk '{print $2}')
+  rm -f "$work/$name.server.log"
+  "$bin/bgs" serve --listen 127.0.0.1:$p $t --executor gpu --gpu-completion-wake interrupt \
+    --cpus 0-3 > "$work/$name.server.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 100); do grep -q listening "$work/$name.server.log" && break; sleep 0.1; done
+  for rate in 1000 20000; do
+    timeout 60 "$bin/bgs" load --target 127.0.0.1:$p --op gemm8 --rate $rate --duration 5 \
+      --connections 128 --strict --cpus 4-15 --server-pid $spid > "$work/$name-$rate.txt" 2>&1
+    echo "$name rate $rate rc=$? $(grep -E 'requests|  complete|server ' "$work/$name-$rate.txt" | tr -s ' ' | tr '\n' ' ')" | tee -a "$out/steps.log"
+  done
+  kill -TERM $spid; wait $spid
+  echo "$name server: $(grep -iE 'notifier|wake' "$work/$name.server.log" | tr -s ' ' | tr '\n' ' ')" | tee -a "$out/steps.log"
+done
 tar czf "$out/logs.tgz" -C "$work" . 2>/dev/null
 echo "verify: done"
