@@ -12,6 +12,7 @@
 
 #[cfg(test)]
 mod emu;
+pub mod c_header;
 pub mod host;
 mod model;
 mod plan;
