@@ -277,6 +277,9 @@ BGS_GEN_LOOP_API void bgs_gl_fail_step(bgs_u32 *state);
 BGS_GEN_LOOP_API int bgs_gl_pack(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo,
                                  bgs_i32 *buf, struct bgs_gl_packed *out);
 
+/* Words of the step-input buffer for `geo` (bgs_llm_step_words, exported for the host). */
+BGS_GEN_LOOP_API bgs_u32 bgs_gl_step_words(const struct bgs_llm_step_geometry *geo);
+
 /* Queries. */
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_live(const bgs_u32 *state);        /* sequences in the table */
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_running(const bgs_u32 *state);     /* running, not ended */
@@ -877,6 +880,10 @@ BGS_GEN_LOOP_API int bgs_gl_pack(const bgs_u32 *state, const struct bgs_llm_step
     }
     out->words = bt_o + bt_at;
     return 0;
+}
+
+BGS_GEN_LOOP_API bgs_u32 bgs_gl_step_words(const struct bgs_llm_step_geometry *geo) {
+    return bgs_llm_step_words(geo);
 }
 
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_live(const bgs_u32 *state) {

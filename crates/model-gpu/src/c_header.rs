@@ -23,39 +23,23 @@ use crate::host::{BUCKETS, PAD_POS, PAD_ROW, PAD_SEQ, PAD_SLOT, PAD_TOKEN, StepG
 /// File name of the header inside `include/`.
 pub const LLM_STEP_HEADER_NAME: &str = "bgs_llm_step.h";
 
-/// [`StepGeometry`] as C sees it (`struct bgs_llm_step_geometry`, 32-bit words).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[repr(C)]
-pub struct CStepGeometry {
-    /// Token capacity of a step (a bucket).
-    pub max_tokens: u32,
-    /// Sampled rows capacity.
-    pub max_samples: u32,
-    /// Items per step.
-    pub max_seqs: u32,
-    /// Block-table entries one sequence may use.
-    pub max_blocks_per_seq: u32,
-    /// Positions per KV block.
-    pub block_size: u32,
-    /// Blocks in the KV pool.
-    pub num_blocks: u32,
-}
+/// [`StepGeometry`] as C sees it (`struct bgs_llm_step_geometry`, 32-bit words). Defined
+/// next to the C step loop that reads it (`bgs_llm::gen_loop`), rendered here.
+pub use bgs_llm::gen_loop::CStepGeometry;
 
-impl CStepGeometry {
-    /// The C view of `g`; the message names a size that does not fit 32 bits.
-    pub fn from_geometry(g: &StepGeometry) -> Result<CStepGeometry, String> {
-        let w = |name: &str, v: usize| {
-            u32::try_from(v).map_err(|_| format!("step geometry: {name} {v} does not fit u32"))
-        };
-        Ok(CStepGeometry {
-            max_tokens: w("max_tokens", g.max_tokens)?,
-            max_samples: w("max_samples", g.max_samples)?,
-            max_seqs: w("max_seqs", g.max_seqs)?,
-            max_blocks_per_seq: w("max_blocks_per_seq", g.max_blocks_per_seq)?,
-            block_size: w("block_size", g.block_size)?,
-            num_blocks: w("num_blocks", g.num_blocks)?,
-        })
-    }
+/// The C view of `g`; the message names a size that does not fit 32 bits.
+pub fn c_geometry(g: &StepGeometry) -> Result<CStepGeometry, String> {
+    let w = |name: &str, v: usize| {
+        u32::try_from(v).map_err(|_| format!("step geometry: {name} {v} does not fit u32"))
+    };
+    Ok(CStepGeometry {
+        max_tokens: w("max_tokens", g.max_tokens)?,
+        max_samples: w("max_samples", g.max_samples)?,
+        max_seqs: w("max_seqs", g.max_seqs)?,
+        max_blocks_per_seq: w("max_blocks_per_seq", g.max_blocks_per_seq)?,
+        block_size: w("block_size", g.block_size)?,
+        num_blocks: w("num_blocks", g.num_blocks)?,
+    })
 }
 
 fn geometry_struct() -> StructDesc {
@@ -140,7 +124,12 @@ impl Linear {
             constant: constant as usize,
             coef: coef.map(|c| c as usize),
         };
-        for s in [[512, 256, 256, 512], [1, 1, 1, 1], [32, 4, 3, 64], [8, 8, 5, 7]] {
+        for s in [
+            [512, 256, 256, 512],
+            [1, 1, 1, 1],
+            [32, 4, 3, 64],
+            [8, 8, 5, 7],
+        ] {
             let g = geo(s);
             assert_eq!(l.eval(&g), f(&g), "{what}: not of the generated form");
         }
@@ -305,20 +294,19 @@ mod tests {
 
     #[test]
     fn a_nonlinear_offset_is_refused() {
-        let r = std::panic::catch_unwind(|| {
-            Linear::measure("square", |g| g.max_tokens * g.max_tokens)
-        });
+        let r =
+            std::panic::catch_unwind(|| Linear::measure("square", |g| g.max_tokens * g.max_tokens));
         assert!(r.is_err());
     }
 
     #[test]
     fn geometry_converts_and_names_overflow() {
         let g = geo([32, 4, 3, 64]);
-        let c = CStepGeometry::from_geometry(&g).unwrap();
+        let c = c_geometry(&g).unwrap();
         assert_eq!((c.max_tokens, c.max_samples, c.max_seqs), (32, 4, 3));
         let mut big = g;
         big.num_blocks = usize::MAX;
-        let e = CStepGeometry::from_geometry(&big).unwrap_err();
+        let e = c_geometry(&big).unwrap_err();
         assert!(e.contains("num_blocks"), "{e}");
     }
 }

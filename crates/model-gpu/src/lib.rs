@@ -10,9 +10,9 @@
 //! Libraries are loaded at run time (cudarc, dynamic loading): without a driver, a device or
 //! a library, [`GpuModel::new`] returns an error naming what is missing.
 
+pub mod c_header;
 #[cfg(test)]
 mod emu;
-pub mod c_header;
 pub mod host;
 mod model;
 mod plan;
