@@ -2,8 +2,9 @@
  * block allocation, advancing sequences by a step's sampled tokens, and the reply frames
  * they owe), written once for the host engine and for the GPU-resident step loop.
  *
- * Hand-written (not generated). Portable C99 with no libc calls, no allocation, no globals and
- * no recursion, in the style of bgs_step_policy.h (which it calls): crates/llm compiles it for
+ * Hand-written (not generated). Portable C (C99 constructs; built as C11 only because the
+ * generated headers it includes use _Static_assert) with no libc calls, no allocation, no
+ * globals and no recursion, in the style of bgs_step_policy.h (which it calls): crates/llm compiles it for
  * the host (csrc/gen_loop.c) and drives it through a safe Rust wrapper (`CGenLoop` in
  * crates/llm/src/gen_loop.rs); the GPU's dispatcher will compile the same file with NVRTC
  * (define BGS_GEN_LOOP_API as `__device__`; BGS_STEP_POLICY_API follows it unless defined).
@@ -60,6 +61,7 @@
 #endif
 
 #include "bgs_protocol.h"
+#include "bgs_ring.h"
 #include "bgs_step_policy.h"
 #include "bgs_llm_step.h"
 
@@ -73,7 +75,7 @@ extern "C" {
 #define BGS_GL_MAGIC 0x4c474742u
 
 /* Most prompt tokens a sequence holds: a ring slot's payload (bgs_ring.h BGS_RING_SLOT_WORDS). */
-#define BGS_GL_MAX_PROMPT 256u
+#define BGS_GL_MAX_PROMPT BGS_RING_SLOT_WORDS
 /* Credit a stream needs to take part in a step: its token frame and possibly its final. */
 #define BGS_GL_STEP_CREDIT 2u
 /* finish_reason words of the end-of-stream frame. */
@@ -292,7 +294,8 @@ BGS_GEN_LOOP_API bgs_u32 bgs_gl_check(bgs_u32 *state);
 
 /* BGS_GL_ABI_VERSION and the struct sizes, for the host wrapper's layout check. */
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_abi(bgs_u32 *limits_size, bgs_u32 *request_size,
-                                    bgs_u32 *frame_size, bgs_u32 *item_size);
+                                    bgs_u32 *frame_size, bgs_u32 *item_size,
+                                    bgs_u32 *packed_size, bgs_u32 *geometry_size);
 
 #ifdef BGS_GEN_LOOP_IMPL
 
@@ -1002,11 +1005,14 @@ BGS_GEN_LOOP_API bgs_u32 bgs_gl_check(bgs_u32 *state) {
 }
 
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_abi(bgs_u32 *limits_size, bgs_u32 *request_size,
-                                    bgs_u32 *frame_size, bgs_u32 *item_size) {
+                                    bgs_u32 *frame_size, bgs_u32 *item_size,
+                                    bgs_u32 *packed_size, bgs_u32 *geometry_size) {
     *limits_size = (bgs_u32)sizeof(struct bgs_gl_limits);
     *request_size = (bgs_u32)sizeof(struct bgs_gl_request);
     *frame_size = (bgs_u32)sizeof(struct bgs_gl_frame);
     *item_size = (bgs_u32)sizeof(struct bgs_gl_item);
+    *packed_size = (bgs_u32)sizeof(struct bgs_gl_packed);
+    *geometry_size = (bgs_u32)sizeof(struct bgs_llm_step_geometry);
     return BGS_GL_ABI_VERSION;
 }
 

@@ -11,6 +11,7 @@ fn main() {
         "bgs_step_policy.h",
         "bgs_gen_loop.h",
         "bgs_protocol.h",
+        "bgs_ring.h",
         "bgs_llm_step.h",
     ] {
         println!("cargo:rerun-if-changed={}", include.join(h).display());

@@ -124,7 +124,7 @@ extern "C" __global__ void gen_loop_once(unsigned *state, const struct bgs_gl_li
                                          const struct bgs_llm_step_geometry *geo, int *buf,
                                          struct bgs_gl_packed *packed, unsigned *out) {
     struct bgs_gl_item item;
-    unsigned a, b, c, d;
+    unsigned a, b, c, d, e, f;
     out[0] = (unsigned)bgs_gl_init(state, l, eos, 1u);
     out[1] = bgs_gl_admit(state, r);
     out[2] = (unsigned)bgs_gl_plan(state, credit);
@@ -138,7 +138,7 @@ extern "C" __global__ void gen_loop_once(unsigned *state, const struct bgs_gl_li
     out[8] = bgs_gl_check(state) + bgs_gl_live(state) + bgs_gl_running(state) +
              bgs_gl_free_blocks(state) + bgs_gl_holds(state, r->stream) +
              bgs_gl_slot_stream(state, 0u) + bgs_gl_step_words(geo) +
-             (unsigned)bgs_gl_state_bytes(l) + bgs_gl_abi(&a, &b, &c, &d) + item.tokens;
+             (unsigned)bgs_gl_state_bytes(l) + bgs_gl_abi(&a, &b, &c, &d, &e, &f) + item.tokens;
 }
 "#;
 
@@ -148,6 +148,7 @@ fn gen_loop_headers() -> Vec<(&'static str, String)> {
         "bgs_gen_loop.h",
         "bgs_step_policy.h",
         "bgs_protocol.h",
+        "bgs_ring.h",
         "bgs_llm_step.h",
     ]
     .into_iter()

@@ -20,7 +20,8 @@ use crate::model::{Item, StepModel};
 /// Layout version the Rust structs below mirror (`BGS_GL_ABI_VERSION`).
 const ABI_VERSION: u32 = 1;
 
-/// Most prompt tokens the C core holds (`BGS_GL_MAX_PROMPT`, a ring slot's payload words).
+/// Most prompt tokens the C core holds (`BGS_GL_MAX_PROMPT` = `BGS_RING_SLOT_WORDS`, a ring
+/// slot's payload words; tests/gen_loop.rs checks it against `bgs_ring::SLOT_WORDS`).
 pub const MAX_PROMPT: u32 = 256;
 
 /// A table slot without a sequence (`BGS_GL_NO_STREAM`).
@@ -170,26 +171,36 @@ unsafe extern "C" {
     fn bgs_gl_holds(state: *const u32, stream: u32) -> u32;
     fn bgs_gl_slot_stream(state: *const u32, slot: u32) -> u32;
     fn bgs_gl_check(state: *mut u32) -> u32;
-    fn bgs_gl_abi(limits: *mut u32, request: *mut u32, frame: *mut u32, item: *mut u32) -> u32;
+    fn bgs_gl_abi(
+        limits: *mut u32,
+        request: *mut u32,
+        frame: *mut u32,
+        item: *mut u32,
+        packed: *mut u32,
+        geometry: *mut u32,
+    ) -> u32;
 }
 
 /// Check that the compiled C agrees with these struct layouts; the message names the
 /// mismatch.
 pub fn check_abi() -> Result<(), String> {
-    let (mut l, mut r, mut f, mut i) = (0u32, 0u32, 0u32, 0u32);
-    // SAFETY: the C writes one u32 through each pointer; all four point at live locals.
-    let version = unsafe { bgs_gl_abi(&mut l, &mut r, &mut f, &mut i) };
-    let want = (
-        ABI_VERSION,
-        size_of::<GlLimits>() as u32,
-        size_of::<GlRequest>() as u32,
-        size_of::<GlFrame>() as u32,
-        size_of::<GlItem>() as u32,
-    );
-    if (version, l, r, f, i) != want {
+    let mut s = [0u32; 6];
+    let [l, r, f, i, p, g] = &mut s;
+    // SAFETY: the C writes one u32 through each pointer; all six point at live locals.
+    let version = unsafe { bgs_gl_abi(l, r, f, i, p, g) };
+    let want = [
+        size_of::<GlLimits>(),
+        size_of::<GlRequest>(),
+        size_of::<GlFrame>(),
+        size_of::<GlItem>(),
+        size_of::<GlPacked>(),
+        size_of::<CStepGeometry>(),
+    ]
+    .map(|n| n as u32);
+    if version != ABI_VERSION || s != want {
         return Err(format!(
-            "bgs_gen_loop.h ABI mismatch: C has version {version} sizes {l}/{r}/{f}/{i}, \
-             Rust expects {want:?}"
+            "bgs_gen_loop.h ABI mismatch: C has version {version} sizes {s:?} (limits, \
+             request, frame, item, packed, geometry), Rust expects {ABI_VERSION} {want:?}"
         ));
     }
     Ok(())

@@ -372,6 +372,7 @@ fn prompts_past_the_ring_slot_are_refused_by_the_c_core_only() {
     // and the ring never carries more).
     let m = FakeModel::new(50, &[0], 1024, 16, 64);
     let mut c = CGenEngine::new(m, config(1, 0, 512)).unwrap();
+    assert_eq!(MAX_PROMPT as usize, bgs_ring::SLOT_WORDS);
     let long = prompt(1, MAX_PROMPT as usize + 1);
     assert_eq!(c.admit(generate(0, 1, &long, 4, 0)), Err(Status::BadParam));
     let fits = prompt(1, MAX_PROMPT as usize);
