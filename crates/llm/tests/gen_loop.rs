@@ -569,14 +569,14 @@ enum Ev {
 
 fn arb_ev() -> impl Strategy<Value = Ev> {
     prop_oneof![
-        4 => (1usize..40, any::<u32>(), 1u32..40, prop_oneof![3 => Just(0u32), 1 => Just(FLAG_IGNORE_EOS), 1 => Just(2u32)], 0u64..4)
+        24 => (1usize..40, any::<u32>(), 1u32..40, prop_oneof![3 => Just(0u32), 1 => Just(FLAG_IGNORE_EOS), 1 => Just(2u32)], 0u64..4)
             .prop_map(|(l, s, m, f, c)| Ev::Admit(l, s, m, f, c)),
         1 => (0usize..8).prop_map(Ev::Reuse),
-        1 => (0u64..4).prop_map(Ev::Cancel),
-        8 => Just(Ev::Step),
-        2 => (0usize..8, prop_oneof![Just(None), (0u32..4).prop_map(Some)])
+        3 => (0u64..4).prop_map(Ev::Cancel),
+        80 => Just(Ev::Step),
+        12 => (0usize..8, prop_oneof![Just(None), (0u32..4).prop_map(Some)])
             .prop_map(|(k, c)| Ev::Credit(k, c)),
-        1 => (0usize..4).prop_map(Ev::Refuse),
+        8 => (0usize..4).prop_map(Ev::Refuse),
         1 => Just(Ev::FailNext),
     ]
 }
@@ -593,7 +593,7 @@ proptest! {
         blocks in 4usize..40,
         max_pos in 8usize..80,
         ignore_all in prop::bool::weighted(0.2),
-        events in prop::collection::vec(arb_ev(), 1..120),
+        events in prop::collection::vec(arb_ev(), 1..300),
     ) {
         let m = FakeModel::new(50, &[0, 7], max_pos, block_size, blocks);
         let mut cfg = config(slots, waiting, slots + extra_budget);
