@@ -642,3 +642,69 @@ proptest! {
         p.drain();
     }
 }
+
+fn cpu_model() -> bgs_model::cpu::CpuModel {
+    let (cfg, weights) =
+        bgs_model::synth::synth_weights(bgs_model::SynthArch::TinyLlama, 3, bgs_model::DType::F32);
+    let kv = bgs_model::cpu::KvConfig {
+        block_size: 16,
+        num_blocks: 12,
+    };
+    bgs_model::cpu::CpuModel::new(cfg, weights, kv, 1).unwrap()
+}
+
+/// The real CPU forward pass (a tiny synthetic checkpoint) under both engines: staggered
+/// arrivals, chunked prefill, a credit stall, a full ring and a cancel give the same frames.
+#[test]
+fn the_cpu_model_gives_identical_frames_under_both_engines() {
+    let cfg = config(3, 3, 24);
+    let mut rust = GenerationEngine::new(cpu_model(), cfg).unwrap();
+    let mut c = CGenEngine::new(cpu_model(), cfg).unwrap();
+    let (mut rs, mut cs) = (Sink::default(), Sink::default());
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| (0..5 + 4 * i).map(|k| (i * 37 + k * 11) % 256).collect())
+        .collect();
+    for sink in [&mut rs, &mut cs] {
+        sink.credit.insert(2, 3);
+    }
+    for step in 0..400 {
+        if step < 6 {
+            let i = step as usize;
+            let r = generate(
+                step,
+                u64::from(step % 3),
+                &prompts[i],
+                12,
+                FLAG_IGNORE_EOS * (step % 2),
+            );
+            assert_eq!(rust.admit(r), c.admit(r));
+        }
+        if step == 8 {
+            rs.refuse = 2;
+            cs.refuse = 2;
+        }
+        if step == 10 {
+            rust.cancel(1);
+            c.cancel(1);
+        }
+        if step == 12 {
+            rs.credit.clear();
+            cs.credit.clear();
+        }
+        let a = rust.step(&mut rs);
+        let b = c.step(&mut cs);
+        assert_eq!(a, b, "step {step}: progress");
+        assert_eq!(rs.frames, cs.frames, "step {step}: frames");
+        rust.check_invariants().unwrap();
+        c.check_invariants().unwrap();
+        if rust.live() == 0 && c.live() == 0 && step >= 6 {
+            break;
+        }
+    }
+    assert_eq!(c.live(), 0);
+    assert_eq!(c.used_blocks(), 0);
+    let finals = cs.frames.iter().filter(|f| f.2).count();
+    assert_eq!(finals, 6, "one final frame per request");
+    assert!(cs.frames.iter().any(|f| f.1 == Status::Cancelled));
+    assert!(cs.frames.iter().filter(|f| f.1 == Status::Token).count() > 20);
+}
