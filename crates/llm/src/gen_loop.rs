@@ -282,6 +282,12 @@ impl CGenLoop {
         &self.state
     }
 
+    /// The state words, writable: how a copy that ran elsewhere (device memory) is written
+    /// back. Words written must keep the layout's invariants; [`CGenLoop::check`] says.
+    pub fn state_mut(&mut self) -> &mut [u32] {
+        &mut self.state
+    }
+
     /// Validate and queue a generate request (`Err`: the status to answer it with).
     pub fn admit(
         &mut self,

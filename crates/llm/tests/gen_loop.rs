@@ -552,6 +552,40 @@ fn owed_frames_are_delivered_in_parts() {
     c.check().unwrap();
 }
 
+#[test]
+fn the_c_check_catches_a_shared_or_lost_block() {
+    let limits = GlLimits {
+        block_size: 4,
+        num_blocks: 8,
+        max_seqs: 2,
+        max_running: 2,
+        max_batched_tokens: 8,
+        max_prompt: 16,
+        vocab_size: 50,
+        max_positions: 64,
+        max_eos: 0,
+        ignore_eos: 0,
+    };
+    let mut c = CGenLoop::new(limits, &[]).unwrap();
+    c.admit(0, 1, 8, 0, &[1, 2, 3, 4, 5]).unwrap();
+    assert_eq!(c.plan(&[2, 2]).unwrap(), 1);
+    let it = c.item(0).unwrap();
+    assert_eq!(it.n_blocks, 2);
+    c.check().unwrap();
+    let held = c.item_blocks(&it)[0];
+    // Header words of bgs_gen_loop.h: BGS_GL_H_FREE_TOP = 16, BGS_GL_H_FREE_AT = 21.
+    let (top, free_at) = (c.state()[16] as usize, c.state()[21] as usize);
+    assert_eq!(top, 6);
+    let good = c.state().to_vec();
+    c.state_mut()[free_at + top - 1] = held; // the top free block is also in a table
+    assert!(c.check().unwrap_err().contains("two tables"));
+    c.state_mut().copy_from_slice(&good);
+    c.state_mut()[16] = 5; // a block vanishes from the free stack
+    assert!(c.check().unwrap_err().contains("add up"));
+    c.state_mut().copy_from_slice(&good);
+    c.check().unwrap();
+}
+
 /// One event of a random schedule.
 #[derive(Clone, Debug)]
 enum Ev {
