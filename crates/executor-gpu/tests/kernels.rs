@@ -108,6 +108,116 @@ extern "C" __global__ void plan_once(const struct bgs_sp_limits *l,
     assert!(cubin.starts_with(b"\x7fELF"));
 }
 
+/// The generation step loop (portable C, `include/bgs_gen_loop.h`, run by the host's
+/// `CGenEngine` today) compiles as device code for the GPU-resident dispatcher: NVRTC, with
+/// the step policy and the generated protocol and step-layout headers, every entry point
+/// called from a kernel.
+const GEN_LOOP_DEVICE_SOURCE: &str = r#"
+#define BGS_GEN_LOOP_API __device__
+#define BGS_GEN_LOOP_IMPL
+#define BGS_STEP_POLICY_IMPL
+#include "bgs_gen_loop.h"
+extern "C" __global__ void gen_loop_once(unsigned *state, const struct bgs_gl_limits *l,
+                                         const unsigned *eos, const struct bgs_gl_request *r,
+                                         const unsigned *credit, const unsigned *next,
+                                         struct bgs_gl_frame *frames,
+                                         const struct bgs_llm_step_geometry *geo, int *buf,
+                                         struct bgs_gl_packed *packed, unsigned *out) {
+    struct bgs_gl_item item;
+    unsigned a, b, c, d, e, f;
+    out[0] = (unsigned)bgs_gl_init(state, l, eos, 1u);
+    out[1] = bgs_gl_admit(state, r);
+    out[2] = (unsigned)bgs_gl_plan(state, credit);
+    out[3] = (unsigned)bgs_gl_item(state, 0u, &item);
+    out[4] = (unsigned)bgs_gl_pack(state, geo, buf, packed);
+    out[5] = (unsigned)bgs_gl_finish(state, next, frames);
+    bgs_gl_delivered(state, frames[0].slot, 1u);
+    out[6] = bgs_gl_owed(state, frames);
+    out[7] = bgs_gl_cancel(state, r->conn);
+    bgs_gl_fail_step(state);
+    out[8] = bgs_gl_check(state) + bgs_gl_live(state) + bgs_gl_running(state) +
+             bgs_gl_free_blocks(state) + bgs_gl_holds(state, r->stream) +
+             bgs_gl_slot_stream(state, 0u) + bgs_gl_step_words(geo) +
+             (unsigned)bgs_gl_state_bytes(l) + bgs_gl_abi(&a, &b, &c, &d, &e, &f) + item.tokens;
+}
+"#;
+
+fn gen_loop_headers() -> Vec<(&'static str, String)> {
+    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../include");
+    [
+        "bgs_gen_loop.h",
+        "bgs_step_policy.h",
+        "bgs_protocol.h",
+        "bgs_ring.h",
+        "bgs_llm_step.h",
+    ]
+    .into_iter()
+    .map(|h| (h, std::fs::read_to_string(include.join(h)).unwrap()))
+    .collect()
+}
+
+#[test]
+fn gen_loop_compiles_with_nvrtc() {
+    let Some(dir) = wheel_lib_dir() else {
+        missing("NVRTC 13 not found; step loop NVRTC check skipped");
+        return;
+    };
+    let dirs = vec![dir];
+    libs::load(&libs::NVRTC_BUILTINS, &dirs).expect("libnvrtc-builtins");
+    libs::load(&libs::NVRTC, &dirs).expect("libnvrtc");
+    let headers = gen_loop_headers();
+    let refs: Vec<(&str, &str)> = headers.iter().map(|(n, t)| (*n, t.as_str())).collect();
+    let cubin = compile::nvrtc_compile_source(
+        "gen_loop.cu",
+        GEN_LOOP_DEVICE_SOURCE,
+        &refs,
+        &compile::nvrtc_options(9, 0),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"));
+}
+
+/// The same device unit through clang's CUDA front end, where the generated headers' static
+/// asserts are evaluated (NVRTC skips them) and warnings are errors.
+#[test]
+fn gen_loop_passes_clang_cuda_syntax_check() {
+    let Some(cc) = clang() else {
+        missing("clang-19 not found; step loop CUDA syntax check skipped");
+        return;
+    };
+    let tmp = std::env::temp_dir().join(format!("bgs-gen-loop-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("stub.h"), STUB_PRELUDE).unwrap();
+    std::fs::write(tmp.join("gen_loop.cu"), GEN_LOOP_DEVICE_SOURCE).unwrap();
+    let out = Command::new(cc)
+        .args([
+            "-x",
+            "cuda",
+            "--cuda-gpu-arch=sm_90",
+            "--cuda-device-only",
+            "-nocudainc",
+            "-nocudalib",
+            "-fsyntax-only",
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+        ])
+        .arg("-include")
+        .arg(tmp.join("stub.h"))
+        .arg("-I")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../include"))
+        .arg(tmp.join("gen_loop.cu"))
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&tmp);
+    assert!(
+        out.status.success(),
+        "clang -x cuda rejected bgs_gen_loop.h as device code:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 const STUB_PRELUDE: &str = r#"
 /* Stand-ins for what the CUDA headers / NVRTC provide; enough for -fsyntax-only. */
 #define __global__ __attribute__((global))

@@ -7,6 +7,10 @@
 //!   step which waiting sequences start and how many tokens every sequence processes.
 //! - [`model`]: [`StepModel`], what the engine needs from a model (one batched forward step).
 //! - [`engine`]: [`GenerationEngine`], the [`bgs_engine::Engine`] an executor runs.
+//! - [`gen_loop`]: the same engine's step loop written once in portable C
+//!   (`include/bgs_gen_loop.h`, the logic the GPU-resident dispatcher will run):
+//!   [`CGenLoop`] wraps its state, [`CGenEngine`] drives it over a [`StepModel`] and emits
+//!   the same frames as [`GenerationEngine`] (tests/gen_loop.rs checks that).
 //!
 //! One step of [`GenerationEngine`]:
 //! 1. answer queued one-shot ops (echo, gemm8, fft32) inline with [`bgs_adapters::OneShotCpu`];
@@ -24,6 +28,7 @@
 //! `docs/generation.md` describes the scheduling, paging, credit, cancel and frame format.
 
 pub mod engine;
+pub mod gen_loop;
 pub mod kv;
 pub mod model;
 pub mod policy;
@@ -32,5 +37,6 @@ pub use engine::{
     EngineConfig, FINISH_EOS, FINISH_LENGTH, FLAG_IGNORE_EOS, GenerationEngine, MAX_NEW_TOKENS,
     STEP_CREDIT,
 };
+pub use gen_loop::{CGenEngine, CGenLoop};
 pub use kv::BlockAllocator;
 pub use model::{Item, KvShape, StepModel};

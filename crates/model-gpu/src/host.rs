@@ -171,6 +171,18 @@ impl StepGeometry {
     }
 }
 
+/// What [`pack_step`] writes for a padding token (up to the bucket): token id, position,
+/// sequence index and KV slot (-1: writes no KV). `include/bgs_llm_step.h` carries these.
+pub const PAD_TOKEN: i32 = 0;
+/// Position of a padding token.
+pub const PAD_POS: i32 = 0;
+/// Sequence index of a padding token.
+pub const PAD_SEQ: i32 = 0;
+/// KV slot of a padding token: none.
+pub const PAD_SLOT: i32 = -1;
+/// Token row of a padding sampled row (row 0: read, never used).
+pub const PAD_ROW: i32 = 0;
+
 /// What [`pack_step`] produced.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Packed {
@@ -316,13 +328,13 @@ pub fn pack_step(
         }
     }
     for pad in t..geo.max_tokens {
-        buf[StepGeometry::TOK + pad] = 0;
-        buf[pos_o + pad] = 0;
-        buf[seq_o + pad] = 0;
-        buf[slot_o + pad] = -1;
+        buf[StepGeometry::TOK + pad] = PAD_TOKEN;
+        buf[pos_o + pad] = PAD_POS;
+        buf[seq_o + pad] = PAD_SEQ;
+        buf[slot_o + pad] = PAD_SLOT;
     }
     for r in samples..geo.max_samples {
-        buf[rows_o + r] = 0;
+        buf[rows_o + r] = PAD_ROW;
     }
     for i in items.len()..geo.max_seqs {
         buf[off_o + i] = 0;

@@ -10,6 +10,7 @@
 //! Libraries are loaded at run time (cudarc, dynamic loading): without a driver, a device or
 //! a library, [`GpuModel::new`] returns an error naming what is missing.
 
+pub mod c_header;
 #[cfg(test)]
 mod emu;
 pub mod host;
