@@ -10,7 +10,8 @@
 # A strict correctness pass over every GPU condition comes first. Short runs (5 s, 2 rounds
 # rotated) so that the whole script fits one 8-minute device call.
 # Runs ON the GPU machine from the repo root, like bench/gpu/verify.sh.
-# Usage: bash bench/gpu/cost.sh BIN_DIR OUT_DIR   (BIN_DIR holds bgs; ROUNDS=2 CONDS="..." override)
+# Usage: bash bench/gpu/cost.sh BIN_DIR OUT_DIR   (BIN_DIR holds bgs; ROUNDS=2 CONDS="..." CHECK=0
+# override)
 # Output: OUT_DIR/summary.json (date, host, command, revision, checks, per-run rows with the
 # per-thread breakdown), steps.log, logs.tgz with every server log and load report.
 set -uo pipefail
@@ -48,7 +49,9 @@ declare -A conds=(
 )
 order=(${CONDS:-floor native-poll native-int kloop-poll kloop-int})
 # (1) strict correctness over TCP: every op (floor: echo only), a repeat chain, HTTP, pipelined.
-for c in "${order[@]}"; do
+# CHECK=0 skips it (when bench/gpu/verify.sh has just checked the same binaries).
+checked=("${order[@]}"); [ "${CHECK:-1}" = 0 ] && checked=()
+for c in "${checked[@]}"; do
   # shellcheck disable=SC2086
   start "check-$c" ${conds[$c]} || continue
   specs=("gemm8 1" "gemm8 16" "gemm8 3" "fft32 1" "fft32 256" "echo 1")
