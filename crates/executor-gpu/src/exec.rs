@@ -46,16 +46,7 @@ const NOTIFIER_IDLE: Duration = Duration::from_millis(20);
 /// GPU's interrupt instead of spinning.
 const EVENT_FLAGS: u32 = 0x1 | 0x2;
 
-fn ck(r: cu::CUresult, what: &str) -> Result<(), GpuError> {
-    if r == cu::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(GpuError::Cuda {
-            what: what.to_string(),
-            name: format!("{r:?}"),
-        })
-    }
-}
+use crate::device::check as ck;
 
 fn ck_blas(r: cublas::cublasStatus_t, what: &str) -> Result<(), GpuError> {
     if r == cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
@@ -119,116 +110,27 @@ struct Env {
 }
 
 fn init(cfg: &GpuExecutorConfig) -> Result<Env, GpuError> {
-    // SAFETY: only tries to dlopen the driver library; nothing is called through it yet.
-    if !unsafe { cu::is_culib_present() } {
-        return Err(GpuError::MissingDriver(
-            "libcuda.so.1 (the NVIDIA driver library) could not be loaded".into(),
-        ));
-    }
-    // SAFETY: the driver library is present (checked above); cuInit may be called any time.
-    let r = unsafe { cu::cuInit(0) };
-    if r == cu::CUresult::CUDA_ERROR_NO_DEVICE {
-        return Err(GpuError::NoDevice(
-            "cuInit reported CUDA_ERROR_NO_DEVICE (no GPU, or CUDA_VISIBLE_DEVICES hides them)"
-                .into(),
-        ));
-    }
-    ck(r, "cuInit")?;
-    let mut count = 0;
-    ck(
-        // SAFETY: initialized driver; valid out-pointer.
-        unsafe { cu::cuDeviceGetCount(&mut count) },
-        "cuDeviceGetCount",
+    let d = crate::device::open(cfg.device)?;
+    let (dirs, libraries) = crate::device::load_libraries(
+        cfg.cuda_home.as_deref(),
+        &[
+            libs::CUBLASLT,
+            libs::CUBLAS,
+            libs::CUFFT,
+            libs::NVRTC_BUILTINS,
+            libs::NVRTC,
+            libs::NVJITLINK,
+        ],
     )?;
-    if count <= 0 {
-        return Err(GpuError::NoDevice("the driver sees no CUDA device".into()));
-    }
-    if cfg.device >= count as usize {
-        return Err(GpuError::NoDevice(format!(
-            "device {} requested, {count} present",
-            cfg.device
-        )));
-    }
-    let mut dev: cu::CUdevice = 0;
-    let mut name = [0 as std::ffi::c_char; 256];
-    let (mut major, mut minor, mut native, mut driver) = (0, 0, 0, 0);
-    // SAFETY: initialized driver, valid ordinal, valid out-pointers and buffer length.
-    unsafe {
-        ck(cu::cuDeviceGet(&mut dev, cfg.device as i32), "cuDeviceGet")?;
-        ck(
-            cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev),
-            "cuDeviceGetName",
-        )?;
-        use cu::CUdevice_attribute as A;
-        ck(
-            cu::cuDeviceGetAttribute(
-                &mut major,
-                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-                dev,
-            ),
-            "cuDeviceGetAttribute",
-        )?;
-        ck(
-            cu::cuDeviceGetAttribute(
-                &mut minor,
-                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-                dev,
-            ),
-            "cuDeviceGetAttribute",
-        )?;
-        ck(
-            cu::cuDeviceGetAttribute(
-                &mut native,
-                A::CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED,
-                dev,
-            ),
-            "cuDeviceGetAttribute",
-        )?;
-        ck(cu::cuDriverGetVersion(&mut driver), "cuDriverGetVersion")?;
-    }
-    // SAFETY: cuDeviceGetName wrote a NUL-terminated string into `name`.
-    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
-        .to_string_lossy()
-        .into_owned();
-    let env_home = std::env::var("CUDA_HOME").ok();
-    let dirs = libs::search_dirs(cfg.cuda_home.as_deref(), env_home.as_deref());
-    let mut libraries = Vec::new();
-    for spec in [
-        libs::CUBLASLT,
-        libs::CUBLAS,
-        libs::CUFFT,
-        libs::NVRTC_BUILTINS,
-        libs::NVRTC,
-        libs::NVJITLINK,
-    ] {
-        libraries.push((spec.what.to_string(), libs::load(&spec, &dirs)?));
-    }
-    // cudarc opens the same libraries by soname: make sure it finds them (it panics otherwise).
-    // SAFETY: these only dlopen; the libraries were opened above.
-    let present = unsafe {
-        [
-            ("cuBLAS", cublas::is_culib_present()),
-            ("cuFFT", cufft::is_culib_present()),
-            ("NVRTC", cudarc::nvrtc::sys::is_culib_present()),
-        ]
-    };
-    for (what, ok) in present {
-        if !ok {
-            return Err(GpuError::MissingLibrary {
-                what: what.into(),
-                detail: "loaded by path but not found by soname (set LD_LIBRARY_PATH)".into(),
-            });
-        }
-    }
     let cudadevrt = libs::find_cudadevrt(&dirs, &libraries[4].1)?;
     let nvjitlink = libraries[5].1.clone();
     Ok(Env {
-        dev,
+        dev: d.dev,
         info: DeviceInfo {
-            name,
-            compute_capability: (major, minor),
-            driver_version: driver,
-            host_native_atomics: native != 0,
+            name: d.name,
+            compute_capability: d.compute_capability,
+            driver_version: d.driver_version,
+            host_native_atomics: d.host_native_atomics,
             libraries,
             cudadevrt,
         },

@@ -23,6 +23,7 @@ use bgs_ring::RingRegion;
 
 pub mod c_header;
 pub mod compile;
+pub mod device;
 mod exec;
 pub mod layout;
 pub mod libs;

@@ -101,16 +101,7 @@ pub enum GpuModelError {
     Step(String),
 }
 
-fn ck(r: cu::CUresult, what: &str) -> Result<(), GpuError> {
-    if r == cu::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(GpuError::Cuda {
-            what: what.to_string(),
-            name: format!("{r:?}"),
-        })
-    }
-}
+use bgs_executor_gpu::device::check as ck;
 
 fn ck_blas(r: cublas::cublasStatus_t, what: &str) -> Result<(), GpuError> {
     if r == cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
@@ -132,96 +123,21 @@ struct Env {
 }
 
 fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
-    // SAFETY: only tries to dlopen the driver library; nothing is called through it yet.
-    if !unsafe { cu::is_culib_present() } {
-        return Err(GpuError::MissingDriver(
-            "libcuda.so.1 (the NVIDIA driver library) could not be loaded".into(),
-        ));
-    }
-    // SAFETY: the driver library is present; cuInit may be called any time.
-    let r = unsafe { cu::cuInit(0) };
-    if r == cu::CUresult::CUDA_ERROR_NO_DEVICE {
-        return Err(GpuError::NoDevice(
-            "cuInit reported CUDA_ERROR_NO_DEVICE (no GPU, or CUDA_VISIBLE_DEVICES hides them)"
-                .into(),
-        ));
-    }
-    ck(r, "cuInit")?;
-    let mut count = 0;
-    ck(
-        // SAFETY: initialized driver; valid out-pointer.
-        unsafe { cu::cuDeviceGetCount(&mut count) },
-        "cuDeviceGetCount",
+    let d = bgs_executor_gpu::device::open(device)?;
+    bgs_executor_gpu::device::load_libraries(
+        cuda_home,
+        &[
+            libs::CUBLASLT,
+            libs::CUBLAS,
+            libs::NVRTC_BUILTINS,
+            libs::NVRTC,
+        ],
     )?;
-    if count <= 0 || device >= count as usize {
-        return Err(GpuError::NoDevice(format!(
-            "device {device} requested, {count} present"
-        )));
-    }
-    let mut dev: cu::CUdevice = 0;
-    let mut name = [0 as std::ffi::c_char; 256];
-    let (mut major, mut minor, mut driver) = (0, 0, 0);
-    // SAFETY: initialized driver, valid ordinal, valid out-pointers and buffer length.
-    unsafe {
-        use cu::CUdevice_attribute as A;
-        ck(cu::cuDeviceGet(&mut dev, device as i32), "cuDeviceGet")?;
-        ck(
-            cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev),
-            "cuDeviceGetName",
-        )?;
-        ck(
-            cu::cuDeviceGetAttribute(
-                &mut major,
-                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-                dev,
-            ),
-            "cuDeviceGetAttribute(compute capability major)",
-        )?;
-        ck(
-            cu::cuDeviceGetAttribute(
-                &mut minor,
-                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-                dev,
-            ),
-            "cuDeviceGetAttribute(compute capability minor)",
-        )?;
-        ck(cu::cuDriverGetVersion(&mut driver), "cuDriverGetVersion")?;
-    }
-    // SAFETY: cuDeviceGetName wrote a NUL-terminated string into `name`.
-    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
-        .to_string_lossy()
-        .into_owned();
-    let env_home = std::env::var("CUDA_HOME").ok();
-    let dirs = libs::search_dirs(cuda_home, env_home.as_deref());
-    for spec in [
-        libs::CUBLASLT,
-        libs::CUBLAS,
-        libs::NVRTC_BUILTINS,
-        libs::NVRTC,
-    ] {
-        libs::load(&spec, &dirs)?;
-    }
-    // cudarc opens the same libraries by soname: make sure it finds them (it panics otherwise).
-    // SAFETY: these only dlopen; the libraries were opened above.
-    let present = unsafe {
-        [
-            ("cuBLAS", cublas::is_culib_present()),
-            ("NVRTC", cudarc::nvrtc::sys::is_culib_present()),
-        ]
-    };
-    for (what, ok) in present {
-        if !ok {
-            return Err(GpuError::MissingLibrary {
-                what: what.into(),
-                detail: "loaded by path but not found by soname (set LD_LIBRARY_PATH)".into(),
-            });
-        }
-    }
     Ok(Env {
-        dev,
-        name,
-        cc: (major, minor),
-        driver,
+        dev: d.dev,
+        name: d.name,
+        cc: d.compute_capability,
+        driver: d.driver_version,
     })
 }
 
