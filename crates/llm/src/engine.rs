@@ -1,9 +1,7 @@
 //! [`GenerationEngine`]: continuous batching of generate streams over a [`StepModel`], with
 //! one-shot ops (echo, gemm8, fft32) answered inline.
 
-use std::collections::VecDeque;
-
-use bgs_adapters::OneShotCpu;
+use crate::oneshots::OneShots;
 use bgs_engine::{Engine, Frame, FrameSink, Progress, Request, StreamId};
 use bgs_protocol::{Op, Status};
 
@@ -146,17 +144,6 @@ impl Seq {
     }
 }
 
-/// A one-shot request, answered in the next step.
-#[derive(Debug)]
-struct OneShot {
-    stream: StreamId,
-    op: Op,
-    param: u32,
-    /// The payload until computed, then the reply words.
-    words: Vec<u32>,
-    done: bool,
-}
-
 /// The generation engine (see the crate docs and `docs/generation.md`).
 #[derive(Debug)]
 pub struct GenerationEngine<M: StepModel> {
@@ -168,8 +155,7 @@ pub struct GenerationEngine<M: StepModel> {
     max_positions: usize,
     /// Generate streams in admission (FIFO) order.
     seqs: Vec<Seq>,
-    oneshots: VecDeque<OneShot>,
-    cpu: OneShotCpu,
+    oneshots: OneShots,
     // Per-step scratch, kept to avoid allocating every step.
     views: Vec<SeqView>,
     view_of: Vec<usize>,
@@ -216,8 +202,7 @@ impl<M: StepModel> GenerationEngine<M> {
             config,
             kv,
             seqs: Vec::new(),
-            oneshots: VecDeque::new(),
-            cpu: OneShotCpu::default(),
+            oneshots: OneShots::default(),
             views: Vec::new(),
             view_of: Vec::new(),
             decisions: Vec::new(),
@@ -398,37 +383,6 @@ impl<M: StepModel> GenerationEngine<M> {
         s.end = Some(end);
     }
 
-    /// Answer one-shot requests (in order; stop at the first the sink refuses).
-    fn run_oneshots(&mut self, sink: &mut dyn FrameSink) -> bool {
-        let mut any = false;
-        while let Some(o) = self.oneshots.front_mut() {
-            if !o.done {
-                let out: Option<[u32; 64]> = match o.op {
-                    Op::Gemm8 => Some(*self.cpu.gemm8(&o.words, o.param)),
-                    Op::Fft32 => Some(*self.cpu.fft32(&o.words, o.param)),
-                    _ => None,
-                };
-                if let Some(out) = out {
-                    o.words.clear();
-                    o.words.extend_from_slice(&out);
-                }
-                o.done = true;
-            }
-            let frame = Frame {
-                status: Status::Ok,
-                final_: true,
-                seq: 0,
-                words: &o.words,
-            };
-            if sink.emit(o.stream, frame).is_err() {
-                break;
-            }
-            self.oneshots.pop_front();
-            any = true;
-        }
-        any
-    }
-
     /// Publish what ended or pending streams owe; drop streams whose final frame went out.
     fn flush_all(&mut self, sink: &mut dyn FrameSink) -> bool {
         let mut any = false;
@@ -584,18 +538,14 @@ impl<M: StepModel> Engine for GenerationEngine<M> {
     }
 
     fn holds(&self, stream: StreamId) -> Option<bool> {
-        Some(
-            self.seqs.iter().any(|s| s.stream == stream)
-                || self.oneshots.iter().any(|o| o.stream == stream),
-        )
+        Some(self.seqs.iter().any(|s| s.stream == stream) || self.oneshots.holds(stream))
     }
 
     fn admit(&mut self, r: Request<'_>) -> Result<(), Status> {
         if self.live() >= self.capacity() {
             return Err(Status::Busy);
         }
-        let taken = self.seqs.iter().any(|s| s.stream == r.stream)
-            || self.oneshots.iter().any(|o| o.stream == r.stream);
+        let taken = self.seqs.iter().any(|s| s.stream == r.stream) || self.oneshots.holds(r.stream);
         if taken {
             tracing::error!(stream = r.stream.0, "admit: stream id already live");
             return Err(Status::Internal);
@@ -606,21 +556,14 @@ impl<M: StepModel> Engine for GenerationEngine<M> {
                 self.seqs.push(seq);
             }
             Op::Echo | Op::Gemm8 | Op::Fft32 => {
-                bgs_protocol::ops::check(r.op.spec(), r.payload.len() as u32, r.param, r.flags)?;
-                self.oneshots.push_back(OneShot {
-                    stream: r.stream,
-                    op: r.op,
-                    param: r.param,
-                    words: r.payload.to_vec(),
-                    done: false,
-                });
+                self.oneshots.admit(&r)?;
             }
         }
         Ok(())
     }
 
     fn step(&mut self, sink: &mut dyn FrameSink) -> Progress {
-        let mut worked = self.run_oneshots(sink);
+        let mut worked = self.oneshots.run(sink);
         worked |= self.flush_all(sink);
         if self.run_batch(sink) {
             worked = true;

@@ -8,9 +8,7 @@
 //! is one `Vec<u32>` laid out by the C (`bgs_gl_init`); nothing in it points anywhere, so the
 //! same words could live in device memory.
 
-use std::collections::VecDeque;
-
-use bgs_adapters::OneShotCpu;
+use crate::oneshots::OneShots;
 use bgs_engine::{Engine, Frame, FrameSink, Progress, Request, StreamId};
 use bgs_protocol::{Op, Status};
 
@@ -483,16 +481,6 @@ impl CGenLoop {
     }
 }
 
-/// A one-shot request, answered in the next step (as in `GenerationEngine`).
-#[derive(Debug)]
-struct OneShot {
-    stream: StreamId,
-    op: Op,
-    param: u32,
-    words: Vec<u32>,
-    done: bool,
-}
-
 /// The generation engine over the C step loop: the same behaviour as
 /// [`GenerationEngine`](crate::GenerationEngine) (same frames on the same schedules), with
 /// every decision about sequences made by `bgs_gen_loop.h`. One-shot ops are answered in
@@ -502,8 +490,7 @@ pub struct CGenEngine<M: StepModel> {
     model: M,
     config: EngineConfig,
     core: CGenLoop,
-    oneshots: VecDeque<OneShot>,
-    cpu: OneShotCpu,
+    oneshots: OneShots,
     credit: Vec<u32>,
     next: Vec<u32>,
     owed: Vec<GlFrame>,
@@ -566,8 +553,7 @@ impl<M: StepModel> CGenEngine<M> {
             config,
             credit: vec![0; limits.max_seqs as usize],
             core,
-            oneshots: VecDeque::new(),
-            cpu: OneShotCpu::default(),
+            oneshots: OneShots::default(),
             next: Vec::new(),
             owed: Vec::new(),
         })
@@ -606,37 +592,6 @@ impl<M: StepModel> CGenEngine<M> {
     /// Check the C loop's bookkeeping (see `bgs_gl_check`).
     pub fn check_invariants(&mut self) -> Result<(), String> {
         self.core.check()
-    }
-
-    /// Answer one-shot requests in order; stop at the first the sink refuses.
-    fn run_oneshots(&mut self, sink: &mut dyn FrameSink) -> bool {
-        let mut any = false;
-        while let Some(o) = self.oneshots.front_mut() {
-            if !o.done {
-                let out: Option<[u32; 64]> = match o.op {
-                    Op::Gemm8 => Some(*self.cpu.gemm8(&o.words, o.param)),
-                    Op::Fft32 => Some(*self.cpu.fft32(&o.words, o.param)),
-                    _ => None,
-                };
-                if let Some(out) = out {
-                    o.words.clear();
-                    o.words.extend_from_slice(&out);
-                }
-                o.done = true;
-            }
-            let frame = Frame {
-                status: Status::Ok,
-                final_: true,
-                seq: 0,
-                words: &o.words,
-            };
-            if sink.emit(o.stream, frame).is_err() {
-                break;
-            }
-            self.oneshots.pop_front();
-            any = true;
-        }
-        any
     }
 
     /// Publish the frames the C loop owes (each stream's in order, stopping at a refusal) and
@@ -741,14 +696,14 @@ impl<M: StepModel> Engine for CGenEngine<M> {
     }
 
     fn holds(&self, stream: StreamId) -> Option<bool> {
-        Some(self.core.holds(stream.0) || self.oneshots.iter().any(|o| o.stream == stream))
+        Some(self.core.holds(stream.0) || self.oneshots.holds(stream))
     }
 
     fn admit(&mut self, r: Request<'_>) -> Result<(), Status> {
         if self.live() >= self.capacity() {
             return Err(Status::Busy);
         }
-        if self.oneshots.iter().any(|o| o.stream == r.stream) {
+        if self.oneshots.holds(r.stream) {
             tracing::error!(stream = r.stream.0, "admit: stream id already live");
             return Err(Status::Internal);
         }
@@ -761,21 +716,13 @@ impl<M: StepModel> Engine for CGenEngine<M> {
                     tracing::error!(stream = r.stream.0, "admit: stream id already live");
                     return Err(Status::Internal);
                 }
-                bgs_protocol::ops::check(r.op.spec(), r.payload.len() as u32, r.param, r.flags)?;
-                self.oneshots.push_back(OneShot {
-                    stream: r.stream,
-                    op: r.op,
-                    param: r.param,
-                    words: r.payload.to_vec(),
-                    done: false,
-                });
-                Ok(())
+                self.oneshots.admit(&r)
             }
         }
     }
 
     fn step(&mut self, sink: &mut dyn FrameSink) -> Progress {
-        let mut worked = self.run_oneshots(sink);
+        let mut worked = self.oneshots.run(sink);
         worked |= self.flush(sink);
         if self.run_batch(sink) {
             worked = true;

@@ -31,6 +31,7 @@ pub mod engine;
 pub mod gen_loop;
 pub mod kv;
 pub mod model;
+mod oneshots;
 pub mod policy;
 
 pub use engine::{
