@@ -164,36 +164,42 @@ pub struct GenerationEngine<M: StepModel> {
     next: Vec<u32>,
 }
 
+/// The limits every generation engine checks before it starts (the message names a bad one):
+/// shared by [`GenerationEngine`] and [`CGenEngine`](crate::gen_loop::CGenEngine).
+pub(crate) fn check_config(config: &EngineConfig, model: &impl StepModel) -> Result<(), String> {
+    if config.slots == 0 {
+        return Err("generation engine: slots is 0".into());
+    }
+    if config.max_batched_tokens < config.slots || config.max_batched_tokens > i32::MAX as usize {
+        return Err(format!(
+            "generation engine: max_batched_tokens {} must be between slots ({}) and {}",
+            config.max_batched_tokens,
+            config.slots,
+            i32::MAX
+        ));
+    }
+    if model.vocab_size() == 0 || model.vocab_size() > u32::MAX as usize {
+        return Err(format!(
+            "generation engine: vocab_size {} does not fit token ids",
+            model.vocab_size()
+        ));
+    }
+    if model.max_positions() < 2 {
+        return Err(format!(
+            "generation engine: max positions {} leaves no room to generate",
+            model.max_positions()
+        ));
+    }
+    Ok(())
+}
+
 impl<M: StepModel> GenerationEngine<M> {
     /// An engine over `model`; the message names a bad size.
     pub fn new(model: M, config: EngineConfig) -> Result<Self, String> {
         policy::check_abi()?;
         let shape = model.kv();
         let kv = BlockAllocator::new(shape.block_size, shape.num_blocks)?;
-        if config.slots == 0 {
-            return Err("generation engine: slots is 0".into());
-        }
-        if config.max_batched_tokens < config.slots || config.max_batched_tokens > i32::MAX as usize
-        {
-            return Err(format!(
-                "generation engine: max_batched_tokens {} must be between slots ({}) and {}",
-                config.max_batched_tokens,
-                config.slots,
-                i32::MAX
-            ));
-        }
-        if model.vocab_size() == 0 || model.vocab_size() > u32::MAX as usize {
-            return Err(format!(
-                "generation engine: vocab_size {} does not fit token ids",
-                model.vocab_size()
-            ));
-        }
-        if model.max_positions() < 2 {
-            return Err(format!(
-                "generation engine: max positions {} leaves no room to generate",
-                model.max_positions()
-            ));
-        }
+        check_config(&config, &model)?;
         Ok(GenerationEngine {
             vocab: model.vocab_size(),
             eos: model.eos_ids().to_vec(),

@@ -504,30 +504,7 @@ impl<M: StepModel> CGenEngine<M> {
         let fits = |what: &str, v: usize| {
             u32::try_from(v).map_err(|_| format!("generation engine: {what} {v} does not fit u32"))
         };
-        if config.slots == 0 {
-            return Err("generation engine: slots is 0".into());
-        }
-        if config.max_batched_tokens < config.slots || config.max_batched_tokens > i32::MAX as usize
-        {
-            return Err(format!(
-                "generation engine: max_batched_tokens {} must be between slots ({}) and {}",
-                config.max_batched_tokens,
-                config.slots,
-                i32::MAX
-            ));
-        }
-        if model.vocab_size() == 0 || model.vocab_size() > u32::MAX as usize {
-            return Err(format!(
-                "generation engine: vocab_size {} does not fit token ids",
-                model.vocab_size()
-            ));
-        }
-        if model.max_positions() < 2 {
-            return Err(format!(
-                "generation engine: max positions {} leaves no room to generate",
-                model.max_positions()
-            ));
-        }
+        crate::engine::check_config(&config, &model)?;
         if shape.block_size == 0 || shape.num_blocks == 0 {
             return Err(format!(
                 "KV pool of {} blocks of {} tokens is empty",
