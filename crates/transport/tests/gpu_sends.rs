@@ -669,8 +669,16 @@ fn gpu_sends_and_host_sends_share_connections_in_order() {
     let r = &stats.reply;
     // The clients, the resetting clients and the connection of the wake-up requests.
     let total = u64::from(CONNS + RESETS) + 1;
-    assert_eq!(r.tx_registered, total);
+    // A resetting client's reset can reach the stage before its accept (on a loaded machine
+    // the accept takes longer than the client's 5 ms): such a connection is never registered
+    // with the send table, and is counted as ended first instead. Every other one registers.
     assert_eq!(r.tx_refused, 0);
+    assert_eq!(r.tx_registered + r.tx_ended_first, total);
+    assert!(
+        r.tx_registered >= u64::from(CONNS) + 1,
+        "every connection that outlived its accept registered ({} ended first)",
+        r.tx_ended_first
+    );
     assert_eq!(r.closed, total);
     assert_eq!(r.eof, u64::from(CONNS) + 1);
     assert_eq!(r.resets, u64::from(RESETS));

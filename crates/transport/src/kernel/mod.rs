@@ -203,9 +203,10 @@ impl std::fmt::Display for KernelStats {
             )?;
             writeln!(
                 f,
-                "turns: {} registered, {} refused, {} passed by the stage, {} waits, {} replies skipped (sent by the GPU), {} behind the turn, {} forced resets",
+                "turns: {} registered, {} refused, {} ended before their accept, {} passed by the stage, {} waits, {} replies skipped (sent by the GPU), {} behind the turn, {} forced resets",
                 r.tx_registered,
                 r.tx_refused,
+                r.tx_ended_first,
                 r.turn_passes,
                 r.turn_waits,
                 r.gpu_sent_skipped,

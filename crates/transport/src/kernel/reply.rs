@@ -153,6 +153,9 @@ pub struct ReplyStats {
     pub tx_registered: u64,
     /// Send table: connections it refused (no free entry in the probe window; host-only).
     pub tx_refused: u64,
+    /// Send table: connections never registered because they had already ended (an EOF or a
+    /// reset marker reached this stage before their accept did); the stage alone answers them.
+    pub tx_ended_first: u64,
     /// Send table: turns passed on after a host SEND completed.
     pub turn_passes: u64,
     /// Send table: flushes that found replies ready but the turn elsewhere.
@@ -551,17 +554,19 @@ impl ReplyStage {
         let idx = self.conn_for(cookie);
         let c = &mut self.conns[idx];
         c.fd = Some(fd);
-        if let Some(t) = &self.turns
-            && c.phase == Phase::Open
-        {
-            // Until now the GPU's lookup failed, so every reply came here: the turn starts at
-            // the first one we have not sent (nothing was sent without a descriptor).
-            match t.insert(cookie, fd, c.first_unsent()) {
-                Some(ti) => {
-                    c.tx = Some(ti);
-                    self.stats.tx_registered += 1;
+        if let Some(t) = &self.turns {
+            if c.phase == Phase::Open {
+                // Until now the GPU's lookup failed, so every reply came here: the turn starts
+                // at the first one we have not sent (nothing was sent without a descriptor).
+                match t.insert(cookie, fd, c.first_unsent()) {
+                    Some(ti) => {
+                        c.tx = Some(ti);
+                        self.stats.tx_registered += 1;
+                    }
+                    None => self.stats.tx_refused += 1,
                 }
-                None => self.stats.tx_refused += 1,
+            } else {
+                self.stats.tx_ended_first += 1;
             }
         }
         self.stats.accepted += 1;
@@ -2267,6 +2272,24 @@ mod tests {
             st.flush(&mut io);
             assert_eq!(io.closes.len(), 1);
             assert_eq!(st.stats().tx_registered, 0);
+        }
+
+        #[test]
+        fn a_connection_that_ended_before_its_accept_is_never_registered() {
+            // BPF's reset marker overtakes the accept (a client that resets at once): the
+            // stage answers and closes it alone and counts it, so that registered + ended
+            // first + refused covers every accepted connection.
+            let (t, mut st, mut io, _gpu) = setup();
+            st.on_completion(&completion(1, 0, 100, 0, Status::Busy));
+            st.on_completion(&marker(1, 1, route::RESET));
+            st.on_accept(5, 1);
+            flush(&mut st, &mut io);
+            assert_eq!(t.lookup(1), None, "no turn for an ended connection");
+            let s = st.stats();
+            assert_eq!((s.tx_registered, s.tx_ended_first, s.tx_refused), (0, 1, 0));
+            assert_eq!(io.closes.len(), 1);
+            st.on_accept(6, 2);
+            assert_eq!(st.stats().tx_registered, 1, "an open one still registers");
         }
     }
 }
