@@ -18,7 +18,7 @@ mod model;
 mod plan;
 
 pub use host::{GpuDtype, StepGeometry};
-pub use model::{GpuModel, GpuModelError, GpuModelOptions};
+pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
 
 /// The kernels' CUDA C++ source.
 pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
