@@ -13,10 +13,12 @@
 pub mod c_header;
 #[cfg(test)]
 mod emu;
+pub mod gen_exec;
 pub mod host;
 mod model;
 mod plan;
 
+pub use gen_exec::{GenLoopConfig, GenLoopStats, GpuGenError, GpuGenExecutor};
 pub use host::{GpuDtype, StepGeometry};
 pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
 
