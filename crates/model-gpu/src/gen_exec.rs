@@ -213,7 +213,8 @@ pub mod layout {
     pub const C_FREE_BLOCKS: usize = 16;
     /// globaltimer at the start of the last dispatcher execution.
     pub const C_HEARTBEAT_NS: usize = 17;
-    /// Plans the policy rejected (an engine bug).
+    /// Plans the policy rejected (an engine bug; the streams involved end with Internal and
+    /// the loop goes on).
     pub const C_POLICY_FAILED: usize = 18;
     /// Steps that did not fit the geometry or had no graph.
     pub const C_PACK_FAILED: usize = 19;
@@ -235,7 +236,8 @@ pub mod layout {
     ];
     /// The loop state lost its magic, or finish found no step.
     pub const E_STATE: u64 = 0x1_0001;
-    /// The policy rejected its inputs (every stream then ends with Internal).
+    /// Reserved: a policy failure is counted (`C_POLICY_FAILED`), not an error, because
+    /// every recorded error stops the loop.
     pub const E_POLICY: u64 = 0x1_0002;
     /// No captured graph for a packed bucket.
     pub const E_NO_GRAPH: u64 = 0x1_0003;
@@ -428,6 +430,12 @@ pub fn gen_limits(
     if max_seqs > streams {
         return Err(format!(
             "step loop: slots + max_waiting = {max_seqs} exceeds the ring's {streams} credit streams"
+        ));
+    }
+    if cfg.slots > geo.max_samples {
+        return Err(format!(
+            "step loop: {} slots but the model's LM head samples {} rows per step",
+            cfg.slots, geo.max_samples
         ));
     }
     if cfg.max_batched_tokens < cfg.slots || cfg.max_batched_tokens > geo.max_tokens {
@@ -1153,20 +1161,19 @@ fn monitor(sh: &Shared) {
             }
         }
         let err = sh.dev.ctl(layout::C_ERROR).load(Ordering::Acquire);
-        let stream_failed =
-            sh.dev.idle() && sh.dev.ctl(layout::C_STOPPED).load(Ordering::Acquire) == 0 && {
-                // SAFETY: `stream` is live; the query only reports its status.
-                let r = unsafe { cu::cuStreamQuery(sh.dev.stream) };
-                r != cu::CUresult::CUDA_SUCCESS
-            };
-        if err != 0 || stream_failed {
+        // The launched work ended without being asked to stop: a CUDA error, or a launch
+        // chain that broke without recording one. Either way nothing serves the ring now.
+        let ended = sh.dev.idle()
+            && sh.dev.ctl(layout::C_STOPPED).load(Ordering::Acquire) == 0
+            && sh.dev.ctl(layout::C_STOP).load(Ordering::Acquire) == 0;
+        if err != 0 || ended {
             let at = sh.dev.ctl(layout::C_ERROR_WHERE).load(Ordering::Acquire);
             let msg = if err != 0 {
                 describe_error(err, at)
             } else {
-                // SAFETY: as above.
+                // SAFETY: `stream` is live; the query only reports its status.
                 let r = unsafe { cu::cuStreamQuery(sh.dev.stream) };
-                format!("the device loop's stream failed: {r:?}")
+                format!("the device loop ended without being stopped (stream status {r:?})")
             };
             tracing::error!(error = %msg, "GPU step loop failed; answering Internal from now on");
             if let Ok(mut g) = sh.failed.lock() {
@@ -1338,7 +1345,20 @@ mod tests {
             },
             "stream_window 1",
         );
-        bad(GenLoopConfig { slots: 0, ..cfg }, "slots is 0");
+        bad(
+            GenLoopConfig {
+                slots: 0,
+                ..cfg.clone()
+            },
+            "slots is 0",
+        );
+        // More slots than the LM head's sampled rows: every step would fail to pack.
+        let narrow = StepGeometry {
+            max_samples: 16,
+            ..geo()
+        };
+        let e = gen_limits(&cfg, &narrow, 100, 100, 1).unwrap_err();
+        assert!(e.contains("samples 16 rows"), "{e}");
     }
 
     #[test]

@@ -435,9 +435,10 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
             }
             const int planned = bgs_gl_plan(c.state, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]);
             if (planned < 0) {
-                /* A policy bug: every live stream now owes Internal (published next round). */
+                /* A policy bug: every live stream now owes Internal (published next round)
+                 * and the loop goes on, as the host engine does; counted, not an error (an
+                 * error stops the loop: the host then answers in its place). */
                 gld_add(c.ctl, BGS_GLD_C_POLICY_FAILED, 1);
-                gld_error(c.ctl, BGS_GLD_E_POLICY, BGS_GLD_W_PLAN);
             } else if (planned > 0) {
                 struct bgs_gl_packed pk;
                 const int r = bgs_gl_pack(c.state,
