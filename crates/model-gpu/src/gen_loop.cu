@@ -39,7 +39,26 @@
 #error "BGS_VALID_STATUS_MASK (bit s set when status s < 32 is a known status) must be defined"
 #endif
 
-#define GLD_FULL_MASK 0xffffffffu
+/* Lanes of the dispatcher's warp. The host emulation (tests/dispatch_emu.cpp, which compiles
+ * this file as plain C++ with GLD_HOST_EMU) runs one thread as the whole warp: every
+ * lane-strided loop then covers all its elements in that thread. */
+#ifndef GLD_LANES
+#define GLD_LANES 32u
+#endif
+
+#ifdef GLD_HOST_EMU
+/* One host thread: plain accesses are the whole memory model. */
+__device__ __forceinline__ bgs_u64 gld_ld_acquire_sys(const bgs_u64 *p) {
+    return *(const volatile bgs_u64 *)p;
+}
+__device__ __forceinline__ bgs_u32 gld_ld_acquire_sys32(const bgs_u32 *p) {
+    return *(const volatile bgs_u32 *)p;
+}
+__device__ __forceinline__ void gld_st_release_sys(bgs_u64 *p, bgs_u64 v) {
+    *(volatile bgs_u64 *)p = v;
+}
+__device__ __forceinline__ bgs_u64 gld_now_ns() { return bgs_emu_now_ns(); }
+#else
 
 /* ---- system-scope accessors for host-shared words (as in kernels.cu) ---- */
 __device__ __forceinline__ bgs_u64 gld_ld_acquire_sys(const bgs_u64 *p) {
@@ -60,6 +79,7 @@ __device__ __forceinline__ bgs_u64 gld_now_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+#endif
 
 __device__ __forceinline__ struct bgs_ring_header *gld_header(bgs_u8 *ring) {
     return (struct bgs_ring_header *)ring;
@@ -160,7 +180,7 @@ __device__ void gld_credit(struct gld_ctx *c, bgs_u32 lane) {
     bgs_u32 *credit = (bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
     const bgs_u32 *published = (const bgs_u32 *)c->p[BGS_GLD_P_PUBLISHED];
     struct bgs_ring_header *h = gld_header(c->ring);
-    for (bgs_u32 k = lane; k < n; k += 32u) {
+    for (bgs_u32 k = lane; k < n; k += GLD_LANES) {
         const bgs_u32 stream = bgs_gl_slot_stream(c->state, k);
         bgs_u32 cr = 0u;
         if (stream != BGS_GL_NO_STREAM && stream < BGS_RING_MAX_STREAMS) {
@@ -280,7 +300,7 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
         __syncwarp();
         if (!sh_go) break;
         /* The claimed entry's payload, 32 reads in flight at a time. */
-        for (bgs_u32 i = lane; i < sh_words; i += 32u)
+        for (bgs_u32 i = lane; i < sh_words; i += GLD_LANES)
             payload[i] = ((const volatile bgs_u32 *)sh_src)[i];
         __syncwarp();
         if (lane == 0) {
@@ -398,7 +418,7 @@ __device__ int gld_launch_step(struct gld_ctx *c, const struct bgs_gl_packed *pk
 
 /* ---- D: the dispatcher ---- */
 extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
-    if (blockIdx.x != 0 || blockDim.x != 32) return;
+    if (blockIdx.x != 0 || blockDim.x != GLD_LANES) return;
     __shared__ bgs_u32 sh_cmd; /* 0: keep polling, 1: step launched, 2: stop, 3: relaunch */
     const bgs_u32 lane = threadIdx.x;
     struct gld_ctx c = gld_ctx_of(params);
