@@ -1089,15 +1089,19 @@ impl GpuGenExecutor {
     fn stop(&mut self) -> Result<GenLoopStats, GpuGenError> {
         self.done = true;
         let sh = &self.shared;
+        // The stream queries below need the context on this thread (it may not be the one
+        // that started the executor).
+        let _ = sh.dev.current();
         sh.dev.ctl(layout::C_STOP).store(1, Ordering::Release);
         let t0 = Instant::now();
+        // `stopped`: the device work ended (asked to stop, or after a failure: every recorded
+        // error ends the loop), so its memory can be freed.
         let mut stopped = false;
         while t0.elapsed() < Duration::from_secs(5) {
-            if sh.dev.ctl(layout::C_STOPPED).load(Ordering::Acquire) != 0 && sh.dev.idle() {
+            let asked = sh.dev.ctl(layout::C_STOPPED).load(Ordering::Acquire) != 0;
+            let failed = sh.failed.lock().map(|g| g.is_some()).unwrap_or(true);
+            if (asked || failed) && sh.dev.idle() {
                 stopped = true;
-                break;
-            }
-            if sh.failed.lock().map(|g| g.is_some()).unwrap_or(true) {
                 break;
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -1108,8 +1112,8 @@ impl GpuGenExecutor {
         }
         let stats = self.stats();
         let failed = self.error();
-        if stopped || failed.is_some() {
-            // The loop no longer runs (or its context failed): the resources can go.
+        if stopped {
+            // The loop no longer runs: the resources can go.
             if let Some(sh) = Arc::get_mut(&mut self.shared) {
                 sh.dev.free();
             }
@@ -1188,6 +1192,12 @@ fn monitor(sh: &Shared) {
 /// The failure path: every live stream gets its final `Internal` (when the state can still be
 /// read), then every request left in the ring gets `Internal` until stop.
 fn fail(sh: &Shared) {
+    // Every recorded error ends the device loop; let its last kernel finish before the state
+    // is read back.
+    let t0 = Instant::now();
+    while !sh.dev.idle() && t0.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let ring = sh.region.completions();
     let push = |conn, conn_seq, request_id, route, op, seq| loop {
         let r = ring.try_push(|c| {
