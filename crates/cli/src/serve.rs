@@ -715,7 +715,8 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
             let (_model, st) = e.shutdown().context("stopping the GPU step loop")?;
             eprintln!(
                 "bgs: GPU step loop: {} requests, {} admitted, {} refused, {} cancels, {} steps \
-                 ({} tokens, mean {} us), {} frames, {} credit stalls, {} completion-ring stalls, \
+                 ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
+                 {} credit stalls, {} completion-ring stalls, \
                  {} live, {} free KV blocks",
                 st.requests,
                 st.admitted,
@@ -724,6 +725,8 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 st.steps,
                 st.step_tokens,
                 st.mean_step_ns / 1000,
+                st.mean_plan_ns / 1000,
+                st.mean_finish_ns / 1000,
                 st.frames,
                 st.credit_stalls,
                 st.ring_full,

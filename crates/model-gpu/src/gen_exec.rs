@@ -176,6 +176,8 @@ pub mod layout {
         ("CHECK", C_CHECK),
         ("REQUESTS", C_REQUESTS),
         ("STEP_NS", C_STEP_NS),
+        ("PLAN_NS", C_PLAN_NS),
+        ("FINISH_NS", C_FINISH_NS),
     ];
     /// Host → device: nonzero asks the dispatcher to stop (read with acquire, low 32 bits).
     pub const C_STOP: usize = 0;
@@ -224,8 +226,12 @@ pub mod layout {
     pub const C_REQUESTS: usize = 21;
     /// Sum over steps of launch-to-finish time, ns (globaltimer).
     pub const C_STEP_NS: usize = 22;
+    /// Sum over steps of D's plan + pack time, ns.
+    pub const C_PLAN_NS: usize = 23;
+    /// Sum over steps of F's finish + publish time, ns.
+    pub const C_FINISH_NS: usize = 24;
     /// Control block words.
-    pub const C_WORDS: usize = 24;
+    pub const C_WORDS: usize = 32;
 
     /// Error codes of the loop itself (above every `cudaError_t`).
     pub const ERRORS: &[(&str, u64)] = &[
@@ -517,6 +523,10 @@ pub struct GenLoopStats {
     pub pack_failed: u64,
     /// Mean launch-to-finish time of a step, ns (0 before the first).
     pub mean_step_ns: u64,
+    /// Mean time D spent planning and packing a step, ns.
+    pub mean_plan_ns: u64,
+    /// Mean time F spent advancing the sequences and publishing a step's frames, ns.
+    pub mean_finish_ns: u64,
 }
 
 impl GenLoopStats {
@@ -542,6 +552,8 @@ impl GenLoopStats {
             policy_failed: w[C_POLICY_FAILED],
             pack_failed: w[C_PACK_FAILED],
             mean_step_ns: w[C_STEP_NS].checked_div(steps).unwrap_or(0),
+            mean_plan_ns: w[C_PLAN_NS].checked_div(steps).unwrap_or(0),
+            mean_finish_ns: w[C_FINISH_NS].checked_div(steps).unwrap_or(0),
         }
     }
 }

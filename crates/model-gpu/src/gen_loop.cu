@@ -453,6 +453,7 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                 gld_publish_frames(&c, frames, n);
                 moved |= c.ctl[BGS_GLD_C_FRAMES] != before;
             }
+            const bgs_u64 t_plan = gld_now_ns();
             const int planned = bgs_gl_plan(c.state, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]);
             if (planned < 0) {
                 /* A policy bug: every live stream now owes Internal (published next round)
@@ -470,6 +471,9 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                 } else {
                     c.s[BGS_GLD_S_STEP_SAMPLES] = pk.samples;
                     c.s[BGS_GLD_S_STEP_T0] = gld_now_ns();
+                    /* Planning and packing on one thread: the part of a step the GPU's
+                     * model work does not hide. */
+                    gld_add(c.ctl, BGS_GLD_C_PLAN_NS, c.s[BGS_GLD_S_STEP_T0] - t_plan);
                     gld_add(c.ctl, BGS_GLD_C_STEP_TOKENS, pk.tokens);
                     if (gld_launch_step(&c, &pk) == 0) {
                         sh_cmd = 1;
@@ -532,6 +536,7 @@ extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
     gld_add(c.ctl, BGS_GLD_C_STEPS, 1);
     gld_add(c.ctl, BGS_GLD_C_SAMPLED, r);
     gld_add(c.ctl, BGS_GLD_C_STEP_NS, gld_now_ns() - c.s[BGS_GLD_S_STEP_T0]);
+    const bgs_u64 t_finish = gld_now_ns();
     const int n = bgs_gl_finish(c.state, next, frames);
     if (n < 0) {
         gld_error(c.ctl, BGS_GLD_E_STATE, BGS_GLD_W_FINISH_STEP);
@@ -548,6 +553,7 @@ extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
     /* Frames go out now, with the credit D computed before the step (the step used at most
      * BGS_GL_STEP_CREDIT of it per stream); D refreshes credit and retries what is left. */
     if (n > 0) gld_publish_frames(&c, frames, (bgs_u32)n);
+    gld_add(c.ctl, BGS_GLD_C_FINISH_NS, gld_now_ns() - t_finish);
     cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)params[BGS_GLD_P_SELF],
                                       cudaStreamGraphTailLaunch);
     if (err != cudaSuccess) gld_error(c.ctl, (bgs_u64)err, BGS_GLD_W_RELAUNCH);
