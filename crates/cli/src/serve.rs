@@ -342,6 +342,11 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
                     }
                 }
                 ReplyKind::ExecutorSqe => {
+                    if a.gpu_step_loop == StepLoopKind::Device {
+                        bail!(
+                            "--gpu-step-loop device: with --reply executor-sqe the reply stage runs inside a host executor thread, which the device step loop does not have (use --reply loop)"
+                        );
+                    }
                     if a.gpu_completion_wake == GpuWakeKind::Interrupt {
                         bail!(
                             "--gpu-completion-wake interrupt wakes the reply loop; with --reply executor-sqe the reply stage runs inside the executor and has nothing to wake (use --reply loop)"

@@ -121,6 +121,22 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         &["--gpu-step-loop", "--executor gpu"],
     );
     refused(
+        &[
+            "serve",
+            "--transport",
+            "kernel",
+            "--reply",
+            "executor-sqe",
+            "--executor",
+            "gpu",
+            "--model",
+            "/nonexistent",
+            "--gpu-step-loop",
+            "device",
+        ],
+        &["--gpu-step-loop device", "--reply executor-sqe"],
+    );
+    refused(
         &["serve", "--transport", "kernel", "--poll-us", "10"],
         &["--poll-us", "--transport kernel"],
     );
