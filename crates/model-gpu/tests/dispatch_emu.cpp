@@ -57,8 +57,10 @@ static unsigned long long bgs_emu_now_ns() { return emu_clock += 1000; }
 #define GLD_LANES 1u
 #include "gen_loop.cu"
 
-static const unsigned VOCAB = 100, EOS = 0, BS = 4, NBLOCKS = 64, MAX_RUNNING = 4,
-                      MAX_SEQS = 8, MAX_BATCHED = 16, MAX_POS = 128, WINDOW = 4;
+static const unsigned VOCAB = 100, EOS = 0, NBLOCKS = 64, MAX_POS = 128, WINDOW = 4;
+/* Set from the command line: `emu SEED SHAPE` (shape 0: 4 slots, 16-token steps, 4-token
+ * blocks; 1: 8 slots, 32-token steps, 8-token blocks). */
+static unsigned BS = 4, MAX_RUNNING = 4, MAX_SEQS = 8, MAX_BATCHED = 16;
 static const unsigned REQ_CAP = 64, COMP_CAP = 16;
 static unsigned long long rng_state = 0x9e3779b97f4a7c15ull;
 static unsigned rnd(unsigned n) {
@@ -96,7 +98,16 @@ struct Req {
     std::vector<unsigned> final_words;
 };
 
-int main() {
+int main(int argc, char **argv) {
+    const unsigned long long seed = argc > 1 ? std::strtoull(argv[1], 0, 10) : 1;
+    const unsigned shape = argc > 2 ? (unsigned)std::strtoul(argv[2], 0, 10) : 0;
+    rng_state ^= seed * 0x2545f4914f6cdd1dull;
+    if (shape == 1) {
+        BS = 8;
+        MAX_RUNNING = 8;
+        MAX_SEQS = 12;
+        MAX_BATCHED = 32;
+    }
     // Ring region: header, request slots, completion slots.
     const size_t req_off = 4096, comp_off = req_off + REQ_CAP * 1088ull;
     const size_t total = comp_off + COMP_CAP * 1088ull;

@@ -231,11 +231,20 @@ fn dispatcher_logic_runs_exactly_in_the_host_emulation() {
         "building the emulation:\n{}",
         String::from_utf8_lossy(&build.stderr)
     );
-    let run = Command::new(&exe).output().unwrap();
+    // Seeds and two shapes (slots, step budget, block size).
+    for (seed, shape) in [(1, 0), (2, 0), (3, 1), (4, 1), (5, 0), (6, 1)] {
+        let run = Command::new(&exe)
+            .args([seed.to_string(), shape.to_string()])
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&run.stdout);
+        let err = String::from_utf8_lossy(&run.stderr);
+        println!("seed {seed} shape {shape}: {out}{err}");
+        assert!(
+            run.status.success(),
+            "the emulation failed (seed {seed}, shape {shape}):\n{out}{err}"
+        );
+        assert!(out.contains("emu: ok"), "{out}");
+    }
     let _ = std::fs::remove_dir_all(&tmp);
-    let out = String::from_utf8_lossy(&run.stdout);
-    let err = String::from_utf8_lossy(&run.stderr);
-    println!("{out}{err}");
-    assert!(run.status.success(), "the emulation failed:\n{out}{err}");
-    assert!(out.contains("emu: ok"), "{out}");
 }
