@@ -369,6 +369,24 @@ pub fn link_dispatcher(
     compile::nvjitlink(nvjitlink, &format!("sm_{major}{minor}"), cubin, cudadevrt)
 }
 
+/// The dispatcher's kernel cache key: a 128-bit hash of its source and headers, the NVRTC
+/// options, the device name and the tool versions (`versions`).
+pub fn dispatcher_cache_key(options: &[String], device: &str, versions: &str) -> String {
+    let headers = dispatch_headers();
+    let opts = options.join("\u{1}");
+    let mut parts: Vec<&[u8]> = vec![b"bgs-gen-dispatch", DISPATCH_SOURCE.as_bytes()];
+    for (n, t) in &headers {
+        parts.push(n.as_bytes());
+        parts.push(t.as_bytes());
+    }
+    parts.extend([opts.as_bytes(), device.as_bytes(), versions.as_bytes()]);
+    format!(
+        "gld-{:016x}{:016x}",
+        compile::fnv1a(0xcbf2_9ce4_8422_2325, &parts),
+        compile::fnv1a(0x6c62_272e_07bb_0142, &parts)
+    )
+}
+
 /// Settings of the resident step loop.
 #[derive(Debug, Clone)]
 pub struct GenLoopConfig {
@@ -394,6 +412,8 @@ pub struct GenLoopConfig {
     pub monitor_poll: Duration,
     /// Where CUDA libraries live (nvJitLink, libcudadevrt.a).
     pub cuda_home: Option<PathBuf>,
+    /// Kernel cache directory (else `$XDG_CACHE_HOME/bgs`, `~/.cache/bgs`).
+    pub cache_dir: Option<PathBuf>,
 }
 
 impl Default for GenLoopConfig {
@@ -409,6 +429,7 @@ impl Default for GenLoopConfig {
             check: false,
             monitor_poll: Duration::from_micros(200),
             cuda_home: None,
+            cache_dir: None,
         }
     }
 }
@@ -875,8 +896,28 @@ impl GpuGenExecutor {
         let dirs = libs::search_dirs(cfg.cuda_home.as_deref(), env_home.as_deref());
         let nvjitlink = libs::load(&libs::NVJITLINK, &dirs)?;
         let cudadevrt = libs::find_cudadevrt(&dirs, "")?;
-        let obj = compile_dispatcher(major, minor)?;
-        let cubin = link_dispatcher(&nvjitlink, major, minor, &obj, &cudadevrt)?;
+        let versions = format!(
+            "nvrtc {} nvjitlink {nvjitlink} cudadevrt {}",
+            compile::nvrtc_version()?,
+            cudadevrt.display()
+        );
+        let key = dispatcher_cache_key(
+            &compile::nvrtc_options(major, minor),
+            model.device().0,
+            &versions,
+        );
+        let dir = compile::cache_dir(cfg.cache_dir.as_deref());
+        let cubin = match dir.as_deref().and_then(|d| compile::cache_read(d, &key)) {
+            Some(c) => c,
+            None => {
+                let obj = compile_dispatcher(major, minor)?;
+                let c = link_dispatcher(&nvjitlink, major, minor, &obj, &cudadevrt)?;
+                if let Some(d) = dir.as_deref() {
+                    compile::cache_write(d, &key, &c);
+                }
+                c
+            }
+        };
 
         let mut dev = Device {
             ctx: model.context(),
@@ -1381,6 +1422,20 @@ mod tests {
         };
         let e = gen_limits(&cfg, &narrow, 100, 100, 1).unwrap_err();
         assert!(e.contains("samples 16 rows"), "{e}");
+    }
+
+    #[test]
+    fn the_cache_key_follows_options_device_and_versions() {
+        let o = compile::nvrtc_options(9, 0);
+        let k = dispatcher_cache_key(&o, "NVIDIA H200", "nvrtc 13.0");
+        assert!(k.starts_with("gld-") && k.len() == 36, "{k}");
+        assert_eq!(k, dispatcher_cache_key(&o, "NVIDIA H200", "nvrtc 13.0"));
+        assert_ne!(
+            k,
+            dispatcher_cache_key(&compile::nvrtc_options(8, 0), "NVIDIA H200", "nvrtc 13.0")
+        );
+        assert_ne!(k, dispatcher_cache_key(&o, "NVIDIA H100", "nvrtc 13.0"));
+        assert_ne!(k, dispatcher_cache_key(&o, "NVIDIA H200", "nvrtc 13.1"));
     }
 
     #[test]
