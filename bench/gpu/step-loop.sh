@@ -91,17 +91,30 @@ for i in range(n):
         else:
             final = (status, seq, list(w))
     s.close()
-    print(f"req {i}: prompt {len(prompt)} tokens, {len(toks)} token frames, final {final}")
+    print(f"req {i}: prompt {len(prompt)} tokens, {len(toks)} token frames, final {final}, tokens {toks}")
     if keep < 0 and (final is None or final[0] != 2 or final[1] != len(toks) or len(toks) != max_tokens):
         bad += 1
 print(f"client: {n} requests, {bad} bad")
 sys.exit(1 if bad else 0)
 PY
 
+# 0. The same requests through the host loop, for the device loop's output to be compared with.
+port=$((port + 2))
+if start_server tiny-host --model "$work/tiny-qwen2" --dtype f32 --slots 8 --gpu-step-loop host; then
+  step tiny-host-client 60 python3 "$work/client.py" $port 8 -1 24
+  stop_server tiny-host
+fi
+
 # 1 + 2. Tiny model, f32: correctness through the rings.
 port=$((port + 2))
 if start_server tiny-device --model "$work/tiny-qwen2" --dtype f32 --slots 8 --gpu-step-loop device; then
   step tiny-client 60 python3 "$work/client.py" $port 8 -1 24
+  if cmp -s "$work/tiny-host-client.txt" "$work/tiny-client.txt"; then
+    log "tiny-client: device loop tokens equal the host loop's"
+  else
+    log "tiny-client: device loop tokens DIFFER from the host loop's (diff in logs)"
+    diff "$work/tiny-host-client.txt" "$work/tiny-client.txt" >"$work/tiny-client.diff"
+  fi
   gen_load tiny-strict-low --prompt-tokens 16 --max-tokens 32 --ignore-eos --connections 8 \
     --rate 20 --duration 5 --prompts 16 --strict
   gen_load tiny-strict-high --prompt-tokens 24 --max-tokens 64 --ignore-eos --connections 64 \
