@@ -408,8 +408,12 @@ pub struct GenLoopConfig {
     /// `bgs_gl_check` after every step (tests; costs a pass over the table).
     pub check: bool,
     /// How often the monitor looks at the control block (and wakes the transport when frames
-    /// were published).
+    /// were published) while sequences are live or frames flow.
     pub monitor_poll: Duration,
+    /// The monitor's period while nothing is live and no frame went out (an idle server's
+    /// host cost); a new request's first frame comes after its prefill, by which time the
+    /// monitor is back at `monitor_poll`.
+    pub monitor_idle_poll: Duration,
     /// Where CUDA libraries live (nvJitLink, libcudadevrt.a).
     pub cuda_home: Option<PathBuf>,
     /// Kernel cache directory (else `$XDG_CACHE_HOME/bgs`, `~/.cache/bgs`).
@@ -428,6 +432,7 @@ impl Default for GenLoopConfig {
             idle_rounds: 4096,
             check: false,
             monitor_poll: Duration::from_micros(200),
+            monitor_idle_poll: Duration::from_millis(1),
             cuda_home: None,
             cache_dir: None,
         }
@@ -845,6 +850,7 @@ struct Shared {
     failed: std::sync::Mutex<Option<String>>,
     waker: Option<Arc<dyn Fn() + Send + Sync>>,
     poll: Duration,
+    idle_poll: Duration,
 }
 
 /// The GPU-resident step loop over one ring region (see the module docs).
@@ -945,6 +951,7 @@ impl GpuGenExecutor {
             failed: std::sync::Mutex::new(None),
             waker,
             poll: cfg.monitor_poll,
+            idle_poll: cfg.monitor_idle_poll.max(cfg.monitor_poll),
         });
         let sh = shared.clone();
         let monitor = std::thread::Builder::new()
@@ -1207,9 +1214,11 @@ fn monitor(sh: &Shared) {
         tracing::error!(error = %e, "step loop monitor: no context");
     }
     let mut frames = 0u64;
+    let mut busy = true;
     while !sh.stop.load(Ordering::Acquire) {
-        std::thread::sleep(sh.poll);
+        std::thread::sleep(if busy { sh.poll } else { sh.idle_poll });
         let f = sh.dev.ctl(layout::C_FRAMES).load(Ordering::Acquire);
+        busy = f != frames || sh.dev.ctl(layout::C_LIVE).load(Ordering::Acquire) != 0;
         if f != frames {
             frames = f;
             sh.region.completions().notify();
