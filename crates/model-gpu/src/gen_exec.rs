@@ -53,6 +53,7 @@ pub mod layout {
         ("IDLE_ROUNDS", P_IDLE_ROUNDS),
         ("INTAKE", P_INTAKE),
         ("CHECK", P_CHECK),
+        ("CTL_SHADOW", P_CTL_SHADOW),
     ];
     /// Mapped ring region (device address).
     pub const P_RING: usize = 0;
@@ -100,6 +101,9 @@ pub mod layout {
     pub const P_INTAKE: usize = 21;
     /// Nonzero: `bgs_gl_check` after every step (an engine bug stops the loop).
     pub const P_CHECK: usize = 22;
+    /// `u64[C_WORDS]` device-memory copy of the control block's counters (the dispatcher
+    /// never reads mapped host memory to count).
+    pub const P_CTL_SHADOW: usize = 23;
     /// Parameter words.
     pub const P_WORDS: usize = 24;
 
@@ -1048,6 +1052,7 @@ impl GpuGenExecutor {
         )?;
         let next_by_item = d.alloc(max_seqs * 4, "cuMemAlloc(next by item)")?;
         let payload = d.alloc(bgs_ring::SLOT_WORDS * 4, "cuMemAlloc(payload)")?;
+        let shadow = d.alloc(C_WORDS * 8, "cuMemAlloc(control shadow)")?;
 
         d.upload(d.state_dev, core.state(), "cuMemcpyHtoD(step loop state)")?;
         d.upload(
@@ -1111,6 +1116,7 @@ impl GpuGenExecutor {
         p[P_IDLE_ROUNDS] = u64::from(cfg.idle_rounds);
         p[P_INTAKE] = u64::from(cfg.intake);
         p[P_CHECK] = u64::from(cfg.check);
+        p[P_CTL_SHADOW] = shadow;
         let e_dispatch = d.kernel_graph(f_dispatch, 32, params, "step loop dispatcher")?;
         let e_finish = d.kernel_graph(f_finish, 1, params, "step loop finish")?;
         p[P_SELF] = e_dispatch as u64;

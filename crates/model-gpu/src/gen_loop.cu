@@ -97,15 +97,6 @@ __device__ __forceinline__ struct bgs_completion_slot *gld_completion_slot(bgs_u
                                           (pos & mask) * (bgs_u64)BGS_RING_COMPLETION_SLOT_SIZE);
 }
 
-/* Control-block counters: only one of D and F runs at a time and only lane 0 writes, so a
- * volatile read-modify-write is exact; the host reads whole aligned u64 words. */
-__device__ __forceinline__ void gld_add(bgs_u64 *ctl, bgs_u32 w, bgs_u64 v) {
-    volatile bgs_u64 *p = (volatile bgs_u64 *)&ctl[w];
-    *p = *p + v;
-}
-__device__ __forceinline__ void gld_set(bgs_u64 *ctl, bgs_u32 w, bgs_u64 v) {
-    ((volatile bgs_u64 *)ctl)[w] = v;
-}
 /* The first error wins; `where` says which call failed (a W_ code of gen_exec.rs). */
 __device__ __forceinline__ void gld_error(bgs_u64 *ctl, bgs_u64 err, bgs_u64 where) {
     if (atomicCAS_system((unsigned long long *)&ctl[BGS_GLD_C_ERROR], 0ull,
@@ -119,6 +110,7 @@ struct gld_ctx {
     const bgs_u64 *p;
     bgs_u64 *s;
     bgs_u64 *ctl;
+    bgs_u64 *shadow; /* device-memory copy of the control block's counters */
     bgs_u8 *ring;
     bgs_u32 *state;
 };
@@ -127,9 +119,27 @@ __device__ __forceinline__ struct gld_ctx gld_ctx_of(const bgs_u64 *params) {
     c.p = params;
     c.s = (bgs_u64 *)params[BGS_GLD_P_SCRATCH];
     c.ctl = (bgs_u64 *)params[BGS_GLD_P_CTL];
+    c.shadow = (bgs_u64 *)params[BGS_GLD_P_CTL_SHADOW];
     c.ring = (bgs_u8 *)params[BGS_GLD_P_RING];
     c.state = (bgs_u32 *)params[BGS_GLD_P_STATE];
     return c;
+}
+
+/* Control-block counters: only one of D and F runs at a time and only lane 0 writes. Each
+ * counter lives in device memory (the shadow) and its new value is stored to the host copy:
+ * a read of mapped host memory is a PCIe round trip, a store is posted. The host reads whole
+ * aligned u64 words. */
+__device__ __forceinline__ void gld_add(struct gld_ctx *c, bgs_u32 w, bgs_u64 v) {
+    const bgs_u64 n = c->shadow[w] + v;
+    c->shadow[w] = n;
+    ((volatile bgs_u64 *)c->ctl)[w] = n;
+}
+/* Gauges: stored to the host only when they change (idle rounds write nothing). */
+__device__ __forceinline__ void gld_set(struct gld_ctx *c, bgs_u32 w, bgs_u64 v) {
+    if (c->shadow[w] != v) {
+        c->shadow[w] = v;
+        ((volatile bgs_u64 *)c->ctl)[w] = v;
+    }
 }
 
 /* Publish one completion entry (lane 0). The dispatcher is the completion ring's only producer
@@ -144,7 +154,7 @@ __device__ int gld_publish(struct gld_ctx *c, bgs_u64 conn, bgs_u32 conn_seq, bg
     const bgs_u64 pos = c->s[BGS_GLD_S_TAIL];
     struct bgs_completion_slot *cs = gld_completion_slot(c->ring, pos);
     if (gld_ld_acquire_sys(&cs->seq) != pos) {
-        gld_add(c->ctl, BGS_GLD_C_RING_FULL, 1);
+        gld_add(c, BGS_GLD_C_RING_FULL, 1);
         return 0;
     }
     struct bgs_completion_entry *ce = &cs->entry;
@@ -167,7 +177,7 @@ __device__ int gld_publish(struct gld_ctx *c, bgs_u64 conn, bgs_u32 conn_seq, bg
     atomicMax_system((unsigned long long *)&gld_header(c->ring)->completion_tail,
                      (unsigned long long)(pos + 1));
     c->s[BGS_GLD_S_TAIL] = pos + 1;
-    gld_add(c->ctl, BGS_GLD_C_FRAMES, 1);
+    gld_add(c, BGS_GLD_C_FRAMES, 1);
     return 1;
 }
 
@@ -222,7 +232,7 @@ __device__ int gld_publish_frames(struct gld_ctx *c, const struct bgs_gl_frame *
             sent++;
             published[stream] += 1u;
         }
-        if (sent < j - k && room) gld_add(c->ctl, BGS_GLD_C_CREDIT_STALLS, 1);
+        if (sent < j - k && room) gld_add(c, BGS_GLD_C_CREDIT_STALLS, 1);
         credit[slot] -= sent;
         if (sent != 0u) {
             bgs_gl_delivered(c->state, slot, sent);
@@ -250,7 +260,7 @@ __device__ int gld_flush_oneshot(struct gld_ctx *c) {
                      (bgs_u32)s[BGS_GLD_S_PEND_WORDS]))
         return 0;
     s[BGS_GLD_S_PEND] = 0;
-    gld_add(c->ctl, BGS_GLD_C_ONESHOT, 1);
+    gld_add(c, BGS_GLD_C_ONESHOT, 1);
     return 1;
 }
 
@@ -316,10 +326,10 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
             gld_st_release_sys(&rs->seq, pos + (bgs_u64)h->request_capacity);
             taken++;
             if (op == BGS_RING_OP_CANCEL) {
-                gld_add(c->ctl, BGS_GLD_C_CANCELS, 1);
+                gld_add(c, BGS_GLD_C_CANCELS, 1);
                 bgs_gl_cancel(c->state, conn);
             } else {
-                gld_add(c->ctl, BGS_GLD_C_REQUESTS, 1);
+                gld_add(c, BGS_GLD_C_REQUESTS, 1);
                 bgs_u32 status = BGS_STATUS_OK;
                 bgs_u32 out_words = 0;
                 if (op == BGS_OP_GENERATE) {
@@ -344,10 +354,10 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
                         if (status == 0u) {
                             c->s[BGS_GLD_S_STREAM_TOP] = top - 1;
                             ((bgs_u64 *)c->p[BGS_GLD_P_STREAM_NS])[stream] = publish_ns;
-                            gld_add(c->ctl, BGS_GLD_C_ADMITTED, 1);
+                            gld_add(c, BGS_GLD_C_ADMITTED, 1);
                         }
                     }
-                    if (status != 0u) gld_add(c->ctl, BGS_GLD_C_REFUSED, 1);
+                    if (status != 0u) gld_add(c, BGS_GLD_C_REFUSED, 1);
                 } else if (op == BGS_RING_OP_REJECT) {
                     /* A framer rejection carries its status in param. */
                     const bool known = param < 32u && ((BGS_VALID_STATUS_MASK >> param) & 1u);
@@ -392,7 +402,7 @@ __device__ int gld_launch_step(struct gld_ctx *c, const struct bgs_gl_packed *pk
         if (pk->samples != 0u && bgs_llm_step_bucket(b) == pk->sample_bucket) gh = head[b];
     }
     if (gb == 0 || (pk->samples != 0u && gh == 0)) {
-        gld_add(c->ctl, BGS_GLD_C_PACK_FAILED, 1);
+        gld_add(c, BGS_GLD_C_PACK_FAILED, 1);
         gld_error(c->ctl, BGS_GLD_E_NO_GRAPH, BGS_GLD_W_BUCKET);
         return -1;
     }
@@ -426,8 +436,8 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
     bgs_u32 idle = 0;
     bgs_u32 sleep_ns = 64;
     if (lane == 0) {
-        gld_add(c.ctl, BGS_GLD_C_EXECUTIONS, 1);
-        gld_set(c.ctl, BGS_GLD_C_HEARTBEAT_NS, gld_now_ns());
+        gld_add(&c, BGS_GLD_C_EXECUTIONS, 1);
+        gld_set(&c, BGS_GLD_C_HEARTBEAT_NS, gld_now_ns());
     }
     for (;;) {
         if (lane == 0) {
@@ -449,9 +459,9 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
             bool moved = took != 0;
             const bgs_u32 n = bgs_gl_owed(c.state, frames);
             if (n != 0u) {
-                const bgs_u64 before = c.ctl[BGS_GLD_C_FRAMES];
+                const bgs_u64 before = c.shadow[BGS_GLD_C_FRAMES];
                 gld_publish_frames(&c, frames, n);
-                moved |= c.ctl[BGS_GLD_C_FRAMES] != before;
+                moved |= c.shadow[BGS_GLD_C_FRAMES] != before;
             }
             const bgs_u64 t_plan = gld_now_ns();
             const int planned = bgs_gl_plan(c.state, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]);
@@ -459,22 +469,22 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                 /* A policy bug: every live stream now owes Internal (published next round)
                  * and the loop goes on, as the host engine does; counted, not an error (an
                  * error stops the loop: the host then answers in its place). */
-                gld_add(c.ctl, BGS_GLD_C_POLICY_FAILED, 1);
+                gld_add(&c, BGS_GLD_C_POLICY_FAILED, 1);
             } else if (planned > 0) {
                 struct bgs_gl_packed pk;
                 const int r = bgs_gl_pack(c.state,
                                           (const struct bgs_llm_step_geometry *)params[BGS_GLD_P_GEO],
                                           (bgs_i32 *)params[BGS_GLD_P_INPUTS], &pk);
                 if (r != 0) {
-                    gld_add(c.ctl, BGS_GLD_C_PACK_FAILED, 1);
+                    gld_add(&c, BGS_GLD_C_PACK_FAILED, 1);
                     bgs_gl_fail_step(c.state);
                 } else {
                     c.s[BGS_GLD_S_STEP_SAMPLES] = pk.samples;
                     c.s[BGS_GLD_S_STEP_T0] = gld_now_ns();
                     /* Planning and packing on one thread: the part of a step the GPU's
                      * model work does not hide. */
-                    gld_add(c.ctl, BGS_GLD_C_PLAN_NS, c.s[BGS_GLD_S_STEP_T0] - t_plan);
-                    gld_add(c.ctl, BGS_GLD_C_STEP_TOKENS, pk.tokens);
+                    gld_add(&c, BGS_GLD_C_PLAN_NS, c.s[BGS_GLD_S_STEP_T0] - t_plan);
+                    gld_add(&c, BGS_GLD_C_STEP_TOKENS, pk.tokens);
                     if (gld_launch_step(&c, &pk) == 0) {
                         sh_cmd = 1;
                     } else {
@@ -484,8 +494,8 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                 }
                 moved = true;
             }
-            gld_set(c.ctl, BGS_GLD_C_LIVE, bgs_gl_live(c.state));
-            gld_set(c.ctl, BGS_GLD_C_FREE_BLOCKS, bgs_gl_free_blocks(c.state));
+            gld_set(&c, BGS_GLD_C_LIVE, bgs_gl_live(c.state));
+            gld_set(&c, BGS_GLD_C_FREE_BLOCKS, bgs_gl_free_blocks(c.state));
             if (sh_cmd == 0) {
                 if (moved) {
                     idle = 0;
@@ -533,9 +543,9 @@ extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
     for (bgs_u32 k = 0; k < n_items; k++) {
         next[k] = items[k * BGS_GL_ITEM_WORDS + BGS_GL_I_SAMPLE] != 0u ? model_next[r++] : 0u;
     }
-    gld_add(c.ctl, BGS_GLD_C_STEPS, 1);
-    gld_add(c.ctl, BGS_GLD_C_SAMPLED, r);
-    gld_add(c.ctl, BGS_GLD_C_STEP_NS, gld_now_ns() - c.s[BGS_GLD_S_STEP_T0]);
+    gld_add(&c, BGS_GLD_C_STEPS, 1);
+    gld_add(&c, BGS_GLD_C_SAMPLED, r);
+    gld_add(&c, BGS_GLD_C_STEP_NS, gld_now_ns() - c.s[BGS_GLD_S_STEP_T0]);
     const bgs_u64 t_finish = gld_now_ns();
     const int n = bgs_gl_finish(c.state, next, frames);
     if (n < 0) {
@@ -545,7 +555,7 @@ extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
     if (c.p[BGS_GLD_P_CHECK] != 0) {
         const bgs_u32 bad = bgs_gl_check(c.state);
         if (bad != 0u) {
-            gld_set(c.ctl, BGS_GLD_C_CHECK, bad);
+            gld_set(&c, BGS_GLD_C_CHECK, bad);
             gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK);
             return;
         }
@@ -553,7 +563,7 @@ extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
     /* Frames go out now, with the credit D computed before the step (the step used at most
      * BGS_GL_STEP_CREDIT of it per stream); D refreshes credit and retries what is left. */
     if (n > 0) gld_publish_frames(&c, frames, (bgs_u32)n);
-    gld_add(c.ctl, BGS_GLD_C_FINISH_NS, gld_now_ns() - t_finish);
+    gld_add(&c, BGS_GLD_C_FINISH_NS, gld_now_ns() - t_finish);
     cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)params[BGS_GLD_P_SELF],
                                       cudaStreamGraphTailLaunch);
     if (err != cudaSuccess) gld_error(c.ctl, (bgs_u64)err, BGS_GLD_W_RELAUNCH);

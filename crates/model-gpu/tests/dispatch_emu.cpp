@@ -129,7 +129,7 @@ int main(int argc, char **argv) {
     std::vector<bgs_i32> inputs(bgs_llm_step_words(&geo));
     std::vector<bgs_u32> next(geo.max_samples), credit(MAX_SEQS), published(512), stream_free(MAX_SEQS),
         next_by_item(MAX_SEQS), payload(256);
-    std::vector<bgs_u64> stream_ns(512), ctl(BGS_GLD_C_WORDS), scratch(BGS_GLD_S_WORDS),
+    std::vector<bgs_u64> stream_ns(512), ctl(BGS_GLD_C_WORDS), shadow(BGS_GLD_C_WORDS), scratch(BGS_GLD_S_WORDS),
         body(BGS_LLM_STEP_N_BUCKETS), head(BGS_LLM_STEP_N_BUCKETS);
     std::vector<bgs_gl_frame> frames(2 * MAX_SEQS);
     for (unsigned k = 0; k < MAX_SEQS; k++) stream_free[k] = MAX_SEQS - 1 - k;
@@ -163,6 +163,7 @@ int main(int argc, char **argv) {
     p[BGS_GLD_P_IDLE_ROUNDS] = 3;
     p[BGS_GLD_P_INTAKE] = 5;
     p[BGS_GLD_P_CHECK] = 1;
+    p[BGS_GLD_P_CTL_SHADOW] = (bgs_u64)shadow.data();
     std::vector<unsigned> kv(NBLOCKS * BS, 0xffffffffu);
 
     // The schedule: generate requests (random prompts, lengths, flags, some cancelled
@@ -392,6 +393,9 @@ int main(int argc, char **argv) {
           (unsigned long long)scratch[BGS_GLD_S_STREAM_TOP]);
     CHECK(h->completion_tail == scratch[BGS_GLD_S_TAIL], "completion_tail follows the dispatcher");
     CHECK(ctl[BGS_GLD_C_STEPS] == steps, "steps counted");
+    for (unsigned w = BGS_GLD_C_EXECUTIONS; w < BGS_GLD_C_WORDS; w++)
+        CHECK(w == BGS_GLD_C_CHECK || ctl[w] == shadow[w], "control word %u: host %llu, shadow %llu", w,
+              (unsigned long long)ctl[w], (unsigned long long)shadow[w]);
     CHECK(gen_ok > 20 && cancelled > 0 && oneshot > 0, "the schedule exercised too little (%u ok, %u cancelled, %u one-shot)",
           gen_ok, cancelled, oneshot);
     // Stop: the dispatcher returns without relaunching and says so.
