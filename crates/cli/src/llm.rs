@@ -78,7 +78,7 @@ impl DtypeArg {
 }
 
 /// Where the forward pass runs. The engine's step loop (scheduling, KV block allocation,
-/// frames) runs on the executor's host thread either way.
+/// frames) runs on the executor's host thread, unless `step_loop_on_device` puts it on the GPU.
 #[derive(Debug, Clone)]
 pub enum ModelDevice {
     /// The deterministic CPU forward pass.
@@ -90,7 +90,19 @@ pub enum ModelDevice {
         device: usize,
         /// Where CUDA libraries live.
         cuda_home: Option<PathBuf>,
+        /// The step loop resident on the GPU (`--gpu-step-loop device`): the model is built
+        /// with device-launchable graphs and handed over unwrapped ([`LoadedEngine::Device`]).
+        step_loop_on_device: bool,
     },
+}
+
+/// What serves the model's requests.
+pub enum LoadedEngine {
+    /// A generation engine whose step loop runs on a host thread (either forward pass).
+    Host(Box<dyn Engine>),
+    /// A GPU model for the step loop resident on the device (`bgs_model_gpu::GpuGenExecutor`),
+    /// with the loop's settings.
+    Device(Box<bgs_model_gpu::GpuModel>, bgs_model_gpu::GenLoopConfig),
 }
 
 /// Flags of [`ModelArgs`] that only the GPU forward pass reads (refused with the CPU one).
@@ -106,14 +118,28 @@ const MAX_REQUEST_TOKENS: usize = bgs_ring::SLOT_WORDS + 4096;
 
 /// A loaded model, ready to become an engine.
 pub struct Loaded {
-    /// The generation engine (over the CPU or the GPU forward pass).
-    pub engine: Box<dyn Engine>,
+    /// The generation engine (over the CPU or the GPU forward pass), or the GPU model for the
+    /// device-resident step loop.
+    pub engine: LoadedEngine,
     /// Tokenizer and chat template, for the API and `bgs generate`.
     pub codec: Arc<ModelCodec>,
     /// The model's name.
     pub name: String,
     /// Where the forward pass runs, for the start-up line ("CPU, 8 threads", "GPU 0, bf16").
     pub forward: String,
+}
+
+impl std::fmt::Debug for LoadedEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LoadedEngine::Host(_) => f.write_str("LoadedEngine::Host"),
+            LoadedEngine::Device(m, c) => f
+                .debug_tuple("LoadedEngine::Device")
+                .field(m)
+                .field(c)
+                .finish(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Loaded {
@@ -146,7 +172,7 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
         ecfg.max_batched_tokens = args.max_batched_tokens as usize;
     }
     ecfg.ignore_eos = args.ignore_eos;
-    let (engine, num_blocks, on): (Box<dyn Engine>, usize, String) = match device {
+    let (engine, num_blocks, on): (LoadedEngine, usize, String) = match device {
         ModelDevice::Cpu => {
             let num_blocks = match args.kv_blocks {
                 0 => {
@@ -176,12 +202,16 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                 .map_err(anyhow::Error::msg)
                 .context("building the generation engine")?;
             (
-                Box::new(engine),
+                LoadedEngine::Host(Box::new(engine)),
                 num_blocks,
                 format!("CPU, {threads} threads"),
             )
         }
-        ModelDevice::Gpu { device, cuda_home } => {
+        ModelDevice::Gpu {
+            device,
+            cuda_home,
+            step_loop_on_device,
+        } => {
             // Every slot can hold the longest request (a full slot of prompt and 4,096 new
             // tokens): admission waits for blocks only when --kv-blocks says so.
             let num_blocks = match args.kv_blocks {
@@ -197,24 +227,43 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                 max_seqs: slots,
                 cuda_home: cuda_home.clone(),
                 batch_invariant_gemm: args.batch_invariant,
+                device_launch: *step_loop_on_device,
                 ..bgs_model_gpu::GpuModelOptions::default()
             };
             let model = bgs_model_gpu::GpuModel::new(config.clone(), &weights, &opts)
                 .context("building the GPU model")?;
             drop(weights);
-            let engine = GenerationEngine::new(model, ecfg)
-                .map_err(anyhow::Error::msg)
-                .context("building the generation engine")?;
             let on = format!(
-                "GPU {device}, {}{}",
+                "GPU {device}, {}{}{}",
                 args.dtype.gpu().name(),
                 if args.batch_invariant {
                     ", batch-invariant projections"
                 } else {
                     ""
+                },
+                if *step_loop_on_device {
+                    ", step loop on the GPU"
+                } else {
+                    ""
                 }
             );
-            (Box::new(engine), num_blocks, on)
+            let engine = if *step_loop_on_device {
+                let lcfg = bgs_model_gpu::GenLoopConfig {
+                    slots: ecfg.slots,
+                    max_waiting: ecfg.max_waiting,
+                    max_batched_tokens: ecfg.max_batched_tokens,
+                    ignore_eos: ecfg.ignore_eos,
+                    cuda_home: cuda_home.clone(),
+                    ..bgs_model_gpu::GenLoopConfig::default()
+                };
+                LoadedEngine::Device(Box::new(model), lcfg)
+            } else {
+                let engine = GenerationEngine::new(model, ecfg)
+                    .map_err(anyhow::Error::msg)
+                    .context("building the generation engine")?;
+                LoadedEngine::Host(Box::new(engine))
+            };
+            (engine, num_blocks, on)
         }
     };
     tracing::info!(
@@ -328,6 +377,7 @@ pub fn generate(args: &GenerateArgs, m: &clap::ArgMatches) -> Result<()> {
         GenerateExecutor::Gpu => ModelDevice::Gpu {
             device: 0,
             cuda_home: None,
+            step_loop_on_device: false,
         },
     };
     for (flags, on) in [
@@ -345,7 +395,9 @@ pub fn generate(args: &GenerateArgs, m: &clap::ArgMatches) -> Result<()> {
         }
     }
     let loaded = load(&args.model, 1, &device)?;
-    let mut engine = loaded.engine;
+    let LoadedEngine::Host(mut engine) = loaded.engine else {
+        bail!("bgs generate runs the step loop on the host");
+    };
     let codec = loaded.codec;
     let text = if args.chat {
         let m = [bgs_api::ChatMessage {

@@ -76,6 +76,18 @@ const GPU_WAKE_TIMEOUT: Duration = Duration::from_millis(10);
 enum Executor {
     Cpu(CpuExecutor),
     Gpu(bgs_executor_gpu::GpuExecutor),
+    /// The generation step loop resident on the GPU (`--gpu-step-loop device`).
+    GpuLoop(Box<bgs_model_gpu::GpuGenExecutor>),
+}
+
+/// Where the generation step loop runs with `--model --executor gpu`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepLoopKind {
+    /// A host thread (the generation engine) plans each step and replays the model's graphs.
+    Host,
+    /// A resident dispatcher on the GPU plans, launches and publishes; the host only watches
+    /// (docs/gpu-model.md, "The resident step loop"). Not yet run on a device.
+    Device,
 }
 
 /// Most executor slots (`bgs_ring::MAX_STREAMS`; the GPU executor takes at most 64).
@@ -101,6 +113,10 @@ pub struct ServeArgs {
     /// Default: CPU count for the CPU executor, 16 for the GPU executor.
     #[arg(long, value_parser = args::int(1usize, MAX_SLOTS))]
     pub slots: Option<usize>,
+    /// Where the generation step loop runs (`--model --executor gpu` only): `host` (the
+    /// generation engine on a host thread) or `device` (resident on the GPU).
+    #[arg(long, value_enum, default_value = "host")]
+    pub gpu_step_loop: StepLoopKind,
     /// GPU dispatcher kind (GPU executor only: `--executor gpu` or `auto`).
     #[arg(long, value_enum, default_value = "device")]
     pub dispatcher: DispatcherKind,
@@ -248,6 +264,9 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
                 "{f} applies to the GPU executor's one-shot dispatcher; it does nothing with --model"
             );
         }
+        if a.executor != ExecutorKind::Gpu && args::given(m, "gpu_step_loop") {
+            bail!("--gpu-step-loop applies to the GPU forward pass; it needs --executor gpu");
+        }
         if a.executor == ExecutorKind::Gpu
             && let Some(f) = any(crate::llm::CPU_ONLY_MODEL_FLAGS)
         {
@@ -266,6 +285,9 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
                 crate::llm::MAX_SLOTS
             );
         }
+    }
+    if a.generation.model.is_none() && args::given(m, "gpu_step_loop") {
+        bail!("--gpu-step-loop applies to generation; it does nothing without --model");
     }
     if a.executor == ExecutorKind::Cpu
         && let Some(f) = any(&[
@@ -320,6 +342,11 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
                     }
                 }
                 ReplyKind::ExecutorSqe => {
+                    if a.gpu_step_loop == StepLoopKind::Device {
+                        bail!(
+                            "--gpu-step-loop device: with --reply executor-sqe the reply stage runs inside a host executor thread, which the device step loop does not have (use --reply loop)"
+                        );
+                    }
                     if a.gpu_completion_wake == GpuWakeKind::Interrupt {
                         bail!(
                             "--gpu-completion-wake interrupt wakes the reply loop; with --reply executor-sqe the reply stage runs inside the executor and has nothing to wake (use --reply loop)"
@@ -488,7 +515,7 @@ fn admin_executor(admin: &AdminHook, executor: Option<&Executor>) {
             s.slot_count = Some(e.slots());
         }),
         Some(Executor::Gpu(e)) => admin.sources(|s| s.slot_count = Some(e.slots())),
-        None => {}
+        Some(Executor::GpuLoop(_)) | None => {}
     }
     admin.up(admin::EXECUTOR);
 }
@@ -514,6 +541,18 @@ fn start_executor(
         shutdown,
     } = hooks;
     if let Some(m) = model {
+        let engine = match m.engine {
+            crate::llm::LoadedEngine::Host(e) => e,
+            crate::llm::LoadedEngine::Device(model, lcfg) => {
+                // The GPU serves the rings alone; the host thread left only watches and wakes
+                // the transport.
+                let waker = waker.map(|w| w as Arc<dyn Fn() + Send + Sync>);
+                return Ok(Executor::GpuLoop(Box::new(
+                    bgs_model_gpu::GpuGenExecutor::start(*model, region.clone(), &lcfg, waker)
+                        .context("--gpu-step-loop device")?,
+                )));
+            }
+        };
         // One thread runs the generation engine: every live sequence in one batch per step
         // (one-shot ops are answered inline between steps).
         let ecfg = CpuExecutorConfig {
@@ -524,7 +563,7 @@ fn start_executor(
             region.clone(),
             &ecfg,
             waker,
-            vec![m.engine],
+            vec![engine],
         )?));
     }
     if kind == ExecutorKind::Gpu {
@@ -626,6 +665,7 @@ fn model_device(args: &ServeArgs, kind: ExecutorKind) -> crate::llm::ModelDevice
         ExecutorKind::Gpu => crate::llm::ModelDevice::Gpu {
             device: 0,
             cuda_home: args.cuda_home.clone(),
+            step_loop_on_device: args.gpu_step_loop == StepLoopKind::Device,
         },
         ExecutorKind::Cpu | ExecutorKind::Auto => crate::llm::ModelDevice::Cpu,
     }
@@ -639,13 +679,16 @@ fn announce(
     generation: Option<&str>,
 ) -> Result<()> {
     let what = match executor {
-        Some(Executor::Cpu(_)) if args.generation.model.is_some() => format!(
-            "generation: {} live sequences, {}",
-            args.slots.unwrap_or(crate::llm::DEFAULT_SLOTS),
-            generation.unwrap_or("")
-        ),
+        Some(Executor::Cpu(_) | Executor::GpuLoop(_)) if args.generation.model.is_some() => {
+            format!(
+                "generation: {} live sequences, {}",
+                args.slots.unwrap_or(crate::llm::DEFAULT_SLOTS),
+                generation.unwrap_or("")
+            )
+        }
         Some(Executor::Cpu(e)) => format!("executor cpu, {} slots", e.slots()),
         Some(Executor::Gpu(e)) => format!("executor gpu, {} slots", e.slots()),
+        Some(Executor::GpuLoop(_)) => "generation, step loop on the GPU".into(),
         None => "floor mode (echo answered by the transport)".into(),
     };
     let mut out = std::io::stdout().lock();
@@ -672,6 +715,29 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                     st.notifier_idle_sleeps
                 );
             }
+        }
+        Some(Executor::GpuLoop(e)) => {
+            let (_model, st) = e.shutdown().context("stopping the GPU step loop")?;
+            eprintln!(
+                "bgs: GPU step loop: {} requests, {} admitted, {} refused, {} cancels, {} steps \
+                 ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
+                 {} credit stalls, {} completion-ring stalls, \
+                 {} live, {} free KV blocks",
+                st.requests,
+                st.admitted,
+                st.refused,
+                st.cancels,
+                st.steps,
+                st.step_tokens,
+                st.mean_step_ns / 1000,
+                st.mean_plan_ns / 1000,
+                st.mean_finish_ns / 1000,
+                st.frames,
+                st.credit_stalls,
+                st.ring_full,
+                st.live,
+                st.free_blocks,
+            );
         }
         Some(Executor::Cpu(e)) => {
             let es = e.stats().clone();

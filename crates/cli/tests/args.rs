@@ -107,6 +107,36 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         &["--reply", "--transport native"],
     );
     refused(
+        &["serve", "--executor", "gpu", "--gpu-step-loop", "device"],
+        &["--gpu-step-loop", "--model"],
+    );
+    refused(
+        &[
+            "serve",
+            "--model",
+            "/nonexistent",
+            "--gpu-step-loop",
+            "device",
+        ],
+        &["--gpu-step-loop", "--executor gpu"],
+    );
+    refused(
+        &[
+            "serve",
+            "--transport",
+            "kernel",
+            "--reply",
+            "executor-sqe",
+            "--executor",
+            "gpu",
+            "--model",
+            "/nonexistent",
+            "--gpu-step-loop",
+            "device",
+        ],
+        &["--gpu-step-loop device", "--reply executor-sqe"],
+    );
+    refused(
         &["serve", "--transport", "kernel", "--poll-us", "10"],
         &["--poll-us", "--transport kernel"],
     );

@@ -13,12 +13,14 @@
 pub mod c_header;
 #[cfg(test)]
 mod emu;
+pub mod gen_exec;
 pub mod host;
 mod model;
 mod plan;
 
+pub use gen_exec::{GenLoopConfig, GenLoopStats, GpuGenError, GpuGenExecutor};
 pub use host::{GpuDtype, StepGeometry};
-pub use model::{GpuModel, GpuModelError, GpuModelOptions};
+pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
 
 /// The kernels' CUDA C++ source.
 pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");

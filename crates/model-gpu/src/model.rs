@@ -16,6 +16,8 @@ use crate::plan::{self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan
 /// Hopper; a graph-captured cuBLAS call must not allocate).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 const STREAM_NON_BLOCKING: u32 = 1;
+/// `CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`.
+const DEVICE_LAUNCH_FLAG: u64 = 4;
 
 /// Settings of a [`GpuModel`].
 #[derive(Debug, Clone)]
@@ -48,6 +50,12 @@ pub struct GpuModelOptions {
     /// them in fixed groups of 32 (more memory requests in flight at small batch; the split
     /// depends only on the positions, so results stay batch-invariant).
     pub attention_warps: u32,
+    /// Instantiate the step graphs with `CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH` (and
+    /// upload them) so that a graph running on the device (the resident step loop,
+    /// `crate::gen_exec`) can launch them; [`GpuModel::device_handles`] exposes them. Requires
+    /// `use_graphs`. Host replay (`step`) keeps working: a device-launchable graph can still be
+    /// launched from the host.
+    pub device_launch: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -65,8 +73,27 @@ impl Default for GpuModelOptions {
             use_graphs: true,
             batch_invariant_gemm: false,
             attention_warps: 4,
+            device_launch: false,
         }
     }
+}
+
+/// What a device-side step loop needs to drive a [`GpuModel`] built with
+/// [`GpuModelOptions::device_launch`]: the graph handles per bucket and the device buffers.
+/// The handles stay valid while the model lives; nothing here owns them.
+#[derive(Debug, Clone)]
+pub struct DeviceHandles {
+    /// (token bucket, `CUgraphExec` as u64) of the body graphs, ascending buckets.
+    pub body: Vec<(usize, u64)>,
+    /// (sampled-row bucket, `CUgraphExec` as u64) of the LM-head graphs, ascending buckets.
+    pub head: Vec<(usize, u64)>,
+    /// Device address of the step-input buffer (`geometry.words()` i32, `bgs_llm_step.h`).
+    pub inputs: u64,
+    /// Device address of the sampled token ids (`geometry.max_samples` u32), written by the
+    /// head graph: row r of the step's sampled rows.
+    pub next: u64,
+    /// The step geometry the graphs were captured for.
+    pub geometry: StepGeometry,
 }
 
 /// Why the GPU model cannot be built or a step failed; one line naming the problem.
@@ -164,6 +191,7 @@ pub struct GpuModel {
     dtype: GpuDtype,
     geo: StepGeometry,
     use_graphs: bool,
+    device_launch: bool,
     invariant_gemm: bool,
     attention_warps: u32,
     device_name: String,
@@ -229,6 +257,12 @@ impl GpuModel {
     ) -> Result<GpuModel, GpuModelError> {
         host::check_config(&cfg).map_err(GpuModelError::Config)?;
         weights.check_shapes(&cfg).map_err(GpuModelError::Config)?;
+        if opts.device_launch && !opts.use_graphs {
+            return Err(GpuModelError::Config(
+                "device_launch needs use_graphs (only captured graphs can be device-launched)"
+                    .into(),
+            ));
+        }
         // Checked before any device work (the real pool size comes later).
         let pre = if let Some(n) = opts.num_blocks {
             host::geometry(
@@ -270,6 +304,7 @@ impl GpuModel {
             dtype: opts.dtype,
             geo: pre,
             use_graphs: opts.use_graphs,
+            device_launch: opts.device_launch,
             invariant_gemm: opts.batch_invariant_gemm,
             attention_warps: opts.attention_warps,
             device_name: env.name.clone(),
@@ -720,10 +755,17 @@ impl GpuModel {
         end?;
         self.graphs.push(g);
         let mut e: cu::CUgraphExec = std::ptr::null_mut();
+        // Device-launchable graphs must be uploaded before a device launch (done below for
+        // every graph anyway).
+        let flags = if self.device_launch {
+            DEVICE_LAUNCH_FLAG
+        } else {
+            0
+        };
         // SAFETY: `g` is the captured graph; out-pointer valid; `stream` live.
         unsafe {
             ck(
-                cu::cuGraphInstantiateWithFlags(&mut e, g, 0),
+                cu::cuGraphInstantiateWithFlags(&mut e, g, flags),
                 &format!("cuGraphInstantiateWithFlags ({what})"),
             )?;
             ck(
@@ -1033,6 +1075,31 @@ impl GpuModel {
         }
         self.use_graphs = on;
         Ok(())
+    }
+
+    /// The graph handles and device buffers a device-side step loop drives; an error unless
+    /// the model was built with `device_launch` (and so with graphs).
+    pub fn device_handles(&self) -> Result<DeviceHandles, GpuModelError> {
+        if !self.device_launch || self.body_graphs.is_empty() {
+            return Err(GpuModelError::Config(
+                "no device-launchable graphs: build the model with device_launch and use_graphs"
+                    .into(),
+            ));
+        }
+        let h = |l: &[(usize, cu::CUgraphExec)]| l.iter().map(|&(b, e)| (b, e as u64)).collect();
+        Ok(DeviceHandles {
+            body: h(&self.body_graphs),
+            head: h(&self.head_graphs),
+            inputs: self.inputs,
+            next: self.b.next,
+            geometry: self.geo,
+        })
+    }
+
+    /// The CUDA context the model's memory and graphs belong to (a device-side loop's
+    /// kernels must be loaded into it).
+    pub fn context(&self) -> cu::CUcontext {
+        self.ctx
     }
 
     /// Whether steps replay the captured graphs.

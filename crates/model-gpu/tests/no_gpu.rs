@@ -27,6 +27,14 @@ fn new_without_driver_names_libcuda() {
     let msg = e.to_string();
     assert!(msg.contains("libcuda"), "{msg}");
     assert!(!msg.contains('\n'), "one line: {msg}");
+    // The resident step loop needs a device-launchable model: the same error, not a panic.
+    let (cfg, w) = synth_weights(SynthArch::TinyQwen2, 1, DType::F32);
+    let o = GpuModelOptions {
+        device_launch: true,
+        ..GpuModelOptions::default()
+    };
+    let e = GpuModel::new(cfg, &w, &o).unwrap_err();
+    assert!(e.to_string().contains("libcuda"), "{e}");
 }
 
 #[test]
@@ -68,6 +76,14 @@ fn bad_options_and_models_are_refused_before_the_device() {
                 ..Default::default()
             },
             "kv_memory_fraction",
+        ),
+        (
+            GpuModelOptions {
+                device_launch: true,
+                use_graphs: false,
+                ..Default::default()
+            },
+            "device_launch needs use_graphs",
         ),
     ];
     for (o, want) in cases {

@@ -1,0 +1,570 @@
+/* The GPU-resident generation step loop: the device dispatcher (docs/gpu-model.md, "The
+ * resident step loop"; issue 9 part 3).
+ *
+ * Compiled by NVRTC with -rdc=true and linked with libcudadevrt.a by nvJitLink (device graph
+ * launches), like crates/executor-gpu/src/kernels.cu, and loaded into the GpuModel's context.
+ * The per-sequence logic is include/bgs_gen_loop.h (the same C the host engine CGenEngine runs
+ * and the tests prove equal to the Rust engine); this file adds only what the device needs
+ * around it: ring intake, credit, completion publication, and the launch sequence.
+ *
+ * Two graphs of one kernel node each, instantiated with the device-launch flag:
+ *   D (bgs_gld_dispatch): reads request-ring entries, admits / cancels / answers one-shot
+ *     requests, publishes owed frames, plans and packs a step; then either tail-launches
+ *     body[bucket] -> head[sample bucket] -> F and returns, or (nothing to run) polls with
+ *     __nanosleep backoff for P_IDLE_ROUNDS rounds and tail-relaunches itself.
+ *   F (bgs_gld_finish): after the head graph wrote `next`: bgs_gl_finish, publishes the frames,
+ *     tail-relaunches D.
+ * Tail launches of one execution run in order after it completes, and D's writes (the packed
+ * step inputs) are visible to the graphs it tail-launches; no graph is ever launched while it
+ * runs (each runs only after the one before it ended), and no execution makes more than three
+ * launches (far below the 120 fire-and-forget / tail limits of docs/gpu.md).
+ *
+ * One warp per kernel: lane 0 owns the loop state (every bgs_gl_* call); the other lanes only
+ * help with host-memory traffic (the prompt copy, the per-stream credit reads), where 32
+ * independent PCIe reads in flight beat 32 in a row.
+ *
+ * Shared words: P_* (parameters, device memory, written by the host before the first launch),
+ * S_* (the dispatcher's own words, device memory), C_* (the control block in mapped host
+ * memory that the host monitor reads), all u64 at the indices of the generated header
+ * bgs_gen_dispatch.h (crates/model-gpu/src/gen_exec.rs `dispatch_header`).
+ */
+/* The generated headers provide the fixed-width types under NVRTC (no system headers). */
+#define BGS_GEN_LOOP_API __device__
+#define BGS_GEN_LOOP_IMPL
+#define BGS_STEP_POLICY_IMPL
+#include "bgs_gen_loop.h"
+#include "bgs_gen_dispatch.h"
+
+#ifndef BGS_VALID_STATUS_MASK
+#error "BGS_VALID_STATUS_MASK (bit s set when status s < 32 is a known status) must be defined"
+#endif
+
+/* Lanes of the dispatcher's warp. The host emulation (tests/dispatch_emu.cpp, which compiles
+ * this file as plain C++ with GLD_HOST_EMU) runs one thread as the whole warp: every
+ * lane-strided loop then covers all its elements in that thread. */
+#ifndef GLD_LANES
+#define GLD_LANES 32u
+#endif
+
+#ifdef GLD_HOST_EMU
+/* One host thread: plain accesses are the whole memory model. */
+__device__ __forceinline__ bgs_u64 gld_ld_acquire_sys(const bgs_u64 *p) {
+    return *(const volatile bgs_u64 *)p;
+}
+__device__ __forceinline__ bgs_u32 gld_ld_acquire_sys32(const bgs_u32 *p) {
+    return *(const volatile bgs_u32 *)p;
+}
+__device__ __forceinline__ void gld_st_release_sys(bgs_u64 *p, bgs_u64 v) {
+    *(volatile bgs_u64 *)p = v;
+}
+__device__ __forceinline__ bgs_u64 gld_now_ns() { return bgs_emu_now_ns(); }
+#else
+
+/* ---- system-scope accessors for host-shared words (as in kernels.cu) ---- */
+__device__ __forceinline__ bgs_u64 gld_ld_acquire_sys(const bgs_u64 *p) {
+    bgs_u64 v;
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ bgs_u32 gld_ld_acquire_sys32(const bgs_u32 *p) {
+    bgs_u32 v;
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void gld_st_release_sys(bgs_u64 *p, bgs_u64 v) {
+    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ bgs_u64 gld_now_ns() {
+    bgs_u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
+
+__device__ __forceinline__ struct bgs_ring_header *gld_header(bgs_u8 *ring) {
+    return (struct bgs_ring_header *)ring;
+}
+__device__ __forceinline__ struct bgs_request_slot *gld_request_slot(bgs_u8 *ring, bgs_u64 pos) {
+    struct bgs_ring_header *h = gld_header(ring);
+    bgs_u64 mask = (bgs_u64)h->request_capacity - 1;
+    return (struct bgs_request_slot *)(ring + h->request_slots_offset +
+                                       (pos & mask) * (bgs_u64)BGS_RING_REQUEST_SLOT_SIZE);
+}
+__device__ __forceinline__ struct bgs_completion_slot *gld_completion_slot(bgs_u8 *ring, bgs_u64 pos) {
+    struct bgs_ring_header *h = gld_header(ring);
+    bgs_u64 mask = (bgs_u64)h->completion_capacity - 1;
+    return (struct bgs_completion_slot *)(ring + h->completion_slots_offset +
+                                          (pos & mask) * (bgs_u64)BGS_RING_COMPLETION_SLOT_SIZE);
+}
+
+/* The first error wins; `where` says which call failed (a W_ code of gen_exec.rs). */
+__device__ __forceinline__ void gld_error(bgs_u64 *ctl, bgs_u64 err, bgs_u64 where) {
+    if (atomicCAS_system((unsigned long long *)&ctl[BGS_GLD_C_ERROR], 0ull,
+                         (unsigned long long)err) == 0ull) {
+        gld_st_release_sys(&ctl[BGS_GLD_C_ERROR_WHERE], where);
+    }
+}
+
+/* Everything a kernel reads from the parameter words. */
+struct gld_ctx {
+    const bgs_u64 *p;
+    bgs_u64 *s;
+    bgs_u64 *ctl;
+    bgs_u64 *shadow; /* device-memory copy of the control block's counters */
+    bgs_u8 *ring;
+    bgs_u32 *state;
+};
+__device__ __forceinline__ struct gld_ctx gld_ctx_of(const bgs_u64 *params) {
+    struct gld_ctx c;
+    c.p = params;
+    c.s = (bgs_u64 *)params[BGS_GLD_P_SCRATCH];
+    c.ctl = (bgs_u64 *)params[BGS_GLD_P_CTL];
+    c.shadow = (bgs_u64 *)params[BGS_GLD_P_CTL_SHADOW];
+    c.ring = (bgs_u8 *)params[BGS_GLD_P_RING];
+    c.state = (bgs_u32 *)params[BGS_GLD_P_STATE];
+    return c;
+}
+
+/* Control-block counters: only one of D and F runs at a time and only lane 0 writes. Each
+ * counter lives in device memory (the shadow) and its new value is stored to the host copy:
+ * a read of mapped host memory is a PCIe round trip, a store is posted. The host reads whole
+ * aligned u64 words. */
+__device__ __forceinline__ void gld_add(struct gld_ctx *c, bgs_u32 w, bgs_u64 v) {
+    const bgs_u64 n = c->shadow[w] + v;
+    c->shadow[w] = n;
+    ((volatile bgs_u64 *)c->ctl)[w] = n;
+}
+/* Gauges: stored to the host only when they change (idle rounds write nothing). */
+__device__ __forceinline__ void gld_set(struct gld_ctx *c, bgs_u32 w, bgs_u64 v) {
+    if (c->shadow[w] != v) {
+        c->shadow[w] = v;
+        ((volatile bgs_u64 *)c->ctl)[w] = v;
+    }
+}
+
+/* Publish one completion entry (lane 0). The dispatcher is the completion ring's only producer
+ * (the host executor's sole-producer mode): its position comes from a device-memory counter,
+ * the slot's seq says whether the consumer freed it (seq == pos), and completion_tail is kept
+ * current with a max after the publish. Returns 0 when the ring is full (nothing written: the
+ * caller retries later; the loop keeps the frame owed). */
+__device__ int gld_publish(struct gld_ctx *c, bgs_u64 conn, bgs_u32 conn_seq, bgs_u32 request_id,
+                           bgs_u32 route, bgs_u32 op, bgs_u64 publish_ns, bgs_u32 status,
+                           bgs_u32 final_, bgs_u32 stream_seq, bgs_u32 stream_plus_one,
+                           const bgs_u32 *payload, bgs_u32 words) {
+    const bgs_u64 pos = c->s[BGS_GLD_S_TAIL];
+    struct bgs_completion_slot *cs = gld_completion_slot(c->ring, pos);
+    if (gld_ld_acquire_sys(&cs->seq) != pos) {
+        gld_add(c, BGS_GLD_C_RING_FULL, 1);
+        return 0;
+    }
+    struct bgs_completion_entry *ce = &cs->entry;
+    ce->conn = conn;
+    ce->conn_seq = conn_seq;
+    ce->status = (bgs_u16)status;
+    ce->final_ = (bgs_u16)final_;
+    ce->request_id = request_id;
+    ce->words = words;
+    ce->stream_seq = stream_seq;
+    ce->route = route;
+    ce->stream = stream_plus_one;
+    ce->op = op;
+    ce->publish_ns = publish_ns;
+    ce->reserved[0] = 0;
+    ce->reserved[1] = 0;
+    for (bgs_u32 i = 0; i < words; i++) ce->payload[i] = payload[i];
+    __threadfence_system();
+    gld_st_release_sys(&cs->seq, pos + 1); /* publish: the last write of the entry */
+    atomicMax_system((unsigned long long *)&gld_header(c->ring)->completion_tail,
+                     (unsigned long long)(pos + 1));
+    c->s[BGS_GLD_S_TAIL] = pos + 1;
+    gld_add(c, BGS_GLD_C_FRAMES, 1);
+    return 1;
+}
+
+/* Credit of every table slot (all lanes): window minus the stream's frames in flight
+ * (published by us, not yet acknowledged in the region's stream_acks). More acks than frames
+ * reads as nothing in flight, as in the CPU executor (crates/executor `Sink::in_flight`). */
+__device__ void gld_credit(struct gld_ctx *c, bgs_u32 lane) {
+    const bgs_u32 n = (bgs_u32)c->p[BGS_GLD_P_MAX_SEQS];
+    const bgs_u32 window = (bgs_u32)c->p[BGS_GLD_P_WINDOW];
+    bgs_u32 *credit = (bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
+    const bgs_u32 *published = (const bgs_u32 *)c->p[BGS_GLD_P_PUBLISHED];
+    struct bgs_ring_header *h = gld_header(c->ring);
+    for (bgs_u32 k = lane; k < n; k += GLD_LANES) {
+        const bgs_u32 stream = bgs_gl_slot_stream(c->state, k);
+        bgs_u32 cr = 0u;
+        if (stream != BGS_GL_NO_STREAM && stream < BGS_RING_MAX_STREAMS) {
+            const bgs_u32 acked = gld_ld_acquire_sys32(&h->stream_acks[stream]);
+            bgs_u32 d = published[stream] - acked;
+            if (d > 0x7fffffffu) d = 0u;
+            cr = d >= window ? 0u : window - d;
+        }
+        credit[k] = cr;
+    }
+}
+
+/* Publish `n` owed frames (lane 0), in order, each stream until its credit or the ring runs
+ * out; report each stream's count with bgs_gl_delivered, and give back the credit-stream
+ * index of every stream that left the table. Returns 0 when the ring was full. */
+__device__ int gld_publish_frames(struct gld_ctx *c, const struct bgs_gl_frame *f, bgs_u32 n) {
+    bgs_u32 *credit = (bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
+    bgs_u32 *published = (bgs_u32 *)c->p[BGS_GLD_P_PUBLISHED];
+    bgs_u32 *stream_free = (bgs_u32 *)c->p[BGS_GLD_P_STREAM_FREE];
+    const bgs_u64 *stream_ns = (const bgs_u64 *)c->p[BGS_GLD_P_STREAM_NS];
+    const bgs_u32 *st = c->state;
+    int room = 1;
+    bgs_u32 k = 0;
+    while (k < n) {
+        const bgs_u32 slot = f[k].slot;
+        const bgs_u32 stream = f[k].stream;
+        const bgs_u32 *s = st + st[BGS_GL_H_SEQ_AT] + slot * st[BGS_GL_H_SEQ_WORDS];
+        const bgs_u64 conn = (bgs_u64)s[BGS_GL_S_CONN_LO] | ((bgs_u64)s[BGS_GL_S_CONN_HI] << 32);
+        bgs_u32 sent = 0;
+        bgs_u32 j = k;
+        for (; j < n && f[j].slot == slot; j++) {
+            if (!room || sent >= credit[slot]) continue;
+            if (!gld_publish(c, conn, s[BGS_GL_S_CONN_SEQ], s[BGS_GL_S_REQUEST_ID],
+                             s[BGS_GL_S_ROUTE], BGS_OP_GENERATE, stream_ns[stream], f[j].status,
+                             f[j].final_, f[j].seq, stream + 1u, f[j].word, f[j].words)) {
+                room = 0;
+                continue;
+            }
+            sent++;
+            published[stream] += 1u;
+        }
+        if (sent < j - k && room) gld_add(c, BGS_GLD_C_CREDIT_STALLS, 1);
+        credit[slot] -= sent;
+        if (sent != 0u) {
+            bgs_gl_delivered(c->state, slot, sent);
+            if (bgs_gl_slot_stream(c->state, slot) != stream) {
+                /* The final frame went out: the credit stream is free for the next request. */
+                const bgs_u64 top = c->s[BGS_GLD_S_STREAM_TOP];
+                stream_free[top] = stream;
+                c->s[BGS_GLD_S_STREAM_TOP] = top + 1;
+            }
+        }
+        k = j;
+    }
+    return room;
+}
+
+/* A one-shot answer (refusal, echo, rejection, unknown op) waiting for room in the ring. */
+__device__ int gld_flush_oneshot(struct gld_ctx *c) {
+    bgs_u64 *s = c->s;
+    if (s[BGS_GLD_S_PEND] == 0) return 1;
+    const bgs_u32 *payload = (const bgs_u32 *)c->p[BGS_GLD_P_PAYLOAD];
+    if (!gld_publish(c, s[BGS_GLD_S_PEND_CONN], (bgs_u32)s[BGS_GLD_S_PEND_CONN_SEQ],
+                     (bgs_u32)s[BGS_GLD_S_PEND_REQUEST_ID], (bgs_u32)s[BGS_GLD_S_PEND_ROUTE],
+                     (bgs_u32)s[BGS_GLD_S_PEND_OP], s[BGS_GLD_S_PEND_PUBLISH_NS],
+                     (bgs_u32)s[BGS_GLD_S_PEND_STATUS], 1u, 0u, 0u, payload,
+                     (bgs_u32)s[BGS_GLD_S_PEND_WORDS]))
+        return 0;
+    s[BGS_GLD_S_PEND] = 0;
+    gld_add(c, BGS_GLD_C_ONESHOT, 1);
+    return 1;
+}
+
+/* Take up to P_INTAKE request entries (whole warp; lane 0 decides). Returns how many. */
+__device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
+    __shared__ bgs_u64 sh_pos;
+    __shared__ bgs_u32 sh_go;
+    __shared__ const bgs_u32 *sh_src;
+    __shared__ bgs_u32 sh_words;
+    struct bgs_ring_header *h = gld_header(c->ring);
+    bgs_u32 *payload = (bgs_u32 *)c->p[BGS_GLD_P_PAYLOAD];
+    const bgs_u32 max_take = (bgs_u32)c->p[BGS_GLD_P_INTAKE];
+    bgs_u32 taken = 0;
+    for (;;) {
+        if (lane == 0) {
+            sh_go = 0;
+            /* A one-shot answer still owed blocks intake (bounded state: one at a time). */
+            if (taken < max_take && gld_flush_oneshot(c)) {
+                for (;;) {
+                    const bgs_u64 pos = c->s[BGS_GLD_S_REQ_POS];
+                    struct bgs_request_slot *rs = gld_request_slot(c->ring, pos);
+                    const long long d = (long long)(gld_ld_acquire_sys(&rs->seq) - (pos + 1));
+                    if (d < 0) break; /* empty */
+                    if (d > 0) {
+                        /* Another consumer took it: reload the head. */
+                        c->s[BGS_GLD_S_REQ_POS] = ((volatile bgs_u64 *)&h->request_head)[0];
+                        continue;
+                    }
+                    const bgs_u64 old = atomicCAS_system(
+                        (unsigned long long *)&h->request_head, (unsigned long long)pos,
+                        (unsigned long long)(pos + 1));
+                    if (old != pos) {
+                        c->s[BGS_GLD_S_REQ_POS] = old;
+                        continue;
+                    }
+                    c->s[BGS_GLD_S_REQ_POS] = pos + 1;
+                    const volatile struct bgs_request_entry *e = &rs->entry;
+                    bgs_u32 w = e->words;
+                    sh_words = w > BGS_RING_SLOT_WORDS ? BGS_RING_SLOT_WORDS : w;
+                    sh_src = (const bgs_u32 *)e->payload;
+                    sh_pos = pos;
+                    sh_go = 1;
+                    break;
+                }
+            }
+        }
+        __syncwarp();
+        if (!sh_go) break;
+        /* The claimed entry's payload, 32 reads in flight at a time. */
+        for (bgs_u32 i = lane; i < sh_words; i += GLD_LANES)
+            payload[i] = ((const volatile bgs_u32 *)sh_src)[i];
+        __syncwarp();
+        if (lane == 0) {
+            const bgs_u64 pos = sh_pos;
+            struct bgs_request_slot *rs = gld_request_slot(c->ring, pos);
+            const volatile struct bgs_request_entry *e = &rs->entry;
+            const bgs_u64 conn = e->conn;
+            const bgs_u32 conn_seq = e->conn_seq, request_id = e->request_id;
+            const bgs_u32 op = e->op, param = e->param, flags = e->flags, route = e->route;
+            const bgs_u64 publish_ns = e->publish_ns;
+            const bgs_u32 words = sh_words;
+            /* Consumed: free the request slot for the producer of pos + capacity. */
+            gld_st_release_sys(&rs->seq, pos + (bgs_u64)h->request_capacity);
+            taken++;
+            if (op == BGS_RING_OP_CANCEL) {
+                gld_add(c, BGS_GLD_C_CANCELS, 1);
+                bgs_gl_cancel(c->state, conn);
+            } else {
+                gld_add(c, BGS_GLD_C_REQUESTS, 1);
+                bgs_u32 status = BGS_STATUS_OK;
+                bgs_u32 out_words = 0;
+                if (op == BGS_OP_GENERATE) {
+                    const bgs_u64 top = c->s[BGS_GLD_S_STREAM_TOP];
+                    if (top == 0) {
+                        status = BGS_STATUS_BUSY; /* every credit stream is live */
+                    } else {
+                        bgs_u32 *stream_free = (bgs_u32 *)c->p[BGS_GLD_P_STREAM_FREE];
+                        const bgs_u32 stream = stream_free[top - 1];
+                        struct bgs_gl_request r;
+                        r.conn = conn;
+                        r.stream = stream;
+                        r.conn_seq = conn_seq;
+                        r.request_id = request_id;
+                        r.route = route;
+                        r.param = param;
+                        r.flags = flags;
+                        r.words = words;
+                        r.reserved = 0;
+                        r.payload = payload;
+                        status = bgs_gl_admit(c->state, &r);
+                        if (status == 0u) {
+                            c->s[BGS_GLD_S_STREAM_TOP] = top - 1;
+                            ((bgs_u64 *)c->p[BGS_GLD_P_STREAM_NS])[stream] = publish_ns;
+                            gld_add(c, BGS_GLD_C_ADMITTED, 1);
+                        }
+                    }
+                    if (status != 0u) gld_add(c, BGS_GLD_C_REFUSED, 1);
+                } else if (op == BGS_RING_OP_REJECT) {
+                    /* A framer rejection carries its status in param. */
+                    const bool known = param < 32u && ((BGS_VALID_STATUS_MASK >> param) & 1u);
+                    status = known ? param : BGS_STATUS_INTERNAL;
+                } else if (op == BGS_OP_ECHO) {
+                    /* Answered inline (health checks and the load tool's probes); gemm8 and
+                     * fft32 need the one-shot executor's library graphs: UnknownOp here. */
+                    status = bgs_op_check(op, words, param);
+                    out_words = status == 0u ? bgs_op_reply_words(op, words) : 0u;
+                    if (out_words > words) out_words = words;
+                } else {
+                    status = BGS_STATUS_UNKNOWN_OP;
+                }
+                if (op != BGS_OP_GENERATE || status != 0u) {
+                    bgs_u64 *s = c->s;
+                    s[BGS_GLD_S_PEND] = 1;
+                    s[BGS_GLD_S_PEND_CONN] = conn;
+                    s[BGS_GLD_S_PEND_CONN_SEQ] = conn_seq;
+                    s[BGS_GLD_S_PEND_REQUEST_ID] = request_id;
+                    s[BGS_GLD_S_PEND_ROUTE] = route;
+                    s[BGS_GLD_S_PEND_OP] = op;
+                    s[BGS_GLD_S_PEND_PUBLISH_NS] = publish_ns;
+                    s[BGS_GLD_S_PEND_STATUS] = status;
+                    s[BGS_GLD_S_PEND_WORDS] = out_words;
+                    gld_flush_oneshot(c);
+                }
+            }
+        }
+        __syncwarp();
+    }
+    return taken;
+}
+
+/* Launch the planned step's graphs (lane 0): body, head, finish, as tail launches. 0 on
+ * success; on failure the step is failed (its sequences owe Internal) and the error recorded. */
+__device__ int gld_launch_step(struct gld_ctx *c, const struct bgs_gl_packed *pk) {
+    const bgs_u64 *body = (const bgs_u64 *)c->p[BGS_GLD_P_BODY];
+    const bgs_u64 *head = (const bgs_u64 *)c->p[BGS_GLD_P_HEAD];
+    bgs_u64 gb = 0, gh = 0;
+    for (bgs_u32 b = 0; b < BGS_LLM_STEP_N_BUCKETS; b++) {
+        if (bgs_llm_step_bucket(b) == pk->bucket) gb = body[b];
+        if (pk->samples != 0u && bgs_llm_step_bucket(b) == pk->sample_bucket) gh = head[b];
+    }
+    if (gb == 0 || (pk->samples != 0u && gh == 0)) {
+        gld_add(c, BGS_GLD_C_PACK_FAILED, 1);
+        gld_error(c->ctl, BGS_GLD_E_NO_GRAPH, BGS_GLD_W_BUCKET);
+        return -1;
+    }
+    cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)gb, cudaStreamGraphTailLaunch);
+    if (err != cudaSuccess) {
+        gld_error(c->ctl, (bgs_u64)err, BGS_GLD_W_BODY);
+        return -1;
+    }
+    if (pk->samples != 0u) {
+        err = cudaGraphLaunch((cudaGraphExec_t)gh, cudaStreamGraphTailLaunch);
+        if (err != cudaSuccess) {
+            gld_error(c->ctl, (bgs_u64)err, BGS_GLD_W_HEAD);
+            return -1;
+        }
+    }
+    err = cudaGraphLaunch((cudaGraphExec_t)c->p[BGS_GLD_P_FINISH], cudaStreamGraphTailLaunch);
+    if (err != cudaSuccess) {
+        gld_error(c->ctl, (bgs_u64)err, BGS_GLD_W_FINISH);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- D: the dispatcher ---- */
+extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
+    if (blockIdx.x != 0 || blockDim.x != GLD_LANES) return;
+    __shared__ bgs_u32 sh_cmd; /* 0: keep polling, 1: step launched, 2: stop, 3: relaunch */
+    const bgs_u32 lane = threadIdx.x;
+    struct gld_ctx c = gld_ctx_of(params);
+    const bgs_u32 idle_rounds = (bgs_u32)params[BGS_GLD_P_IDLE_ROUNDS];
+    bgs_u32 idle = 0;
+    bgs_u32 sleep_ns = 64;
+    if (lane == 0) {
+        gld_add(&c, BGS_GLD_C_EXECUTIONS, 1);
+        gld_set(&c, BGS_GLD_C_HEARTBEAT_NS, gld_now_ns());
+    }
+    for (;;) {
+        if (lane == 0) {
+            sh_cmd = 0;
+            if (c.state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC) {
+                gld_error(c.ctl, BGS_GLD_E_STATE, BGS_GLD_W_STATE);
+                sh_cmd = 2;
+            } else if (gld_ld_acquire_sys32((const bgs_u32 *)&c.ctl[BGS_GLD_C_STOP]) != 0u) {
+                sh_cmd = 2;
+            }
+        }
+        __syncwarp();
+        if (sh_cmd == 2) break;
+        const bgs_u32 took = gld_intake(&c, lane);
+        gld_credit(&c, lane);
+        __syncwarp();
+        if (lane == 0) {
+            struct bgs_gl_frame *frames = (struct bgs_gl_frame *)params[BGS_GLD_P_FRAMES];
+            bool moved = took != 0;
+            const bgs_u32 n = bgs_gl_owed(c.state, frames);
+            if (n != 0u) {
+                const bgs_u64 before = c.shadow[BGS_GLD_C_FRAMES];
+                gld_publish_frames(&c, frames, n);
+                moved |= c.shadow[BGS_GLD_C_FRAMES] != before;
+            }
+            const bgs_u64 t_plan = gld_now_ns();
+            const int planned = bgs_gl_plan(c.state, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]);
+            if (planned < 0) {
+                /* A policy bug: every live stream now owes Internal (published next round)
+                 * and the loop goes on, as the host engine does; counted, not an error (an
+                 * error stops the loop: the host then answers in its place). */
+                gld_add(&c, BGS_GLD_C_POLICY_FAILED, 1);
+            } else if (planned > 0) {
+                struct bgs_gl_packed pk;
+                const int r = bgs_gl_pack(c.state,
+                                          (const struct bgs_llm_step_geometry *)params[BGS_GLD_P_GEO],
+                                          (bgs_i32 *)params[BGS_GLD_P_INPUTS], &pk);
+                if (r != 0) {
+                    gld_add(&c, BGS_GLD_C_PACK_FAILED, 1);
+                    bgs_gl_fail_step(c.state);
+                } else {
+                    c.s[BGS_GLD_S_STEP_SAMPLES] = pk.samples;
+                    c.s[BGS_GLD_S_STEP_T0] = gld_now_ns();
+                    /* Planning and packing on one thread: the part of a step the GPU's
+                     * model work does not hide. */
+                    gld_add(&c, BGS_GLD_C_PLAN_NS, c.s[BGS_GLD_S_STEP_T0] - t_plan);
+                    gld_add(&c, BGS_GLD_C_STEP_TOKENS, pk.tokens);
+                    if (gld_launch_step(&c, &pk) == 0) {
+                        sh_cmd = 1;
+                    } else {
+                        bgs_gl_fail_step(c.state);
+                        sh_cmd = 2;
+                    }
+                }
+                moved = true;
+            }
+            gld_set(&c, BGS_GLD_C_LIVE, bgs_gl_live(c.state));
+            gld_set(&c, BGS_GLD_C_FREE_BLOCKS, bgs_gl_free_blocks(c.state));
+            if (sh_cmd == 0) {
+                if (moved) {
+                    idle = 0;
+                    sleep_ns = 64;
+                } else if (++idle >= idle_rounds) {
+                    sh_cmd = 3;
+                } else {
+                    /* Backoff: quick re-polls right after work, up to 20 us when idle. */
+                    __nanosleep(sleep_ns);
+                    if (sleep_ns < 20000u) sleep_ns *= 2u;
+                }
+            }
+        }
+        __syncwarp();
+        if (sh_cmd != 0) break;
+    }
+    if (lane != 0) return;
+    if (sh_cmd == 2) {
+        if (c.ctl[BGS_GLD_C_ERROR] == 0) {
+            gld_st_release_sys(&c.ctl[BGS_GLD_C_STOPPED], 1); /* no relaunch: stopping */
+        }
+        return;
+    }
+    if (sh_cmd == 3) {
+        /* Bounded executions: relaunch (the next execution reads stop again). */
+        cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)params[BGS_GLD_P_SELF],
+                                          cudaStreamGraphTailLaunch);
+        if (err != cudaSuccess) gld_error(c.ctl, (bgs_u64)err, BGS_GLD_W_SELF);
+    }
+}
+
+/* ---- F: after the step's graphs: advance the sequences, publish, relaunch D ---- */
+extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    struct gld_ctx c = gld_ctx_of(params);
+    const bgs_u32 *st = c.state;
+    const bgs_u32 *model_next = (const bgs_u32 *)params[BGS_GLD_P_NEXT];
+    bgs_u32 *next = (bgs_u32 *)params[BGS_GLD_P_NEXT_BY_ITEM];
+    struct bgs_gl_frame *frames = (struct bgs_gl_frame *)params[BGS_GLD_P_FRAMES];
+    /* The head graph wrote one row per sampling item, in item order; bgs_gl_finish reads
+     * next[k] for item k. */
+    const bgs_u32 n_items = st[BGS_GL_H_N_ITEMS];
+    const bgs_u32 *items = st + st[BGS_GL_H_ITEMS_AT];
+    bgs_u32 r = 0;
+    for (bgs_u32 k = 0; k < n_items; k++) {
+        next[k] = items[k * BGS_GL_ITEM_WORDS + BGS_GL_I_SAMPLE] != 0u ? model_next[r++] : 0u;
+    }
+    gld_add(&c, BGS_GLD_C_STEPS, 1);
+    gld_add(&c, BGS_GLD_C_SAMPLED, r);
+    gld_add(&c, BGS_GLD_C_STEP_NS, gld_now_ns() - c.s[BGS_GLD_S_STEP_T0]);
+    const bgs_u64 t_finish = gld_now_ns();
+    const int n = bgs_gl_finish(c.state, next, frames);
+    if (n < 0) {
+        gld_error(c.ctl, BGS_GLD_E_STATE, BGS_GLD_W_FINISH_STEP);
+        return;
+    }
+    if (c.p[BGS_GLD_P_CHECK] != 0) {
+        const bgs_u32 bad = bgs_gl_check(c.state);
+        if (bad != 0u) {
+            gld_set(&c, BGS_GLD_C_CHECK, bad);
+            gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK);
+            return;
+        }
+    }
+    /* Frames go out now, with the credit D computed before the step (the step used at most
+     * BGS_GL_STEP_CREDIT of it per stream); D refreshes credit and retries what is left. */
+    if (n > 0) gld_publish_frames(&c, frames, (bgs_u32)n);
+    gld_add(&c, BGS_GLD_C_FINISH_NS, gld_now_ns() - t_finish);
+    cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)params[BGS_GLD_P_SELF],
+                                      cudaStreamGraphTailLaunch);
+    if (err != cudaSuccess) gld_error(c.ctl, (bgs_u64)err, BGS_GLD_W_RELAUNCH);
+}
