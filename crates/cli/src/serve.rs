@@ -86,7 +86,7 @@ pub enum StepLoopKind {
     /// A host thread (the generation engine) plans each step and replays the model's graphs.
     Host,
     /// A resident dispatcher on the GPU plans, launches and publishes; the host only watches
-    /// (docs/gpu-model.md, "The resident step loop"). Not yet run on a device.
+    /// (docs/gpu-model.md, "The resident step loop"). Experimental: not yet run on a GPU.
     Device,
 }
 
@@ -661,6 +661,13 @@ fn start_api(
 /// Where the forward pass of `--model` runs: on the GPU with `--executor gpu` (or `auto`
 /// finding one).
 fn model_device(args: &ServeArgs, kind: ExecutorKind) -> crate::llm::ModelDevice {
+    if kind == ExecutorKind::Gpu && args.gpu_step_loop == StepLoopKind::Device {
+        // Honest about its state: the dispatcher is tested against an emulator in CI but has
+        // not yet run on a GPU (docs/gpu-model.md, "The resident step loop").
+        tracing::warn!(
+            "--gpu-step-loop device is experimental: it has not yet been verified on a GPU (bench/gpu/step-loop.sh does that); --gpu-step-loop host is the verified path"
+        );
+    }
     match kind {
         ExecutorKind::Gpu => crate::llm::ModelDevice::Gpu {
             device: 0,
