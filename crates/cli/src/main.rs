@@ -257,6 +257,9 @@ fn main() {
         .subcommand()
         .map(|(_, m)| m.clone())
         .unwrap_or_default();
+    if matches!(cli.command, Command::Lab(_) | Command::Model(_)) {
+        restore_sigpipe();
+    }
     let result = match cli.command {
         Command::Serve(args) => {
             serve::check_combinations(&args, &sub).and_then(|()| serve::run(&args))
@@ -270,6 +273,18 @@ fn main() {
     if let Err(e) = result {
         eprintln!("bgs: error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// Commands that only print (`lab`, `model`) end quietly when their reader goes away
+/// (`bgs lab check FILE | head -1`), like any Unix filter, instead of panicking in `println!`.
+/// The Rust runtime ignores SIGPIPE so that a write to a closed socket returns `EPIPE`; the
+/// commands that talk to sockets (`serve`, `load`, `demo`, `generate`) keep it ignored.
+fn restore_sigpipe() {
+    // SAFETY: `signal` with `SIG_DFL` installs no handler (no code runs in signal context);
+    // it is called on the main thread before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

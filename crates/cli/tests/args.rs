@@ -326,3 +326,31 @@ fn logs_to_a_pipe_carry_no_colour_codes() {
     assert!(err.contains("executor auto"), "{err:?}");
     assert!(!err.contains('\x1b'), "colour codes in piped logs: {err:?}");
 }
+
+/// `bgs lab check FILE | head -0`: a printing command whose reader is gone ends by SIGPIPE
+/// like any Unix filter, not with a panic ("failed printing to stdout") and exit code 101.
+/// The pipe's read end is closed before the child starts, so its first write fails for sure.
+#[test]
+fn printing_commands_end_quietly_when_the_reader_goes_away() {
+    use std::os::unix::process::ExitStatusExt;
+    let (reader, writer) = rustix::pipe::pipe().expect("pipe");
+    drop(reader);
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../experiments/transport-small.toml"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_bgs"))
+        .args(["lab", "check", file])
+        .stdout(std::process::Stdio::from(writer))
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("run bgs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "bgs panicked: {err}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "ended by SIGPIPE ({:?}): {err}",
+        out.status
+    );
+}
