@@ -175,7 +175,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 60, value_parser = args::int(1u64, 1_000_000))]
     pub reply_timer_us: u64,
     /// Kernel transport, `--reply executor-sqe`: how often the watchdog checks whether the
-    /// SQPOLL thread needs a wake-up (us), 1..=1000000.
+    /// SQPOLL thread needs a wake-up (us), 1..=1000000. With adaptive submission
+    /// (`--sqpoll-above` > 0, CPU executor) the stage wakes it itself and the watchdog, a
+    /// safety net, runs at most every 10 ms.
     #[arg(long, default_value_t = 50, value_parser = args::int(1u64, 1_000_000))]
     pub watchdog_us: u64,
     /// Kernel transport, `--reply executor-sqe`: SQPOLL idle time before it sleeps (ms),
@@ -187,6 +189,14 @@ pub struct ServeArgs {
     /// (give it a core of its own: sharing one with the executor starves both).
     #[arg(long, value_parser = args::int(0u32, 1023))]
     pub sqpoll_cpu: Option<u32>,
+    /// Kernel transport, `--reply executor-sqe` with the CPU executor: replies per second
+    /// above which the SQPOLL thread submits the stage's SENDs, 0..=10000000. Below it, while
+    /// that thread sleeps, the stage sends with system calls itself instead of waking a
+    /// thread that would spin through every gap (about a core at 1,000 req/s). 0: always
+    /// the SQPOLL ring (no socket system calls at any load; the paper's path). Ignored with
+    /// the GPU executor, whose SENDs need the SQPOLL thread.
+    #[arg(long, default_value_t = bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE, value_parser = args::int(0u32, 10_000_000))]
+    pub sqpoll_above: u32,
     /// Completion ring slots, a power of two in 2..=262144. Default: twice the request ring
     /// (native), four times it but at least 16384 (kernel: BPF answers busy into it in
     /// bursts).
@@ -321,6 +331,7 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
                 "watchdog_us",
                 "sqpoll_idle_ms",
                 "sqpoll_cpu",
+                "sqpoll_above",
             ]) {
                 bail!(
                     "{f} applies to the kernel transport; it does nothing with --transport native"
@@ -335,13 +346,23 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             }
             match a.reply {
                 ReplyKind::Loop => {
-                    if let Some(f) = any(&["watchdog_us", "sqpoll_idle_ms", "sqpoll_cpu"]) {
+                    if let Some(f) = any(&[
+                        "watchdog_us",
+                        "sqpoll_idle_ms",
+                        "sqpoll_cpu",
+                        "sqpoll_above",
+                    ]) {
                         bail!(
                             "{f} applies to --reply executor-sqe; it does nothing with --reply loop"
                         );
                     }
                 }
                 ReplyKind::ExecutorSqe => {
+                    if a.executor == ExecutorKind::Gpu && args::given(m, "sqpoll_above") {
+                        bail!(
+                            "--sqpoll-above applies to the CPU executor; with --executor gpu the GPU writes SENDs for the SQPOLL thread, which stays the submitter"
+                        );
+                    }
                     if a.gpu_step_loop == StepLoopKind::Device {
                         bail!(
                             "--gpu-step-loop device: with --reply executor-sqe the reply stage runs inside a host executor thread, which the device step loop does not have (use --reply loop)"
@@ -877,6 +898,7 @@ fn serve_kernel(
             watchdog: Duration::from_micros(args.watchdog_us),
             sqpoll_idle_ms: args.sqpoll_idle_ms,
             sqpoll_cpu: args.sqpoll_cpu,
+            sqpoll_above: args.sqpoll_above,
         },
     };
     let cfg = KernelConfig {

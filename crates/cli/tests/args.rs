@@ -167,6 +167,28 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         &["--sqpoll-cpu", "--reply loop"],
     );
     refused(
+        &["serve", "--transport", "kernel", "--sqpoll-above", "0"],
+        &["--sqpoll-above", "--reply loop"],
+    );
+    refused(
+        &["serve", "--sqpoll-above", "1000"],
+        &["--sqpoll-above", "--transport native"],
+    );
+    refused(
+        &[
+            "serve",
+            "--transport",
+            "kernel",
+            "--reply",
+            "executor-sqe",
+            "--executor",
+            "gpu",
+            "--sqpoll-above",
+            "0",
+        ],
+        &["--sqpoll-above", "--executor gpu"],
+    );
+    refused(
         &["load", "--op", "gemm8", "--words", "8", "--requests", "1"],
         &["--words", "--op gemm8"],
     );

@@ -64,6 +64,8 @@ fn sqe_mode() -> ReplyMode {
         watchdog: Duration::from_micros(50),
         sqpoll_idle_ms: 10,
         sqpoll_cpu: None,
+        // Ignored with GPU-written SENDs (the GPU needs the SQPOLL thread).
+        sqpoll_above: bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE,
     }
 }
 

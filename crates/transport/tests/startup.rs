@@ -163,6 +163,19 @@ fn connections_made_while_the_server_starts_are_served() {
                 watchdog: Duration::from_micros(50),
                 sqpoll_idle_ms: 10,
                 sqpoll_cpu: None,
+                sqpoll_above: bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE,
+            },
+        );
+    }
+    // The SQPOLL ring only (the paper's path): every reply an SQE.
+    for round in 15..18 {
+        start_once(
+            round,
+            ReplyMode::ExecutorSqe {
+                watchdog: Duration::from_micros(50),
+                sqpoll_idle_ms: 10,
+                sqpoll_cpu: None,
+                sqpoll_above: 0,
             },
         );
     }

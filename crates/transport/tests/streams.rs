@@ -31,7 +31,10 @@ const WINDOW: u32 = 16;
 enum Kind {
     Native,
     KernelLoop,
+    /// `--reply executor-sqe` with adaptive submission (the default).
     KernelSqe,
+    /// `--reply executor-sqe` through the SQPOLL ring only (`sqpoll_above` 0).
+    KernelSqpoll,
 }
 
 /// What the fake executor saw.
@@ -319,7 +322,7 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
                 });
                 (addr, handle, region, Some(waker), th)
             }
-            Kind::KernelLoop | Kind::KernelSqe => {
+            Kind::KernelLoop | Kind::KernelSqe | Kind::KernelSqpoll => {
                 let reply = if kind == Kind::KernelLoop {
                     ReplyMode::Loop {
                         timer: Duration::from_micros(60),
@@ -329,6 +332,11 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
                         watchdog: Duration::from_micros(50),
                         sqpoll_idle_ms: 10,
                         sqpoll_cpu: None,
+                        sqpoll_above: if kind == Kind::KernelSqpoll {
+                            0
+                        } else {
+                            bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE
+                        },
                     }
                 };
                 let cfg = KernelConfig {
@@ -812,7 +820,7 @@ fn flood(kind: Kind) {
             assert_eq!(sent, N);
             expect_eof(&mut a);
         }
-        Kind::KernelLoop | Kind::KernelSqe => {
+        Kind::KernelLoop | Kind::KernelSqe | Kind::KernelSqpoll => {
             assert!(ended_early, "aborted, after {got} replies");
             assert!(got < N);
         }
@@ -885,4 +893,14 @@ fn kernel_sqe_reader_that_stops_stalls_the_stream_until_it_reads() {
 #[test]
 fn kernel_sqe_ended_connections_publish_one_cancel_each() {
     ended_connections_cancel(Kind::KernelSqe);
+}
+
+#[test]
+fn kernel_sqpoll_only_streams_arrive_in_order_binary_and_http() {
+    in_order(Kind::KernelSqpoll);
+}
+
+#[test]
+fn kernel_sqpoll_only_reader_that_stops_stalls_the_stream_until_it_reads() {
+    stopped_reader(Kind::KernelSqpoll);
 }

@@ -596,6 +596,16 @@ impl Uring {
         unsafe { word.as_ref() }
     }
 
+    /// Entries published to the submission queue that the kernel has not consumed yet, read
+    /// from any thread without claiming the queue (a snapshot: the producer may publish more
+    /// at any moment, the kernel consume more). For a watchdog that must not contend with
+    /// the producer.
+    pub fn sq_unconsumed(&self) -> u32 {
+        let head = self.atomic(self.sq_head).load(Ordering::Acquire);
+        let tail = self.atomic(self.sq_tail).load(Ordering::Acquire);
+        tail.wrapping_sub(head)
+    }
+
     /// The submission queue; its single producer. Panics if one is already in use.
     pub fn sq(&self) -> SubmissionQueue<'_> {
         self.try_sq()

@@ -362,6 +362,23 @@ fn bad_options_are_errors() {
 }
 
 #[test]
+fn unconsumed_entries_are_readable_while_the_producer_holds_the_queue() {
+    // A watchdog thread reads this while the stage thread owns the SubmissionQueue: it must
+    // neither claim the queue (that panicked in the executor-sqe watchdog) nor miss entries.
+    let ring = Uring::new(&RingOptions::default()).unwrap();
+    let sq = ring.sq();
+    assert_eq!(ring.sq_unconsumed(), 0);
+    sq.push(&nop(1)).unwrap();
+    sq.push(&nop(2)).unwrap();
+    assert_eq!(ring.sq_unconsumed(), 2, "published, not submitted yet");
+    assert_eq!(sq.pending(), 2);
+    assert_eq!(ring.enter(2, 2, None).unwrap(), 2);
+    assert_eq!(ring.sq_unconsumed(), 0, "the kernel consumed both");
+    drop(sq);
+    assert_eq!(reap(&ring, 2).len(), 2);
+}
+
+#[test]
 fn one_producer_one_consumer_at_a_time() {
     let ring = Uring::new(&RingOptions::default()).unwrap();
     let sq = ring.sq();

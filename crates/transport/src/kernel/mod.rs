@@ -26,6 +26,7 @@
 //! ([`reply`] module docs). See [`KernelTransport::gpu_tx`] and docs/kernel.md.
 
 pub mod reply;
+mod submit;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -44,7 +45,19 @@ use serde::Serialize;
 
 use crate::native::ShutdownHandle;
 use crate::stats::RequestMetrics;
-use reply::{ReplyIo, ReplyStage, ReplyStats};
+use reply::{ReplyStage, ReplyStats};
+use submit::{Direct, SqIo};
+
+/// Default of `ReplyMode::ExecutorSqe::sqpoll_above`: replies per second above which the
+/// SQPOLL thread submits. Below it a system call per reply (a few µs of the stage's time)
+/// is far cheaper than a kernel thread that spins for the whole gap between replies; at
+/// 50,000 replies a second the stage would spend a sizeable part of a core in `send(2)`,
+/// and the spinning thread's core is paid for by the rate.
+pub const DEFAULT_SQPOLL_ABOVE: u32 = 50_000;
+
+/// The watchdog's period with adaptive submission (a safety net: the stage wakes the SQPOLL
+/// thread itself).
+pub const ADAPTIVE_WATCHDOG: Duration = Duration::from_millis(10);
 
 /// Where the reply stage runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +77,11 @@ pub enum ReplyMode {
         sqpoll_idle_ms: u32,
         /// CPU to pin the SQPOLL thread to.
         sqpoll_cpu: Option<u32>,
+        /// CPU executor: replies per second above which the SQPOLL thread submits. Below it,
+        /// while that thread sleeps, the stage sends with system calls itself instead of
+        /// waking it (a spinning SQPOLL thread costs a core; `submit` module docs). 0: always
+        /// the SQPOLL ring. With GPU-written SENDs the ring is always used.
+        sqpoll_above: u32,
     },
 }
 
@@ -131,6 +149,8 @@ pub struct KernelStats {
     pub conn_states: usize,
     /// The GPU's send counters, when it writes SENDs ([`KernelConfig::gpu_sends`]).
     pub gpu: Option<GpuSendStats>,
+    /// Adaptive submission (`--reply executor-sqe`, CPU executor, `sqpoll_above` > 0).
+    pub direct: Option<DirectCounts>,
 }
 
 /// The GPU's counters from the send table's header (it writes them; we only read).
@@ -212,6 +232,13 @@ impl std::fmt::Display for KernelStats {
                 r.gpu_sent_skipped,
                 r.behind_turn,
                 r.resets_forced
+            )?;
+        }
+        if let Some(d) = &self.direct {
+            writeln!(
+                f,
+                "adaptive submission: {} sends made by the stage itself ({} found the socket full and went to the ring), {} SQPOLL wake-ups by the stage",
+                d.sends, d.fallbacks, d.wakes
             )?;
         }
         writeln!(
@@ -353,58 +380,6 @@ impl std::fmt::Debug for KernelTransport {
     }
 }
 
-/// Queue operations into an io_uring submission queue; credit and cancel markers go straight
-/// into the executor's region.
-struct SqIo<'a> {
-    uring: &'a Uring,
-    rx: &'a KernelRx,
-    region: &'a RingRegion,
-    queued: u32,
-}
-
-impl ReplyIo for SqIo<'_> {
-    fn send(&mut self, fd: RawFd, ptr: *const u8, len: usize, user_data: u64) -> bool {
-        // SAFETY: the reply stage keeps the buffer alive and unmodified until the CQE for
-        // `user_data` (ReplyIo contract).
-        let sqe = unsafe { bgs_uring::send(fd, ptr, len as u32, user_data) };
-        self.push(&sqe)
-    }
-    fn shutdown(&mut self, fd: RawFd, user_data: u64) -> bool {
-        self.push(&bgs_uring::shutdown(
-            fd,
-            rustix::net::Shutdown::Write,
-            user_data,
-        ))
-    }
-    fn close(&mut self, fd: RawFd, cookie: u64, user_data: u64) -> bool {
-        // Tell BPF first: the socket's last state change then publishes no reset marker.
-        self.rx.forget_connection(cookie);
-        self.push(&bgs_uring::close(fd, user_data))
-    }
-    fn ack_stream(&mut self, stream: u32, n: u32) {
-        crate::credit::ack(self.region, stream, n);
-    }
-    fn cancel(&mut self, cookie: u64) -> bool {
-        // The executor's slots sleep on BPF's doorbell with a short timeout (1 ms), or on the
-        // ring's futex: a connection ends rarely, so wake them now.
-        let ok = crate::credit::publish_cancel(self.region, cookie);
-        if ok {
-            self.region.requests().notify();
-        }
-        ok
-    }
-}
-
-impl SqIo<'_> {
-    fn push(&mut self, sqe: &bgs_uring::Sqe) -> bool {
-        let ok = self.uring.sq().push(sqe).is_ok();
-        if ok {
-            self.queued += 1;
-        }
-        ok
-    }
-}
-
 /// The shared part of both reply modes: one pass of the reply stage.
 struct StageDriver {
     stage: ReplyStage,
@@ -435,6 +410,20 @@ struct StageDriver {
     /// when a request is published while we are registered as a request-ring sleeper.
     watch: Option<(RawFd, bool)>,
     watch_fired: bool,
+    /// `--reply executor-sqe` with adaptive submission: what the stage did itself.
+    direct: Option<DirectCounts>,
+}
+
+/// Counters of adaptive submission ([`Direct`]), printed with the transport's stats.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct DirectCounts {
+    /// SENDs the stage made with `send(2)` while the SQPOLL thread slept.
+    pub sends: u64,
+    /// Of those tried, SENDs that found the socket buffer full and went to the ring.
+    pub fallbacks: u64,
+    /// SQPOLL wake-ups by the stage (operations queued while it slept, or the rate passed
+    /// the threshold).
+    pub wakes: u64,
 }
 
 struct Bell {
@@ -474,6 +463,7 @@ impl StageDriver {
             stop_requested: false,
             watch: None,
             watch_fired: false,
+            direct: None,
         }
     }
 }
@@ -637,6 +627,7 @@ fn collect_stats(
         sockhash_entries: rx.sockhash_len(),
         conn_states: rx.conn_states_len(),
         gpu: gpu.map(|g| g.table.counters().into()),
+        direct: driver.direct,
     }
 }
 
@@ -1015,7 +1006,11 @@ impl KernelTransport {
     pub fn run(self) -> io::Result<KernelStats> {
         match self.cfg.reply {
             ReplyMode::Loop { timer } => self.run_loop(timer),
-            ReplyMode::ExecutorSqe { watchdog, .. } => self.run_executor_sqe(watchdog),
+            ReplyMode::ExecutorSqe {
+                watchdog,
+                sqpoll_above,
+                ..
+            } => self.run_executor_sqe(watchdog, sqpoll_above),
         }
     }
 
@@ -1041,12 +1036,7 @@ impl KernelTransport {
         let mut last_sweep = Instant::now();
         let mut stats_timer = StatsTimer::new(self.cfg.stats_every);
         loop {
-            let mut io = SqIo {
-                uring: &self.uring,
-                rx: &self.rx,
-                region: &region,
-                queued: 0,
-            };
+            let mut io = SqIo::ring(&self.uring, &self.rx, &region);
             driver.pass(&self.uring, &mut io);
             if driver.stop_requested {
                 // The connections still open end with the transport: cancel their streams.
@@ -1118,7 +1108,7 @@ impl KernelTransport {
     /// calls (SQEs land in SQPOLL ring memory); this thread is the watchdog. With
     /// `gpu_sends` the stage shares each connection's turn with the GPU, and the watchdog also
     /// wakes the SQPOLL thread for the GPU's ring.
-    fn run_executor_sqe(self, watchdog: Duration) -> io::Result<KernelStats> {
+    fn run_executor_sqe(self, watchdog: Duration, sqpoll_above: u32) -> io::Result<KernelStats> {
         let stop = Arc::new(AtomicBool::new(false));
         let wakeups = Arc::new(AtomicU64::new(0));
         let uring = self.uring.clone();
@@ -1145,14 +1135,51 @@ impl KernelTransport {
                 }
                 let mut last_sweep = Instant::now();
                 let mut stats_timer = StatsTimer::new(stats_every);
+                // Adaptive submission (`submit` module docs): CPU executors only; a GPU that
+                // writes SENDs shares the SQPOLL thread and needs it awake.
+                let mut direct =
+                    (gpu.is_none() && sqpoll_above > 0).then(|| Direct::new(sqpoll_above));
                 while !stop2.load(Ordering::Acquire) {
+                    if let Some(d) = &mut direct {
+                        d.begin(&uring, Instant::now());
+                    }
                     let mut io = SqIo {
-                        uring: &uring,
-                        rx: &rx,
-                        region: &io_region,
-                        queued: 0,
+                        direct: direct.as_mut(),
+                        ..SqIo::ring(&uring, &rx, &io_region)
                     };
-                    let did = driver.pass(&uring, &mut io);
+                    let mut did = driver.pass(&uring, &mut io);
+                    // Operations performed directly completed at once: hand their results to
+                    // the stage as if they were CQEs, and flush what they made ready (the rest
+                    // of a short send, the next replies of a connection).
+                    loop {
+                        let done = io
+                            .direct
+                            .as_deref_mut()
+                            .map(Direct::take_done)
+                            .unwrap_or_default();
+                        if done.is_empty() {
+                            break;
+                        }
+                        did = true;
+                        for (user_data, res) in done {
+                            driver.stage.on_cqe(user_data, res);
+                        }
+                        driver.stage.flush(&mut io);
+                    }
+                    if let Some(d) = io.direct {
+                        match d.end(&uring) {
+                            Ok(true) => {
+                                wakeups2.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(false) => {}
+                            Err(e) => tracing::warn!("waking the SQPOLL thread failed: {e}"),
+                        }
+                        driver.direct = Some(DirectCounts {
+                            sends: d.sends,
+                            fallbacks: d.fallbacks,
+                            wakes: d.wakes,
+                        });
+                    }
                     let now = Instant::now();
                     if now.duration_since(last_sweep) > Duration::from_millis(5) {
                         driver.stage.sweep(now);
@@ -1192,12 +1219,9 @@ impl KernelTransport {
                 }
                 // The connections still open end with the transport: cancel their streams.
                 driver.stage.end_all();
-                driver.stage.publish_cancels(&mut SqIo {
-                    uring: &uring,
-                    rx: &rx,
-                    region: &io_region,
-                    queued: 0,
-                });
+                driver
+                    .stage
+                    .publish_cancels(&mut SqIo::ring(&uring, &rx, &io_region));
                 driver.finish(&uring);
                 driver
             })?;
@@ -1211,17 +1235,30 @@ impl KernelTransport {
             rustix::event::epoll::EventData::new_u64(0),
             rustix::event::epoll::EventFlags::IN,
         )?;
+        let gpu = self.gpu.clone();
+        let adaptive = gpu.is_none() && sqpoll_above > 0;
+        // With adaptive submission the stage wakes the SQPOLL thread itself after queueing
+        // (`Direct::end`), so the watchdog is only a safety net and need not cost 20,000
+        // wake-ups a second.
+        let watchdog = if adaptive {
+            watchdog.max(ADAPTIVE_WATCHDOG)
+        } else {
+            watchdog
+        };
         let ts = rustix::event::Timespec {
             tv_sec: watchdog.as_secs() as _,
             tv_nsec: watchdog.subsec_nanos() as _,
         };
         let mut events = Vec::with_capacity(1);
-        let gpu = self.gpu.clone();
         loop {
             // The only thing this thread does: the stage (the executor) cannot make system
             // calls, so someone must wake the SQPOLL thread once it went to sleep. The GPU's
             // ring shares that thread (one wake serves both) unless ATTACH_WQ was refused.
-            let host_sleeps = self.uring.needs_wakeup();
+            // With adaptive submission the stage wakes the thread itself when it queues
+            // operations for it; woken with nothing to do, it would only spin again until its
+            // idle time passes. So only SQEs left waiting count (a safety net).
+            let host_sleeps =
+                self.uring.needs_wakeup() && (!adaptive || self.uring.sq_unconsumed() > 0);
             let (gpu_sleeps, shared) = gpu
                 .as_ref()
                 .map_or((false, true), |g| (g.ring.needs_wakeup(), g.shared_sqpoll));
