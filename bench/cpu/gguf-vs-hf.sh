@@ -53,7 +53,7 @@ BGS_SMOLLM2_HF_JSON=$work/reference.json BGS_SMOLLM2_HF_OUT=$work/compare.json \
 grep -E '^(prompt |worst |test result)' "$out/test.txt" || true
 
 python3 - "$work" "$out" "$*" "$rc" <<'EOF'
-import datetime, json, os, platform, subprocess, sys
+import datetime, json, os, platform, re, subprocess, sys
 work, out, args, rc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ref = json.load(open(f"{work}/reference.json"))
 try:
@@ -73,7 +73,10 @@ r = {
     "test_exit_code": rc,
     "comparison": cmp,
 }
-json.dump(r, open(f"{out}/result.json", "w"), indent=1)
+text = json.dumps(r, indent=1)
+# Lists of numbers (prompts, tokens) on one line each.
+text = re.sub(r"\[\s+([-+\d.e,\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+open(f"{out}/result.json", "w").write(text + "\n")
 print(f"wrote {out}/result.json")
 EOF
 exit "$rc"
