@@ -237,8 +237,8 @@ impl std::fmt::Display for KernelStats {
         if let Some(d) = &self.direct {
             writeln!(
                 f,
-                "adaptive submission: {} sends made by the stage itself ({} found the socket full and went to the ring), {} SQPOLL wake-ups by the stage",
-                d.sends, d.fallbacks, d.wakes
+                "adaptive submission: {} sends made by the stage itself ({} found the socket full and went to the ring), {} sends through the SQPOLL ring, {} SQPOLL wake-ups by the stage",
+                d.sends, d.fallbacks, d.ring_sends, d.wakes
             )?;
         }
         writeln!(
@@ -421,6 +421,8 @@ pub struct DirectCounts {
     pub sends: u64,
     /// Of those tried, SENDs that found the socket buffer full and went to the ring.
     pub fallbacks: u64,
+    /// SENDs queued for the SQPOLL thread instead (fast replies, or fallbacks).
+    pub ring_sends: u64,
     /// SQPOLL wake-ups by the stage (operations queued while it slept, or the rate passed
     /// the threshold).
     pub wakes: u64,
@@ -1177,6 +1179,7 @@ impl KernelTransport {
                         driver.direct = Some(DirectCounts {
                             sends: d.sends,
                             fallbacks: d.fallbacks,
+                            ring_sends: d.ring_sends,
                             wakes: d.wakes,
                         });
                     }

@@ -107,7 +107,11 @@ impl ReplyIo for SqIo<'_> {
         // SAFETY: the reply stage keeps the buffer alive and unmodified until the CQE for
         // `user_data` (ReplyIo contract).
         let sqe = unsafe { bgs_uring::send(fd, ptr, len as u32, user_data) };
-        self.push(&sqe)
+        let ok = self.push(&sqe);
+        if ok && let Some(d) = self.direct.as_deref_mut() {
+            d.ring_sends += 1;
+        }
+        ok
     }
 
     fn shutdown(&mut self, fd: RawFd, user_data: u64) -> bool {
@@ -180,6 +184,9 @@ pub(super) struct Direct {
     pub(super) sends: u64,
     /// SENDs that found the socket buffer full and went to the ring.
     pub(super) fallbacks: u64,
+    /// SENDs queued for the SQPOLL thread (the rate was above the threshold, the queue was
+    /// not empty, or a fallback).
+    pub(super) ring_sends: u64,
     /// SQPOLL wake-ups by the stage (operations queued while it slept).
     pub(super) wakes: u64,
 }
@@ -198,6 +205,7 @@ impl Direct {
             in_previous: 0,
             sends: 0,
             fallbacks: 0,
+            ring_sends: 0,
             wakes: 0,
         }
     }
