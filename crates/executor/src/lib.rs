@@ -50,7 +50,10 @@ pub struct CpuExecutorConfig {
     /// Number of slots (one-shot threads) that [`CpuExecutor::start`] runs;
     /// [`CpuExecutor::start_engines`] runs one thread per engine instead.
     pub slots: usize,
-    /// How long an idle thread spins re-checking the ring before it sleeps.
+    /// Longest an idle thread spins re-checking the ring before it sleeps. The spin actually
+    /// used adapts between 0 and this ([`SpinWindow`]): it grows while work keeps arriving
+    /// within it and shrinks to nothing when gaps are longer, where spinning would cost every
+    /// request its whole length for nothing.
     pub idle_spin: Duration,
     /// Upper bound on one idle sleep (nothing live). Producers wake sleepers (the futex
     /// doorbell, or `external_wait`), so this only bounds a missed wake-up and the time a
@@ -428,7 +431,7 @@ struct Worker {
     owed: VecDeque<Owed>,
     window: u32,
     lookahead: usize,
-    idle_spin: Duration,
+    spin: SpinWindow,
     max_sleep: Duration,
     credit_poll: Duration,
     external_wait: Option<ExternalWait>,
@@ -443,6 +446,44 @@ struct Worker {
     /// The safety net found fewer live streams than owed but could not tell which: logged
     /// once per episode.
     lost_unidentified: bool,
+}
+
+/// How long an idle executor thread spins before it sleeps, adapted like the kernel's
+/// halt-polling (`haltpoll`): a spin that finds work keeps the window; a sleep that a request
+/// ended sooner than the longest window (a longer spin would have caught it) grows it; a
+/// longer sleep shrinks it, down to no spin at all. At 1,000 requests a second over a few
+/// threads the gaps are far longer than the 20 µs window, so a fixed spin cost each request
+/// 20 µs of CPU for nothing; under a burst the window grows back within a few requests.
+#[derive(Debug, Clone, Copy)]
+struct SpinWindow {
+    current: Duration,
+    max: Duration,
+}
+
+impl SpinWindow {
+    /// Windows below this are not worth a clock read per loop: the window drops to zero.
+    const FLOOR: Duration = Duration::from_micros(1);
+
+    fn new(max: Duration) -> Self {
+        SpinWindow { current: max, max }
+    }
+
+    fn current(&self) -> Duration {
+        self.current
+    }
+
+    /// The thread slept for `slept` after its spin ran out.
+    fn slept(&mut self, slept: Duration) {
+        if slept < self.max {
+            // Work came soon after the spin gave up: spin longer next time.
+            self.current = (self.current * 2).clamp(Self::FLOOR, self.max);
+        } else {
+            self.current /= 2;
+            if self.current < Self::FLOOR {
+                self.current = Duration::ZERO;
+            }
+        }
+    }
 }
 
 /// What one pop from the request ring brought.
@@ -486,7 +527,7 @@ impl Worker {
             owed: VecDeque::new(),
             window: cfg.stream_window,
             lookahead: cfg.lookahead,
-            idle_spin: cfg.idle_spin,
+            spin: SpinWindow::new(cfg.idle_spin),
             max_sleep: cfg.max_sleep,
             credit_poll: cfg.credit_poll,
             external_wait: cfg.external_wait.clone(),
@@ -854,19 +895,25 @@ impl Worker {
             }
             return;
         }
-        // Nothing live: spin briefly (a burst often has more requests right behind), then
-        // sleep until a producer rings the doorbell.
+        // Nothing live: spin briefly if requests have lately come that close together (a
+        // burst often has more right behind), then sleep until a producer rings the doorbell.
         let ring = self.shared.region.requests();
         let inbox = &self.shared.threads[self.t];
-        let spin_until = Instant::now() + self.idle_spin;
-        while Instant::now() < spin_until {
-            if !ring.is_empty() || inbox.pending.load(Ordering::Relaxed) {
-                return;
+        let window = self.spin.current();
+        if !window.is_zero() {
+            let spin_until = Instant::now() + window;
+            while Instant::now() < spin_until {
+                if !ring.is_empty() || inbox.pending.load(Ordering::Relaxed) {
+                    // Found work within the window: it stays as it is.
+                    return;
+                }
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
         }
         self.shared.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+        let asleep = Instant::now();
         self.sleep(self.max_sleep);
+        self.spin.slept(asleep.elapsed());
     }
 
     /// Sleep until the request ring has entries or `timeout` passes. A cancel sent to this
@@ -1026,6 +1073,40 @@ impl FrameSink for Sink<'_> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn spin_window_shrinks_to_nothing_on_long_gaps_and_grows_back_on_short_ones() {
+        use super::SpinWindow;
+        use std::time::Duration;
+        let us = Duration::from_micros;
+        let mut w = SpinWindow::new(us(20));
+        assert_eq!(w.current(), us(20), "starts at the longest window");
+        // 1,000 req/s on one thread: every sleep about 1 ms.
+        for _ in 0..6 {
+            w.slept(us(1000));
+        }
+        assert_eq!(
+            w.current(),
+            Duration::ZERO,
+            "no spin at all after a few long gaps"
+        );
+        w.slept(us(5000));
+        assert_eq!(w.current(), Duration::ZERO, "and it stays so");
+        // A burst: requests 3 us apart, each caught only after sleeping.
+        w.slept(us(3));
+        assert_eq!(w.current(), SpinWindow::FLOOR);
+        for _ in 0..10 {
+            w.slept(us(3));
+        }
+        assert_eq!(
+            w.current(),
+            us(20),
+            "grown back, never past the longest window"
+        );
+        // A sleep exactly as long as the longest window would not have been caught.
+        w.slept(us(20));
+        assert_eq!(w.current(), us(10));
+    }
+
     use super::*;
     use bgs_ring::RingConfig;
     use std::sync::atomic::AtomicUsize;
