@@ -46,6 +46,7 @@ use serde::Serialize;
 use crate::native::ShutdownHandle;
 use crate::stats::RequestMetrics;
 use reply::{ReplyStage, ReplyStats};
+pub use submit::DirectCounts;
 use submit::{Direct, SqIo};
 
 /// Default of `ReplyMode::ExecutorSqe::sqpoll_above`: replies per second above which the
@@ -410,22 +411,9 @@ struct StageDriver {
     /// when a request is published while we are registered as a request-ring sleeper.
     watch: Option<(RawFd, bool)>,
     watch_fired: bool,
-    /// `--reply executor-sqe` with adaptive submission: what the stage did itself.
+    /// `--reply executor-sqe` with adaptive submission: what the stage did itself (copied
+    /// from its [`Direct`] when stats are printed and at the end).
     direct: Option<DirectCounts>,
-}
-
-/// Counters of adaptive submission ([`Direct`]), printed with the transport's stats.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct DirectCounts {
-    /// SENDs the stage made with `send(2)` while the SQPOLL thread slept.
-    pub sends: u64,
-    /// Of those tried, SENDs that found the socket buffer full and went to the ring.
-    pub fallbacks: u64,
-    /// SENDs queued for the SQPOLL thread instead (fast replies, or fallbacks).
-    pub ring_sends: u64,
-    /// SQPOLL wake-ups by the stage (operations queued while it slept, or the rate passed
-    /// the threshold).
-    pub wakes: u64,
 }
 
 struct Bell {
@@ -1141,9 +1129,11 @@ impl KernelTransport {
                 // writes SENDs shares the SQPOLL thread and needs it awake.
                 let mut direct =
                     (gpu.is_none() && sqpoll_above > 0).then(|| Direct::new(sqpoll_above));
+                let mut done = Vec::new();
                 while !stop2.load(Ordering::Acquire) {
+                    let now = Instant::now();
                     if let Some(d) = &mut direct {
-                        d.begin(&uring, Instant::now());
+                        d.begin(&uring, now);
                     }
                     let mut io = SqIo {
                         direct: direct.as_mut(),
@@ -1153,17 +1143,13 @@ impl KernelTransport {
                     // Operations performed directly completed at once: hand their results to
                     // the stage as if they were CQEs, and flush what they made ready (the rest
                     // of a short send, the next replies of a connection).
-                    loop {
-                        let done = io
-                            .direct
-                            .as_deref_mut()
-                            .map(Direct::take_done)
-                            .unwrap_or_default();
+                    while let Some(d) = io.direct.as_deref_mut() {
+                        d.swap_done(&mut done);
                         if done.is_empty() {
                             break;
                         }
                         did = true;
-                        for (user_data, res) in done {
+                        for (user_data, res) in done.drain(..) {
                             driver.stage.on_cqe(user_data, res);
                         }
                         driver.stage.flush(&mut io);
@@ -1176,19 +1162,13 @@ impl KernelTransport {
                             Ok(false) => {}
                             Err(e) => tracing::warn!("waking the SQPOLL thread failed: {e}"),
                         }
-                        driver.direct = Some(DirectCounts {
-                            sends: d.sends,
-                            fallbacks: d.fallbacks,
-                            ring_sends: d.ring_sends,
-                            wakes: d.wakes,
-                        });
                     }
-                    let now = Instant::now();
                     if now.duration_since(last_sweep) > Duration::from_millis(5) {
                         driver.stage.sweep(now);
                         last_sweep = now;
                     }
                     if stats_timer.due(now) {
+                        driver.direct = direct.as_ref().map(|d| d.counts);
                         let w = wakeups2.load(Ordering::Relaxed);
                         eprintln!(
                             "bgs: stats\n{}",
@@ -1226,6 +1206,7 @@ impl KernelTransport {
                     .stage
                     .publish_cancels(&mut SqIo::ring(&uring, &rx, &io_region));
                 driver.finish(&uring);
+                driver.direct = direct.as_ref().map(|d| d.counts);
                 driver
             })?;
         let region = self.rx.region();

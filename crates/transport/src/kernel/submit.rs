@@ -33,6 +33,7 @@ use bgs_ring::RingRegion;
 use bgs_uring::Uring;
 use rustix::io::Errno;
 use rustix::net::SendFlags;
+use serde::Serialize;
 
 use super::reply::ReplyIo;
 
@@ -92,14 +93,14 @@ impl ReplyIo for SqIo<'_> {
             match rustix::net::send(sock, buf, SendFlags::NOSIGNAL | SendFlags::DONTWAIT) {
                 Ok(n) if n > 0 || len == 0 => {
                     d.complete(user_data, i32::try_from(n).unwrap_or(i32::MAX));
-                    d.sends += 1;
+                    d.counts.sends += 1;
                     return true;
                 }
                 // The socket buffer is full: the ring's SEND waits for room (below).
-                Ok(_) | Err(Errno::AGAIN) => d.fallbacks += 1,
+                Ok(_) | Err(Errno::AGAIN) => d.counts.fallbacks += 1,
                 Err(e) => {
                     d.complete(user_data, -e.raw_os_error());
-                    d.sends += 1;
+                    d.counts.sends += 1;
                     return true;
                 }
             }
@@ -109,7 +110,7 @@ impl ReplyIo for SqIo<'_> {
         let sqe = unsafe { bgs_uring::send(fd, ptr, len as u32, user_data) };
         let ok = self.push(&sqe);
         if ok && let Some(d) = self.direct.as_deref_mut() {
-            d.ring_sends += 1;
+            d.counts.ring_sends += 1;
         }
         ok
     }
@@ -180,15 +181,21 @@ pub(super) struct Direct {
     window: Instant,
     in_window: u64,
     in_previous: u64,
-    /// SENDs performed with `send(2)` (including failed ones).
-    pub(super) sends: u64,
-    /// SENDs that found the socket buffer full and went to the ring.
-    pub(super) fallbacks: u64,
-    /// SENDs queued for the SQPOLL thread (the rate was above the threshold, the queue was
-    /// not empty, or a fallback).
-    pub(super) ring_sends: u64,
+    pub(super) counts: DirectCounts,
+}
+
+/// Counters of adaptive submission ([`Direct`]), printed with the transport's stats.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct DirectCounts {
+    /// SENDs the stage made with `send(2)` (including failed ones).
+    pub sends: u64,
+    /// Of those tried, SENDs that found the socket buffer full and went to the ring.
+    pub fallbacks: u64,
+    /// SENDs queued for the SQPOLL thread instead (the rate was above the threshold, the
+    /// queue was not empty, or a fallback).
+    pub ring_sends: u64,
     /// SQPOLL wake-ups by the stage (operations queued while it slept).
-    pub(super) wakes: u64,
+    pub wakes: u64,
 }
 
 impl Direct {
@@ -203,10 +210,7 @@ impl Direct {
             window: Instant::now(),
             in_window: 0,
             in_previous: 0,
-            sends: 0,
-            fallbacks: 0,
-            ring_sends: 0,
-            wakes: 0,
+            counts: DirectCounts::default(),
         }
     }
 
@@ -214,8 +218,8 @@ impl Direct {
         self.done.push((user_data, res));
     }
 
-    /// Whether the next operation may be a system call: the rate of this millisecond and of
-    /// the one before stays under the threshold, and nothing is queued for the SQPOLL thread
+    /// Whether the next operation may be a system call: the rate of this window and of the
+    /// one before stays under the threshold, and nothing is queued for the SQPOLL thread
     /// (module docs, "Ordering"). While replies go out this way the SQPOLL thread gets no
     /// work, so after its idle time it sleeps and costs nothing.
     fn allowed(&self) -> bool {
@@ -241,21 +245,24 @@ impl Direct {
             self.in_window = 0;
             self.window = now;
         }
-        self.on = uring.sq().pending() == 0;
+        self.on = uring.sq_unconsumed() == 0;
     }
 
-    /// The completions of the operations performed since the last call.
-    pub(super) fn take_done(&mut self) -> Vec<(u64, i32)> {
-        std::mem::take(&mut self.done)
+    /// Swap the completions of the operations performed since the last call into `buf`
+    /// (empty on entry; the caller drains it). Two buffers trade places, so nothing is
+    /// allocated per reply.
+    pub(super) fn swap_done(&mut self, buf: &mut Vec<(u64, i32)>) {
+        debug_assert!(buf.is_empty());
+        std::mem::swap(&mut self.done, buf);
     }
 
     /// After a pass: wake the SQPOLL thread if operations wait for it while it sleeps (this
     /// thread can make the system call; the watchdog only checks now and then). Returns
     /// whether it woke it.
     pub(super) fn end(&mut self, uring: &Uring) -> std::io::Result<bool> {
-        if uring.sq().pending() > 0 && uring.needs_wakeup() {
+        if uring.sq_unconsumed() > 0 && uring.needs_wakeup() {
             uring.wake_sqpoll()?;
-            self.wakes += 1;
+            self.counts.wakes += 1;
             return Ok(true);
         }
         Ok(false)
