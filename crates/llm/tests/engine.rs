@@ -6,125 +6,15 @@
 //! token, or a chunk fed at the wrong position changes the sequence's tokens, and the tests
 //! compare every stream against the same request run alone.
 
+mod common;
+
 use std::collections::HashMap;
 
+use common::{FakeModel, mix};
+
 use bgs_engine::{Engine, Frame, FrameSink, NoCredit, Progress, Request, StreamId};
-use bgs_llm::{
-    EngineConfig, FINISH_EOS, FINISH_LENGTH, FLAG_IGNORE_EOS, GenerationEngine, Item, KvShape,
-    StepModel,
-};
+use bgs_llm::{EngineConfig, FINISH_EOS, FINISH_LENGTH, FLAG_IGNORE_EOS, GenerationEngine};
 use bgs_protocol::{Op, Status};
-
-#[derive(Debug)]
-struct FakeModel {
-    vocab: usize,
-    eos: Vec<u32>,
-    max_pos: usize,
-    shape: KvShape,
-    /// Token written at each (block, offset) slot.
-    kv: Vec<Option<u32>>,
-    /// Fail the next step (then clear).
-    fail_next: bool,
-    /// (items, prefill items, decode items) of every step.
-    log: Vec<(usize, usize, usize)>,
-}
-
-impl FakeModel {
-    fn new(vocab: usize, eos: &[u32], max_pos: usize, block_size: usize, blocks: usize) -> Self {
-        FakeModel {
-            vocab,
-            eos: eos.to_vec(),
-            max_pos,
-            shape: KvShape {
-                block_size,
-                num_blocks: blocks,
-            },
-            kv: vec![None; block_size * blocks],
-            fail_next: false,
-            log: Vec::new(),
-        }
-    }
-
-    fn slot(&self, blocks: &[u32], p: usize) -> usize {
-        let bs = self.shape.block_size;
-        blocks[p / bs] as usize * bs + p % bs
-    }
-}
-
-fn mix(h: u64, x: u64) -> u64 {
-    let mut z = h ^ x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-impl StepModel for FakeModel {
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-    fn eos_ids(&self) -> &[u32] {
-        &self.eos
-    }
-    fn max_positions(&self) -> usize {
-        self.max_pos
-    }
-    fn kv(&self) -> KvShape {
-        self.shape
-    }
-    fn step(&mut self, items: &[Item<'_>], next: &mut [u32]) -> Result<(), String> {
-        assert_eq!(items.len(), next.len());
-        assert!(!items.is_empty(), "empty step");
-        if std::mem::take(&mut self.fail_next) {
-            return Err("injected failure".into());
-        }
-        let bs = self.shape.block_size;
-        let mut in_step = vec![false; self.shape.num_blocks];
-        let (mut prefill, mut decode) = (0, 0);
-        for it in items {
-            assert!(!it.tokens.is_empty(), "item without tokens");
-            let end = it.pos + it.tokens.len();
-            assert!(
-                end <= self.max_pos,
-                "position {end} past the model's context"
-            );
-            assert!(it.blocks.len() >= end.div_ceil(bs), "block table too short");
-            for &b in it.blocks {
-                assert!(
-                    (b as usize) < self.shape.num_blocks,
-                    "block {b} out of range"
-                );
-                assert!(
-                    !in_step[b as usize],
-                    "block {b} shared by two items of a step"
-                );
-                in_step[b as usize] = true;
-            }
-            if it.tokens.len() == 1 && it.pos > 0 && it.sample {
-                decode += 1;
-            } else {
-                prefill += 1;
-            }
-        }
-        self.log.push((items.len(), prefill, decode));
-        for (it, out) in items.iter().zip(next.iter_mut()) {
-            for (j, &t) in it.tokens.iter().enumerate() {
-                assert!((t as usize) < self.vocab);
-                let s = self.slot(it.blocks, it.pos + j);
-                self.kv[s] = Some(t);
-            }
-            if it.sample {
-                let mut h = 0u64;
-                for p in 0..it.pos + it.tokens.len() {
-                    let t = self.kv[self.slot(it.blocks, p)]
-                        .unwrap_or_else(|| panic!("position {p} read before written"));
-                    h = mix(h, ((p as u64) << 32) | t as u64);
-                }
-                *out = (h % self.vocab as u64) as u32;
-            }
-        }
-        Ok(())
-    }
-}
 
 type Recorded = (StreamId, Status, bool, u32, Vec<u32>);
 
@@ -320,8 +210,8 @@ fn concurrent_sequences_match_alone() {
         assert_eq!(s.2, [FINISH_LENGTH, reqs[i].1]);
     }
     // Decode and prefill really were mixed in one step.
-    assert!(e.model().log.iter().any(|&(_, p, d)| p > 0 && d > 0));
-    assert!(e.model().log.iter().all(|&(n, _, _)| n <= 4));
+    assert!(e.model().log().iter().any(|&(_, p, d)| p > 0 && d > 0));
+    assert!(e.model().log().iter().all(|&(n, _, _)| n <= 4));
 }
 
 #[test]

@@ -5,120 +5,23 @@
 //! block tables, sample flags), and keep their bookkeeping after every step. Property tests
 //! draw random schedules; worked examples pin down particular cases.
 //!
-//! The fake model is the one of `tests/engine.rs`: a token-level KV cache addressed only
-//! through the block tables, whose next token hashes the whole history read back through
-//! them, so a wrong table, position or input token changes the tokens.
+//! The fake model is the one of `tests/engine.rs` (`tests/common`): a token-level KV cache
+//! addressed only through the block tables, whose next token hashes the whole history read
+//! back through them, so a wrong table, position or input token changes the tokens.
+
+mod common;
 
 use std::collections::{HashMap, HashSet};
+
+use common::{FakeModel, mix};
 
 use bgs_engine::{Engine, Frame, FrameSink, NoCredit, Progress, Request, StreamId};
 use bgs_llm::gen_loop::{CGenLoop, GlLimits, MAX_PROMPT};
 use bgs_llm::{
-    CGenEngine, EngineConfig, FINISH_EOS, FINISH_LENGTH, FLAG_IGNORE_EOS, GenerationEngine, Item,
-    KvShape, StepModel,
+    CGenEngine, EngineConfig, FINISH_EOS, FINISH_LENGTH, FLAG_IGNORE_EOS, GenerationEngine,
 };
 use bgs_protocol::{Op, Status};
 use proptest::prelude::*;
-
-/// One model step as the model saw it: (tokens, pos, block table, sample) per item.
-type StepLog = Vec<(Vec<u32>, usize, Vec<u32>, bool)>;
-
-#[derive(Debug, Clone)]
-struct FakeModel {
-    vocab: usize,
-    eos: Vec<u32>,
-    max_pos: usize,
-    shape: KvShape,
-    kv: Vec<Option<u32>>,
-    fail_next: bool,
-    steps: Vec<StepLog>,
-}
-
-impl FakeModel {
-    fn new(vocab: usize, eos: &[u32], max_pos: usize, block_size: usize, blocks: usize) -> Self {
-        FakeModel {
-            vocab,
-            eos: eos.to_vec(),
-            max_pos,
-            shape: KvShape {
-                block_size,
-                num_blocks: blocks,
-            },
-            kv: vec![None; block_size * blocks],
-            fail_next: false,
-            steps: Vec::new(),
-        }
-    }
-
-    fn slot(&self, blocks: &[u32], p: usize) -> usize {
-        let bs = self.shape.block_size;
-        blocks[p / bs] as usize * bs + p % bs
-    }
-}
-
-fn mix(h: u64, x: u64) -> u64 {
-    let mut z = h ^ x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-impl StepModel for FakeModel {
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-    fn eos_ids(&self) -> &[u32] {
-        &self.eos
-    }
-    fn max_positions(&self) -> usize {
-        self.max_pos
-    }
-    fn kv(&self) -> KvShape {
-        self.shape
-    }
-    fn step(&mut self, items: &[Item<'_>], next: &mut [u32]) -> Result<(), String> {
-        assert_eq!(items.len(), next.len());
-        assert!(!items.is_empty(), "empty step");
-        self.steps.push(
-            items
-                .iter()
-                .map(|it| (it.tokens.to_vec(), it.pos, it.blocks.to_vec(), it.sample))
-                .collect(),
-        );
-        if std::mem::take(&mut self.fail_next) {
-            return Err("injected failure".into());
-        }
-        let bs = self.shape.block_size;
-        let mut in_step = vec![false; self.shape.num_blocks];
-        for it in items {
-            assert!(!it.tokens.is_empty(), "item without tokens");
-            let end = it.pos + it.tokens.len();
-            assert!(end <= self.max_pos, "position {end} past the context");
-            assert!(it.blocks.len() >= end.div_ceil(bs), "block table too short");
-            for &b in it.blocks {
-                assert!(!in_step[b as usize], "block {b} shared by two items");
-                in_step[b as usize] = true;
-            }
-        }
-        for (it, out) in items.iter().zip(next.iter_mut()) {
-            for (j, &t) in it.tokens.iter().enumerate() {
-                assert!((t as usize) < self.vocab);
-                let s = self.slot(it.blocks, it.pos + j);
-                self.kv[s] = Some(t);
-            }
-            if it.sample {
-                let mut h = 0u64;
-                for p in 0..it.pos + it.tokens.len() {
-                    let t = self.kv[self.slot(it.blocks, p)]
-                        .unwrap_or_else(|| panic!("position {p} read before written"));
-                    h = mix(h, ((p as u64) << 32) | t as u64);
-                }
-                *out = (h % self.vocab as u64) as u32;
-            }
-        }
-        Ok(())
-    }
-}
 
 type Recorded = (u32, Status, bool, u32, Vec<u32>);
 
