@@ -28,6 +28,7 @@ mod exec;
 pub mod layout;
 pub mod libs;
 pub mod plan;
+pub mod tool_checks;
 
 /// How requests are noticed and launched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

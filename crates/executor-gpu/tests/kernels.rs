@@ -11,34 +11,11 @@
 //! which installs every tool (scripts/setup.sh, scripts/test.sh) and fails instead: a check
 //! that silently stops running is worse than a failing one.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+use bgs_executor_gpu::tool_checks::{clang, missing, wheel_lib_dir};
 use bgs_executor_gpu::{compile, libs};
-
-/// A tool this check needs is missing: a notice for developers, a failure under CI.
-fn missing(what: &str) {
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{what}; CI installs it (scripts/test.sh), so the check must run there"
-    );
-    println!("NOTICE: {what}");
-}
-
-fn wheel_lib_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("BGS_CUDA_LIB_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    let out = Command::new("python3")
-        .args(["-c", "import nvidia.cu13 as m; print(list(m.__path__)[0])"])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("lib");
-    d.join("libnvrtc.so.13").is_file().then_some(d)
-}
 
 #[test]
 fn kernels_compile_with_nvrtc_and_link_with_nvjitlink() {
@@ -257,15 +234,6 @@ __device__ int __ffs(int);
 __device__ int __clz(int);
 __device__ unsigned atomicAdd(unsigned *, unsigned);
 "#;
-
-fn clang() -> Option<&'static str> {
-    ["clang-19", "clang"].into_iter().find(|c| {
-        Command::new(c)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
-}
 
 /// `clang -x cuda -fsyntax-only` on the kernel source with `extra` appended (after the
 /// headers, so it can use their types) and, with `gpu_header`, that text as `bgs_gpu.h`

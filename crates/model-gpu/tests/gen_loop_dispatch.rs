@@ -8,34 +8,12 @@
 //!
 //! A missing tool prints a notice and passes, except under CI (`CI` set), which fails.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use bgs_executor_gpu::libs;
+use bgs_executor_gpu::tool_checks::{clang, missing, wheel_lib_dir};
 use bgs_model_gpu::gen_exec;
-
-fn missing(what: &str) {
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{what}; CI installs it (scripts/test.sh), so the check must run there"
-    );
-    println!("NOTICE: {what}");
-}
-
-fn wheel_lib_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("BGS_CUDA_LIB_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    let out = Command::new("python3")
-        .args(["-c", "import nvidia.cu13 as m; print(list(m.__path__)[0])"])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("lib");
-    d.join("libnvrtc.so.13").is_file().then_some(d)
-}
 
 #[test]
 fn dispatcher_compiles_with_nvrtc_and_links_with_cudadevrt() {
@@ -65,15 +43,6 @@ fn dispatcher_compiles_with_nvrtc_and_links_with_cudadevrt() {
         }
         Err(e) => missing(&format!("nvJitLink not found ({e}); link check skipped")),
     }
-}
-
-fn clang() -> Option<&'static str> {
-    ["clang-19", "clang"].into_iter().find(|c| {
-        Command::new(c)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
 }
 
 /// clang -x cuda -fsyntax-only over `source` (with the generated dispatch header next to it).

@@ -9,9 +9,9 @@
 //! which installs every tool and fails instead: a check that silently stops running is worse
 //! than a failing one.
 
-use std::path::PathBuf;
 use std::process::Command;
 
+use bgs_executor_gpu::tool_checks::{clang, missing, wheel_lib_dir};
 use bgs_executor_gpu::{compile, libs};
 use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, nvrtc_options};
 
@@ -28,29 +28,6 @@ const ENTRY_POINTS: [&str; 8] = [
     "bgs_argmax",
     "bgs_gemm_invariant",
 ];
-
-fn missing(what: &str) {
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{what}; CI installs it (scripts/test.sh), so the check must run there"
-    );
-    println!("NOTICE: {what}");
-}
-
-fn wheel_lib_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("BGS_CUDA_LIB_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    let out = Command::new("python3")
-        .args(["-c", "import nvidia.cu13 as m; print(list(m.__path__)[0])"])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("lib");
-    d.join("libnvrtc.so.13").is_file().then_some(d)
-}
 
 #[test]
 fn kernels_compile_with_nvrtc_for_sm90_in_every_dtype() {
@@ -125,15 +102,6 @@ __device__ float cosf(float);
 __device__ float sinf(float);
 __device__ float fmaxf(float, float);
 "#;
-
-fn clang() -> Option<&'static str> {
-    ["clang-19", "clang"].into_iter().find(|c| {
-        Command::new(c)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
-}
 
 fn clang_check(dt: u32, extra: &str) -> Option<std::process::Output> {
     let cc = clang()?;
