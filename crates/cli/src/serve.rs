@@ -86,9 +86,15 @@ pub enum StepLoopKind {
     /// A host thread (the generation engine) plans each step and replays the model's graphs.
     Host,
     /// A resident dispatcher on the GPU plans, launches and publishes; the host only watches
-    /// (docs/gpu-model.md, "The resident step loop"). Experimental: not yet run on a GPU.
+    /// (docs/gpu-model.md, "The resident step loop"). Verified on an H200 with the native
+    /// transport (binary protocol); the default stays `host` until the other paths ran there.
     Device,
 }
+
+/// The GPU executor's slots when `--slots` is not given. On the H200 (gemm8 x1, pipelined
+/// over TCP, bench/results/20261201-gpu-slots-saturation) 16 slots served 296k req/s, 32
+/// 452k, 64 521k; the executor, not the transport, set the ceiling below 64.
+const DEFAULT_GPU_SLOTS: usize = bgs_executor_gpu::layout::MAX_SLOTS;
 
 /// Most executor slots (`bgs_ring::MAX_STREAMS`; the GPU executor takes at most 64).
 pub const MAX_SLOTS: usize = bgs_ring::MAX_STREAMS;
@@ -110,7 +116,9 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     pub executor: ExecutorKind,
     /// Executor slots (requests executing at once), 1..=512 (the GPU executor: 1..=64).
-    /// Default: CPU count for the CPU executor, 16 for the GPU executor.
+    /// Default: CPU count for the CPU executor, 64 for the GPU executor (the smallest count
+    /// that serves 500,000 gemm8 req/s over TCP on an H200: docs/cost.md), 16 live sequences
+    /// with `--model`.
     #[arg(long, value_parser = args::int(1usize, MAX_SLOTS))]
     pub slots: Option<usize>,
     /// Where the generation step loop runs (`--model --executor gpu` only): `host` (the
@@ -314,7 +322,10 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "--gpu-schedulers applies to the device dispatcher; it does nothing with --dispatcher host"
         );
     }
+    // With a model `--slots` counts live sequences (checked above, up to MAX_SLOTS); the
+    // one-shot GPU executor's own limit applies only without one.
     if a.executor == ExecutorKind::Gpu
+        && a.generation.model.is_none()
         && let Some(n) = a.slots
         && n > bgs_executor_gpu::layout::MAX_SLOTS
     {
@@ -418,7 +429,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     }
     let admin = AdminHook::start(args.admin_listen, &expected)?;
     let gpu_cfg = bgs_executor_gpu::GpuExecutorConfig {
-        slots: args.slots.unwrap_or(16),
+        slots: args.slots.unwrap_or(DEFAULT_GPU_SLOTS),
         dispatcher: match args.dispatcher {
             DispatcherKind::Device => bgs_executor_gpu::Dispatcher::DeviceLaunch,
             DispatcherKind::Host => bgs_executor_gpu::Dispatcher::HostLaunch,
@@ -682,11 +693,14 @@ fn start_api(
 /// Where the forward pass of `--model` runs: on the GPU with `--executor gpu` (or `auto`
 /// finding one).
 fn model_device(args: &ServeArgs, kind: ExecutorKind) -> crate::llm::ModelDevice {
-    if kind == ExecutorKind::Gpu && args.gpu_step_loop == StepLoopKind::Device {
-        // Honest about its state: the dispatcher is tested against an emulator in CI but has
-        // not yet run on a GPU (docs/gpu-model.md, "The resident step loop").
+    if kind == ExecutorKind::Gpu
+        && args.gpu_step_loop == StepLoopKind::Device
+        && args.transport != TransportKind::Native
+    {
+        // Verified on an H200 with the native transport only (bench/results/
+        // 20261201-gpu-step-loop); the kernel transport's paths have not run with it there.
         tracing::warn!(
-            "--gpu-step-loop device is experimental: it has not yet been verified on a GPU (bench/gpu/step-loop.sh does that); --gpu-step-loop host is the verified path"
+            "--gpu-step-loop device has been verified on a GPU with --transport native only; with --transport kernel it has run in emulation, not on a GPU"
         );
     }
     match kind {
@@ -750,7 +764,7 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 "bgs: GPU step loop: {} requests, {} admitted, {} refused, {} cancels, {} steps \
                  ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
                  {} credit stalls, {} completion-ring stalls, \
-                 {} live, {} free KV blocks",
+                 {} live, {} free KV blocks, {} monitor looks",
                 st.requests,
                 st.admitted,
                 st.refused,
@@ -765,6 +779,7 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 st.ring_full,
                 st.live,
                 st.free_blocks,
+                st.monitor_looks,
             );
         }
         Some(Executor::Cpu(e)) => {

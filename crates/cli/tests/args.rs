@@ -42,6 +42,36 @@ fn refused(args: &[&str], words: &[&str]) {
 }
 
 #[test]
+fn the_gpu_executors_slot_limit_applies_to_one_shot_ops_not_to_live_sequences() {
+    // Without a model the GPU executor runs at most 64 slots, refused before any GPU work.
+    refused(
+        &["serve", "--executor", "gpu", "--slots", "65"],
+        &["--slots 65", "64 slots"],
+    );
+    // With a model `--slots` counts live sequences (up to 512); 256 passes the flag checks
+    // and the run fails on the missing checkpoint instead (the H200 run of 2026-12-01 was
+    // refused here with the one-shot executor's limit).
+    let out = bgs(&[
+        "serve",
+        "--executor",
+        "gpu",
+        "--model",
+        "/nonexistent/bgs-checkpoint",
+        "--slots",
+        "256",
+        "--api-listen",
+        "off",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a missing checkpoint was accepted: {err}"
+    );
+    assert!(!err.contains("64 slots"), "{err}");
+    assert!(err.contains("bgs-checkpoint"), "{err}");
+}
+
+#[test]
 fn numbers_outside_their_ranges_are_refused() {
     refused(&["serve", "--slots", "100000"], &["--slots", "1..=512"]);
     refused(&["serve", "--slots", "0"], &["--slots"]);

@@ -411,8 +411,10 @@ pub struct GenLoopConfig {
     pub idle_rounds: u32,
     /// `bgs_gl_check` after every step (tests; costs a pass over the table).
     pub check: bool,
-    /// How often the monitor looks at the control block (and wakes the transport when frames
-    /// were published) while sequences are live or frames flow.
+    /// The monitor's longest period between looks at the control block (it wakes the
+    /// transport when frames were published) while sequences are live or frames flow; once
+    /// it has learned the step period it sleeps through most of each step and looks every
+    /// quarter of this around the step's end (`pacer`).
     pub monitor_poll: Duration,
     /// The monitor's period while nothing is live and no frame went out (an idle server's
     /// host cost); a new request's first frame comes after its prefill, by which time the
@@ -557,6 +559,9 @@ pub struct GenLoopStats {
     pub mean_plan_ns: u64,
     /// Mean time F spent advancing the sequences and publishing a step's frames, ns.
     pub mean_finish_ns: u64,
+    /// Looks of the host monitor at the control block (its host cost is about one wake-up
+    /// each; `crate::pacer`). Not a device word: 0 from `from_ctl`, filled by the executor.
+    pub monitor_looks: u64,
 }
 
 impl GenLoopStats {
@@ -584,6 +589,7 @@ impl GenLoopStats {
             mean_step_ns: w[C_STEP_NS].checked_div(steps).unwrap_or(0),
             mean_plan_ns: w[C_PLAN_NS].checked_div(steps).unwrap_or(0),
             mean_finish_ns: w[C_FINISH_NS].checked_div(steps).unwrap_or(0),
+            monitor_looks: 0,
         }
     }
 }
@@ -855,6 +861,8 @@ struct Shared {
     waker: Option<Arc<dyn Fn() + Send + Sync>>,
     poll: Duration,
     idle_poll: Duration,
+    /// The monitor's looks at the control block.
+    looks: AtomicU64,
 }
 
 /// The GPU-resident step loop over one ring region (see the module docs).
@@ -956,6 +964,7 @@ impl GpuGenExecutor {
             waker,
             poll: cfg.monitor_poll,
             idle_poll: cfg.monitor_idle_poll.max(cfg.monitor_poll),
+            looks: AtomicU64::new(0),
         });
         let sh = shared.clone();
         let monitor = std::thread::Builder::new()
@@ -1136,7 +1145,10 @@ impl GpuGenExecutor {
 
     /// The control block's counters now.
     pub fn stats(&self) -> GenLoopStats {
-        GenLoopStats::from_ctl(&self.shared.dev.ctl_words())
+        GenLoopStats {
+            monitor_looks: self.shared.looks.load(Ordering::Relaxed),
+            ..GenLoopStats::from_ctl(&self.shared.dev.ctl_words())
+        }
     }
 
     /// The failure, if the device loop failed.
@@ -1220,11 +1232,18 @@ fn monitor(sh: &Shared) {
         tracing::error!(error = %e, "step loop monitor: no context");
     }
     let mut frames = 0u64;
-    let mut busy = true;
+    // The pacer's fine looks are 50 us apart: the default 50 us timer slack would double them.
+    if let Err(e) = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(5_000)) {
+        tracing::debug!(error = %e, "step loop monitor: timer slack left at its default");
+    }
+    let mut pacer = crate::pacer::StepPacer::new(sh.poll, sh.idle_poll);
+    let mut sleep = sh.poll;
     while !sh.stop.load(Ordering::Acquire) {
-        std::thread::sleep(if busy { sh.poll } else { sh.idle_poll });
+        std::thread::sleep(sleep);
+        sh.looks.fetch_add(1, Ordering::Relaxed);
         let f = sh.dev.ctl(layout::C_FRAMES).load(Ordering::Acquire);
-        busy = f != frames || sh.dev.ctl(layout::C_LIVE).load(Ordering::Acquire) != 0;
+        let live = sh.dev.ctl(layout::C_LIVE).load(Ordering::Acquire) != 0;
+        sleep = pacer.after_look(Instant::now(), f != frames, live);
         if f != frames {
             frames = f;
             sh.region.completions().notify();

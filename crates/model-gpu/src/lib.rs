@@ -16,6 +16,7 @@ mod emu;
 pub mod gen_exec;
 pub mod host;
 mod model;
+mod pacer;
 mod plan;
 
 pub use gen_exec::{GenLoopConfig, GenLoopStats, GpuGenError, GpuGenExecutor};
