@@ -69,9 +69,10 @@ pub enum GpuWakeKind {
     Interrupt,
 }
 
-/// The transports' safety timeout while the notifier wakes them (`--gpu-completion-wake
-/// interrupt`): long, since the wake-up is what ends waits; its firings are counted.
-const GPU_WAKE_TIMEOUT: Duration = Duration::from_millis(10);
+/// The transports' safety timeout while the executor wakes them for every completion (the CPU
+/// executor, the step loop's monitor, `--gpu-completion-wake interrupt`): long, since the
+/// wake-up is what ends waits; its firings are counted (`wake_timeouts`).
+const EXECUTOR_WAKE_TIMEOUT: Duration = Duration::from_millis(10);
 
 enum Executor {
     Cpu(CpuExecutor),
@@ -217,6 +218,13 @@ pub struct ServeArgs {
     /// Native transport: longest epoll wait while requests are outstanding (us), 1..=1000000.
     #[arg(long, default_value_t = 100, value_parser = args::int(1u64, 1_000_000))]
     pub poll_us: u64,
+    /// Native transport, streamed generation: hold a connection's token frames up to this
+    /// many microseconds so that several steps' frames leave in one write, 0..=100000 (0:
+    /// every frame at once). The first token, the final frame and one-shot replies never wait.
+    /// Cuts the transport's CPU per request at the cost of up to this much token latency
+    /// (docs/cost.md, "Streams: one write per token").
+    #[arg(long, default_value_t = 0, value_parser = args::int(0u64, 100_000))]
+    pub stream_coalesce_us: u64,
     /// Serve `/healthz`, `/readyz` and `/metrics` (Prometheus) over HTTP on this address
     /// (off by default; see docs/operations.md).
     #[arg(long)]
@@ -350,7 +358,7 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             }
         }
         TransportKind::Kernel => {
-            if let Some(f) = any(&["poll_us", "max_inflight"]) {
+            if let Some(f) = any(&["poll_us", "max_inflight", "stream_coalesce_us"]) {
                 bail!(
                     "{f} applies to the native transport; it does nothing with --transport kernel"
                 );
@@ -819,14 +827,24 @@ fn serve_native(
         },
         framer,
         poll_interval: Duration::from_micros(args.poll_us),
-        wake_timeout: (executor_kind == ExecutorKind::Gpu
-            && args.gpu_completion_wake == GpuWakeKind::Interrupt)
-            .then_some(GPU_WAKE_TIMEOUT),
+        // Generation wakes the transport once per step that published frames (the CPU
+        // executor's engine thread on either device, the GPU step loop's monitor), and the
+        // GPU executor's completion notifier once per completion: the timed wait is only a
+        // safety net for them. Polling every `--poll-us` while a stream is outstanding (for
+        // seconds) cost 2.4x the transport CPU per request at the H200's 1.8 ms step
+        // (`examples/stream_cost.rs`: 912 against 378 us). One-shot requests on the CPU
+        // executor keep the short timed wait: they finish within it. (With the tiny test
+        // model's 33 us steps on a one-CPU server the poll's batching is cheaper: docs/cost.md,
+        // "Streams".)
+        wake_timeout: (args.generation.model.is_some()
+            || args.gpu_completion_wake == GpuWakeKind::Interrupt)
+            .then_some(EXECUTOR_WAKE_TIMEOUT),
         floor: args.floor,
         stats_every: stats_every(args)?,
         // The GPU executor holds no streams (it skips cancel markers): markers would only
         // cost it a ring slot per closed connection.
         cancel_markers: executor_kind != ExecutorKind::Gpu,
+        stream_coalesce: Duration::from_micros(args.stream_coalesce_us),
         ..NativeConfig::default()
     };
     let region = if args.floor {
@@ -923,7 +941,7 @@ fn serve_kernel(
         // The CPU executor writes the loop's eventfd; so does the GPU executor's completion
         // notifier, for every completion (hence the long timeout instead of the timer).
         executor_wakes: executor_kind == ExecutorKind::Cpu || gpu_interrupt,
-        wake_timeout: gpu_interrupt.then_some(GPU_WAKE_TIMEOUT),
+        wake_timeout: gpu_interrupt.then_some(EXECUTOR_WAKE_TIMEOUT),
         stats_every: stats_every(args)?,
         max_connections: u32::try_from(args.max_connections).unwrap_or(u32::MAX),
         request_slots: args.ring_slots,

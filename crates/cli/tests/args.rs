@@ -82,6 +82,10 @@ fn numbers_outside_their_ranges_are_refused() {
     refused(&["serve", "--ring-slots", "1000"], &["power of two"]);
     refused(&["serve", "--max-words", "257"], &["--max-words"]);
     refused(&["serve", "--poll-us", "0"], &["--poll-us"]);
+    refused(
+        &["serve", "--stream-coalesce-us", "100001"],
+        &["--stream-coalesce-us"],
+    );
     refused(&["serve", "--stats-every", "NaN"], &["--stats-every"]);
     refused(
         &["load", "--rate", "1e12", "--requests", "1"],
@@ -169,6 +173,16 @@ fn flags_that_do_nothing_are_refused_naming_both() {
     refused(
         &["serve", "--transport", "kernel", "--poll-us", "10"],
         &["--poll-us", "--transport kernel"],
+    );
+    refused(
+        &[
+            "serve",
+            "--transport",
+            "kernel",
+            "--stream-coalesce-us",
+            "2000",
+        ],
+        &["--stream-coalesce-us", "--transport kernel"],
     );
     refused(
         &["serve", "--gpu-completion-wake", "interrupt"],

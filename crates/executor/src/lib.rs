@@ -552,6 +552,7 @@ impl Worker {
                     region: &self.shared.region,
                     stats: &self.shared.stats,
                     waker: self.shared.waker.as_ref(),
+                    published: false,
                     base: self.base,
                     streams: &mut self.streams,
                     free: &mut self.free,
@@ -561,6 +562,9 @@ impl Worker {
                     window: self.window,
                 };
                 busy |= self.engine.step(&mut sink) == Progress::Working;
+                if sink.published {
+                    wake_consumers(&self.shared.region, self.shared.waker.as_ref());
+                }
                 self.check_lost();
                 self.sync_held();
             }
@@ -810,7 +814,6 @@ impl Worker {
             let ok = publish(
                 &self.shared.region,
                 &self.shared.stats,
-                self.shared.waker.as_ref(),
                 o.reply,
                 0,
                 Frame {
@@ -826,6 +829,9 @@ impl Worker {
             }
             self.owed.pop_front();
             did = true;
+        }
+        if did {
+            wake_consumers(&self.shared.region, self.shared.waker.as_ref());
         }
         did
     }
@@ -934,11 +940,11 @@ impl Worker {
     }
 }
 
-/// Publish one completion; false when the completion ring is full.
+/// Publish one completion; false when the completion ring is full. The caller wakes the
+/// consumers ([`wake_consumers`]) once it has published what it has.
 fn publish(
     region: &RingRegion,
     stats: &ExecutorStats,
-    waker: Option<&Waker>,
     reply: ReplyTo,
     stream: u32,
     frame: Frame<'_>,
@@ -969,9 +975,18 @@ fn publish(
         return false;
     }
     stats.completions.fetch_add(1, Ordering::Relaxed);
-    // Futex sleepers (other executors' consumers, tests) and an epoll sleeper (the native
-    // transport, through its eventfd) are both told. One fence and load when nobody sleeps
-    // (the common case under load); `notify` re-checks only when someone does.
+    true
+}
+
+/// After publishing: wake the completion ring's sleeping consumers. Futex sleepers (other
+/// executors' consumers, tests) and an epoll sleeper (the native transport, through its
+/// eventfd) are both told. One fence and load when nobody sleeps (the common case under
+/// load); `notify` re-checks only when someone does.
+///
+/// Called after each one-shot reply, once per batch of owed frames, and for streamed frames
+/// once per engine step, not per frame: a step that publishes a token for each of 32
+/// streams wakes the transport once, and it reaps and writes them in one pass.
+fn wake_consumers(region: &RingRegion, waker: Option<&Waker>) {
     let ring = region.completions();
     if ring.has_sleepers() {
         ring.notify();
@@ -979,7 +994,6 @@ fn publish(
             w();
         }
     }
-    true
 }
 
 /// The engine's view of the completion ring, for one thread's streams.
@@ -987,6 +1001,8 @@ struct Sink<'a> {
     region: &'a RingRegion,
     stats: &'a ExecutorStats,
     waker: Option<&'a Waker>,
+    /// A streamed frame was published (the step's end wakes the consumers once).
+    published: bool,
     base: u32,
     streams: &'a mut [StreamMeta],
     free: &'a mut Vec<u32>,
@@ -1046,16 +1062,16 @@ impl FrameSink for Sink<'_> {
         } else {
             0
         };
-        if !publish(
-            self.region,
-            self.stats,
-            self.waker,
-            m.reply,
-            credit_stream,
-            frame,
-        ) {
+        if !publish(self.region, self.stats, m.reply, credit_stream, frame) {
             *self.ring_full = true;
             return Err(NoCredit);
+        }
+        if m.streamed {
+            self.published = true;
+        } else {
+            // A one-shot reply goes out at once: the rest of the step may run other
+            // requests for a while (the one-shot engine runs every held request in one step).
+            wake_consumers(self.region, self.waker);
         }
         let m = &mut self.streams[local];
         if m.streamed {

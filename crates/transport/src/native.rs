@@ -65,6 +65,12 @@ pub struct NativeConfig {
     /// them: one that does not know the op answers it like a request (the GPU executor, which
     /// has no streams to cancel, does so today).
     pub cancel_markers: bool,
+    /// Hold a connection's streamed token frames up to this long, so that the frames of
+    /// several steps leave in one write (zero: write at once, the default). A stream's first
+    /// token, the frame that ends it, a one-shot reply and an error are never held, and they
+    /// flush what waits before them. Trades token latency (at most this much) for the per-write cost of TCP,
+    /// which on loopback includes the client's receive processing (docs/cost.md).
+    pub stream_coalesce: Duration,
 }
 
 impl Default for NativeConfig {
@@ -80,6 +86,7 @@ impl Default for NativeConfig {
             drain_timeout: Duration::from_secs(2),
             stats_every: None,
             cancel_markers: true,
+            stream_coalesce: Duration::ZERO,
         }
     }
 }
@@ -128,6 +135,13 @@ struct Conn {
     /// unread input would make the kernel send a reset that can destroy the error reply
     /// before the client reads it.
     linger_until: Option<Instant>,
+    /// When the oldest unsent token frame held for coalescing arrived (`stream_coalesce`).
+    hold_since: Option<Instant>,
+    /// Something that must not wait (a final frame, a one-shot reply) is in the unsent bytes,
+    /// or a write was partial: write at once, whatever `hold_since` says.
+    flush_now: bool,
+    /// Listed in `NativeTransport::held`.
+    held: bool,
 }
 
 /// How long a connection closed by the server waits for the peer to finish sending.
@@ -154,6 +168,9 @@ pub struct NativeTransport {
     scratch: Vec<u8>,
     /// Tokens of ended connections whose cancel marker found the request ring full.
     owed_cancels: VecDeque<u64>,
+    /// Connections whose token frames are held for coalescing (`Conn::held`); an index can
+    /// be stale (closed, or reused by a connection that is not held) and is then dropped.
+    held: Vec<usize>,
 }
 
 impl std::fmt::Debug for NativeTransport {
@@ -222,6 +239,7 @@ impl NativeTransport {
             stats: TransportStats::default(),
             owed_cancels: VecDeque::new(),
             metrics: None,
+            held: Vec::new(),
         })
     }
 
@@ -260,8 +278,19 @@ impl NativeTransport {
                 self.publish_owed_cancels();
             }
             self.reap(&mut dirty);
+            self.release_due_holds(&mut dirty);
             self.flush_dirty(&mut dirty);
             let mut timeout = self.wait_timeout();
+            if let Some(left) = self.next_hold_deadline() {
+                let left = Timespec {
+                    tv_sec: left.as_secs() as _,
+                    tv_nsec: left.subsec_nanos() as _,
+                };
+                timeout = Some(match timeout {
+                    Some(t) if (t.tv_sec, t.tv_nsec) < (left.tv_sec, left.tv_nsec) => t,
+                    _ => left,
+                });
+            }
             if let Some(at) = next_stats {
                 let now = Instant::now();
                 if now >= at {
@@ -413,6 +442,9 @@ impl NativeTransport {
                 cancelled: false,
                 withheld: Withheld::default(),
                 linger_until: None,
+                hold_since: None,
+                flush_now: false,
+                held: false,
             });
             self.stats.conns_accepted += 1;
         }
@@ -509,6 +541,8 @@ impl NativeTransport {
             return;
         };
         let mut buf = [0u32; SLOT_WORDS];
+        let coalesce = !self.cfg.stream_coalesce.is_zero();
+        let mut now = None;
         loop {
             let c = region.completions().try_pop(|e| {
                 let n = (e.words as usize).min(SLOT_WORDS);
@@ -539,6 +573,15 @@ impl NativeTransport {
                             .complete(seq, status, final_, stream_seq, request_id, &buf[..n]);
                     if taken {
                         self.stats.replies += 1;
+                        // The first token (time to first token) and the final frame
+                        // never wait.
+                        if coalesce && stream != 0 && !final_ && stream_seq != 0 {
+                            if conn.hold_since.is_none() {
+                                conn.hold_since = Some(*now.get_or_insert_with(Instant::now));
+                            }
+                        } else {
+                            conn.flush_now = true;
+                        }
                     }
                     self.outstanding -= before - conn.state.queued();
                     if stream != 0 {
@@ -575,6 +618,8 @@ impl NativeTransport {
     fn flush_dirty(&mut self, dirty: &mut Vec<usize>) {
         dirty.sort_unstable();
         dirty.dedup();
+        let coalesce = self.cfg.stream_coalesce;
+        let mut now = None;
         for idx in dirty.drain(..) {
             let Some(conn) = self.conns.get_mut(idx) else {
                 continue;
@@ -597,10 +642,36 @@ impl NativeTransport {
                     r.requests().notify();
                 }
             }
-            if !conn.state.unsent().is_empty() && !write_out(conn, &mut self.stats) {
-                self.stats.io_errors += 1;
-                self.close(idx);
-                continue;
+            // Token frames wait (unregistered for EPOLLOUT) until their hold ends, unless
+            // something behind them must go now.
+            let hold = match conn.hold_since {
+                Some(since) if !conn.flush_now && !conn.state.unsent().is_empty() => {
+                    *now.get_or_insert_with(Instant::now) < since + coalesce
+                }
+                _ => false,
+            };
+            if hold {
+                if !conn.held {
+                    conn.held = true;
+                    self.held.push(idx);
+                    self.stats.writes_held += 1;
+                }
+            } else if !conn.state.unsent().is_empty() {
+                if !write_out(conn, &mut self.stats) {
+                    self.stats.io_errors += 1;
+                    self.close(idx);
+                    continue;
+                }
+                if conn.state.unsent().is_empty() {
+                    conn.hold_since = None;
+                    conn.flush_now = false;
+                } else {
+                    // The socket is full: EPOLLOUT takes over; nothing is held any more.
+                    conn.flush_now = true;
+                }
+            } else {
+                conn.hold_since = None;
+                conn.flush_now = false;
             }
             if !conn.withheld.is_empty()
                 && let Some(region) = &self.region
@@ -624,7 +695,7 @@ impl NativeTransport {
             }
             let want = (
                 conn.state.wants_input(),
-                !conn.state.unsent().is_empty(),
+                !conn.state.unsent().is_empty() && !hold,
                 !conn.rdhup,
             );
             if want != conn.registered {
@@ -648,6 +719,32 @@ impl NativeTransport {
                 conn.registered = want;
             }
         }
+    }
+
+    /// When the earliest hold has ended, every held connection goes back into `dirty` (and
+    /// out of `held`): one wake-up per hold period writes them all, instead of one per
+    /// connection (a frame then waits between zero and `stream_coalesce`).
+    fn release_due_holds(&mut self, dirty: &mut Vec<usize>) {
+        if self.next_hold_deadline() != Some(Duration::ZERO) {
+            return;
+        }
+        for idx in self.held.drain(..) {
+            if let Some(c) = self.conns.get_mut(idx).filter(|c| c.held) {
+                c.held = false;
+                c.flush_now = true;
+                dirty.push(idx);
+            }
+        }
+    }
+
+    /// How long until the earliest held connection must be written.
+    fn next_hold_deadline(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.held
+            .iter()
+            .filter_map(|&i| self.conns.get(i).filter(|c| c.held)?.hold_since)
+            .map(|t| (t + self.cfg.stream_coalesce).saturating_duration_since(now))
+            .min()
     }
 
     /// Everything owed has been written and the server ends the connection (an error that
@@ -760,6 +857,13 @@ impl NativeTransport {
     /// Stop accepting and reading; give outstanding requests `drain_timeout` to complete.
     fn drain(&mut self) {
         self.listener = None;
+        // Nothing waits any more: held frames go out with everything else.
+        self.cfg.stream_coalesce = Duration::ZERO;
+        for (_, c) in self.conns.iter_mut() {
+            c.flush_now = true;
+            c.held = false;
+        }
+        self.held.clear();
         let mut b = [0u8; 64];
         let _ = (&self.shutdown_rx).read(&mut b);
         let deadline = Instant::now() + self.cfg.drain_timeout;
@@ -793,6 +897,7 @@ fn write_out(conn: &mut Conn, stats: &mut TransportStats) -> bool {
             Ok(0) => return false,
             Ok(n) => {
                 stats.bytes_out += n as u64;
+                stats.writes += 1;
                 conn.state.advance(n);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,

@@ -50,6 +50,11 @@ pub struct TransportStats {
     pub acks: u64,
     /// Of those, acknowledgements held back while their connection was over its limit.
     pub acks_withheld: u64,
+    /// Write system calls that sent reply bytes (native transport).
+    pub writes: u64,
+    /// Times a connection's token frames were held back to go out with later ones
+    /// (`NativeConfig::stream_coalesce`).
+    pub writes_held: u64,
 }
 
 impl TransportStats {
@@ -106,8 +111,14 @@ impl std::fmt::Display for TransportStats {
         )?;
         writeln!(
             f,
-            "streams: {} acks ({} withheld first), {} cancel markers ({} waited for room)",
-            self.acks, self.acks_withheld, self.cancels, self.cancels_deferred
+            "streams: {} acks ({} withheld first), {} cancel markers ({} waited for room); \
+             writes: {} ({} times frames were held to coalesce)",
+            self.acks,
+            self.acks_withheld,
+            self.cancels,
+            self.cancels_deferred,
+            self.writes,
+            self.writes_held
         )?;
         write!(
             f,

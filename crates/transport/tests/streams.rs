@@ -22,7 +22,7 @@ use bgs_protocol::{FramerConfig, Op, ReplyHeader, RequestHeader, Status, encode_
 use bgs_ring::{MAX_STREAMS, OP_CANCEL, OP_REJECT, RingConfig, RingRegion};
 use bgs_transport::conn::ConnLimits;
 use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
-use bgs_transport::{NativeConfig, NativeTransport, ShutdownHandle};
+use bgs_transport::{NativeConfig, NativeTransport, ShutdownHandle, TransportStats};
 
 /// Frames of one stream the fake executor keeps unacknowledged at most.
 const WINDOW: u32 = 16;
@@ -30,6 +30,9 @@ const WINDOW: u32 = 16;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Native,
+    /// The native transport holding token frames up to this many milliseconds
+    /// (`NativeConfig::stream_coalesce`).
+    NativeCoalesce(u64),
     KernelLoop,
     /// `--reply executor-sqe` with adaptive submission (the default).
     KernelSqe,
@@ -289,6 +292,8 @@ struct Server {
     exec: std::thread::JoinHandle<()>,
     obs: Arc<Mutex<Obs>>,
     region: Arc<RingRegion>,
+    /// The native transport's counters once it stopped.
+    native_stats: Arc<Mutex<Option<TransportStats>>>,
 }
 
 fn framer() -> FramerConfig {
@@ -299,9 +304,10 @@ fn framer() -> FramerConfig {
 }
 
 fn start(kind: Kind, limits: ConnLimits) -> Server {
+    let native_stats = Arc::new(Mutex::new(None));
     let (addr, handle, region, waker, transport): (_, _, _, _, std::thread::JoinHandle<()>) =
         match kind {
-            Kind::Native => {
+            Kind::Native | Kind::NativeCoalesce(_) => {
                 let region = Arc::new(
                     RingRegion::new(RingConfig {
                         request_slots: 4096,
@@ -313,12 +319,17 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
                     listen: "127.0.0.1:0".parse().unwrap(),
                     limits,
                     framer: framer(),
+                    stream_coalesce: match kind {
+                        Kind::NativeCoalesce(ms) => Duration::from_millis(ms),
+                        _ => Duration::ZERO,
+                    },
                     ..NativeConfig::default()
                 };
                 let t = NativeTransport::bind(cfg, Some(region.clone())).unwrap();
                 let (addr, handle, waker) = (t.local_addr(), t.shutdown_handle(), t.waker());
+                let out = native_stats.clone();
                 let th = std::thread::spawn(move || {
-                    t.run().unwrap();
+                    *out.lock().unwrap() = Some(t.run().unwrap());
                 });
                 (addr, handle, region, Some(waker), th)
             }
@@ -388,6 +399,7 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
         exec,
         obs,
         region,
+        native_stats,
     }
 }
 
@@ -435,11 +447,13 @@ impl Server {
         }
     }
 
-    fn stop(self) {
+    /// Stop the server; the native transport's counters (None for the kernel transport).
+    fn stop(self) -> Option<TransportStats> {
         self.handle.shutdown();
         self.transport.join().unwrap();
         self.stop.store(true, Ordering::Release);
         self.exec.join().unwrap();
+        self.native_stats.lock().unwrap().take()
     }
 }
 
@@ -792,7 +806,7 @@ fn flood(kind: Kind) {
         let _ = w.shutdown(Shutdown::Write);
         sent
     });
-    if kind == Kind::Native {
+    if matches!(kind, Kind::Native | Kind::NativeCoalesce(_)) {
         std::thread::sleep(Duration::from_millis(300));
     } else {
         // Without a reader every reply stays in the server: once the stage holds more than
@@ -813,7 +827,8 @@ fn flood(kind: Kind) {
         }
         let hd = ReplyHeader::decode(&h);
         // The kernel transport admits by ring capacity: a full request ring answers busy.
-        let busy = kind != Kind::Native && hd.status == Status::Busy as u16;
+        let busy = !matches!(kind, Kind::Native | Kind::NativeCoalesce(_))
+            && hd.status == Status::Busy as u16;
         let want = if busy { (got, 21, 0) } else { (got, 0, 256) };
         assert_eq!((hd.request_id, hd.status, hd.words), want);
         if a.read_exact(&mut p[..hd.words as usize * 4]).is_err() {
@@ -823,7 +838,7 @@ fn flood(kind: Kind) {
     };
     let sent = writer.join().unwrap();
     match kind {
-        Kind::Native => {
+        Kind::Native | Kind::NativeCoalesce(_) => {
             assert!(!ended_early, "every request answered");
             assert_eq!(sent, N);
             expect_eof(&mut a);
@@ -911,4 +926,99 @@ fn kernel_sqpoll_only_streams_arrive_in_order_binary_and_http() {
 #[test]
 fn kernel_sqpoll_only_reader_that_stops_stalls_the_stream_until_it_reads() {
     stopped_reader(Kind::KernelSqpoll);
+}
+
+// Holding token frames to coalesce their writes (`NativeConfig::stream_coalesce`): every test
+// above must hold with a hold of a few steps, and the holds themselves behave as documented.
+
+#[test]
+fn native_coalescing_streams_arrive_in_order_binary_and_http() {
+    in_order(Kind::NativeCoalesce(5));
+}
+
+#[test]
+fn native_coalescing_pipelined_stream_is_held_within_the_limit() {
+    pipelined_stream_is_held(Kind::NativeCoalesce(5));
+}
+
+#[test]
+fn native_coalescing_reader_that_stops_stalls_the_stream_until_it_reads() {
+    stopped_reader(Kind::NativeCoalesce(5));
+}
+
+#[test]
+fn native_coalescing_ended_connections_publish_one_cancel_each() {
+    ended_connections_cancel(Kind::NativeCoalesce(5));
+}
+
+/// With a hold far longer than the stream: the first token goes out at once, the other
+/// tokens wait, and the final frame takes them all in one write.
+#[test]
+fn native_coalescing_writes_first_token_at_once_and_the_rest_with_the_final_frame() {
+    let server = start(Kind::NativeCoalesce(10_000), ConnLimits::default());
+    let mut a = connect(server.addr);
+    let t0 = Instant::now();
+    // 30 tokens, one every 2 ms (the first at once): the stream takes ~60 ms.
+    a.write_all(&generate(1, 30, 2, 0)).unwrap();
+    let (h, w) = read_frame(&mut a);
+    assert_eq!((h.request_id, h.seq, w), (1, 0, vec![0]));
+    let first = Instant::now();
+    // The rest: tokens 1..30 and the final frame, all in order.
+    for k in 1..30 {
+        let (h, w) = read_frame(&mut a);
+        assert_eq!(
+            (h.request_id, h.status, h.seq, w),
+            (1, Status::Token as u16, k, vec![k])
+        );
+    }
+    // The 29 tokens after the first take >= 58 ms to produce: a first token held with them
+    // would arrive with them.
+    let gap = first.elapsed();
+    assert!(
+        gap > Duration::from_millis(30),
+        "token 1 came {gap:?} after token 0: the first token was held"
+    );
+    let (h, w) = read_frame(&mut a);
+    assert_eq!(
+        (h.request_id, h.status, h.seq, w),
+        (1, Status::EndOfStream as u16, 30, vec![1, 30])
+    );
+    // Well before the 10 s hold: the final frame flushed what waited.
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+    drop(a);
+    server.check_one_cancel_per_connection(1);
+    server.check_acks_balance();
+    let stats = server.stop().expect("native stats");
+    // One write for the first token, one for everything else (a partial write would add
+    // one; the 31 frames are 868 bytes).
+    assert!(stats.writes <= 3, "{} writes for one stream", stats.writes);
+    assert!(stats.writes_held >= 1, "{stats}");
+    assert_eq!(stats.replies, 31);
+}
+
+/// A held frame leaves when its hold ends, without waiting for the next frame.
+#[test]
+fn native_coalescing_hold_ends_on_time_without_a_later_frame() {
+    let server = start(Kind::NativeCoalesce(20), ConnLimits::default());
+    let mut a = connect(server.addr);
+    // 3 tokens 400 ms apart: token 1 is held for 20 ms, long before token 2 is published.
+    a.write_all(&generate(1, 3, 400, 0)).unwrap();
+    let mut at = Vec::new();
+    for k in 0..3 {
+        let (h, _) = read_frame(&mut a);
+        assert_eq!((h.seq, h.status), (k, Status::Token as u16));
+        at.push(Instant::now());
+    }
+    let (h, _) = read_frame(&mut a);
+    assert_eq!((h.seq, h.status), (3, Status::EndOfStream as u16));
+    // Token 1 arrived alone, ~400 ms after token 0 and ~400 ms before token 2: had it waited
+    // for a later frame it would arrive with token 2.
+    let gap = at[2] - at[1];
+    assert!(
+        gap > Duration::from_millis(200),
+        "token 1 arrived {gap:?} before token 2: it waited for it"
+    );
+    drop(a);
+    let stats = server.stop().expect("native stats");
+    assert!(stats.writes_held >= 2, "{stats}");
 }

@@ -1,0 +1,295 @@
+//! What a streamed token costs the native transport, in the GPU step loop's regime, without a
+//! GPU: a fake executor publishes one token frame for every live stream once per step
+//! (`--step-us`, 1,800 by default: the Qwen2.5-0.5B shape's decode step on the H200) and wakes
+//! the transport once per step, like the step loop's monitor. Closed-loop clients keep
+//! `--streams` generate requests of `--tokens` tokens going. The transport thread's CPU
+//! (schedstat) per frame and per request, its writes and epoll waits, for each configuration:
+//! the timed wait (`poll`: a 100 us `epoll_wait` while requests are outstanding; `wake`: the
+//! executor's wake-up with a 10 ms safety net) and the coalescing hold
+//! (`NativeConfig::stream_coalesce`).
+//!
+//! `cargo run --release -p bgs-transport --example stream_cost -- [--step-us N] [--streams N]
+//! [--tokens N] [--secs S] [--holds-us 0,2000,8000] [--transport-cpu C] [--load-cpu C]`
+//!
+//! The transport thread is pinned to `--transport-cpu` (0), the executor and the clients to
+//! `--load-cpu` (1). On loopback the client's receive processing runs in the writer's context:
+//! part of what the transport thread pays per write is the client's TCP receive.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bgs_protocol::{Op, ReplyHeader, RequestHeader, Status, encode_request};
+use bgs_ring::{RingConfig, RingRegion};
+use bgs_transport::{NativeConfig, NativeTransport};
+
+struct Args {
+    step: Duration,
+    streams: usize,
+    tokens: u32,
+    secs: f64,
+    holds: Vec<u64>,
+    transport_cpu: usize,
+    load_cpu: usize,
+}
+
+fn parse() -> Args {
+    let mut a = Args {
+        step: Duration::from_micros(1800),
+        streams: 24,
+        tokens: 64,
+        secs: 4.0,
+        holds: vec![0, 2000, 8000],
+        transport_cpu: 0,
+        load_cpu: 1,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    for pair in argv.chunks(2) {
+        let (k, v) = (&pair[0], pair.get(1).expect("every flag takes a value"));
+        match k.as_str() {
+            "--step-us" => a.step = Duration::from_micros(v.parse().expect("--step-us")),
+            "--streams" => a.streams = v.parse().expect("--streams"),
+            "--tokens" => a.tokens = v.parse().expect("--tokens"),
+            "--secs" => a.secs = v.parse().expect("--secs"),
+            "--holds-us" => {
+                a.holds = v
+                    .split(',')
+                    .map(|h| h.parse().expect("--holds-us"))
+                    .collect();
+            }
+            "--transport-cpu" => a.transport_cpu = v.parse().expect("--transport-cpu"),
+            "--load-cpu" => a.load_cpu = v.parse().expect("--load-cpu"),
+            _ => panic!("unknown flag {k}"),
+        }
+    }
+    a
+}
+
+fn pin(cpu: usize) {
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(cpu);
+    if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
+        eprintln!("pinning to CPU {cpu}: {e} (left unpinned)");
+    }
+}
+
+fn thread_run_ns(tid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+struct Live {
+    conn: u64,
+    conn_seq: u32,
+    id: u32,
+    route: u32,
+    stream: u32,
+    next: u32,
+    tokens: u32,
+}
+
+/// One step a `step` apart: take new requests, publish a frame per live stream, wake once.
+fn executor(
+    region: &RingRegion,
+    waker: &(dyn Fn() + Send + Sync),
+    step: Duration,
+    stop: &AtomicBool,
+) {
+    let mut live: Vec<Live> = Vec::new();
+    let mut free: Vec<u32> = (1..=bgs_ring::MAX_STREAMS as u32).rev().collect();
+    let mut next_step = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        while let Some(e) = region.requests().try_pop(|e| e.clone()) {
+            if e.op == Op::Generate as u16 {
+                live.push(Live {
+                    conn: e.conn,
+                    conn_seq: e.conn_seq,
+                    id: e.request_id,
+                    route: e.route,
+                    stream: free.pop().expect("a free stream"),
+                    next: 0,
+                    tokens: e.param,
+                });
+            }
+        }
+        let now = Instant::now();
+        if now < next_step {
+            std::thread::sleep((next_step - now).min(Duration::from_micros(200)));
+            continue;
+        }
+        next_step += step;
+        let mut published = false;
+        live.retain_mut(|s| {
+            let final_ = s.next == s.tokens;
+            let pushed = region.completions().try_push(|c| {
+                c.conn = s.conn;
+                c.conn_seq = s.conn_seq;
+                c.status = if final_ {
+                    Status::EndOfStream
+                } else {
+                    Status::Token
+                } as u16;
+                c.final_ = u16::from(final_);
+                c.request_id = s.id;
+                c.words = 1;
+                c.stream_seq = s.next;
+                c.route = s.route;
+                c.stream = s.stream;
+                c.payload[0] = s.next;
+            });
+            if pushed.is_err() {
+                return true; // ring full: this stream's frame waits for the next step
+            }
+            published = true;
+            s.next += 1;
+            if final_ {
+                free.push(s.stream);
+            }
+            !final_
+        });
+        if published {
+            let ring = region.completions();
+            if ring.has_sleepers() {
+                ring.notify();
+                waker();
+            }
+        }
+    }
+}
+
+fn client(addr: std::net::SocketAddr, tokens: u32, until: Instant, done: &AtomicU64) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_nodelay(true).unwrap();
+    let mut id = 0u32;
+    let mut h = [0u8; 24];
+    let mut w = [0u8; 4];
+    while Instant::now() < until {
+        id += 1;
+        let mut req = Vec::new();
+        // A two-token prompt (the fake executor ignores it).
+        encode_request(
+            &mut req,
+            &RequestHeader::new(Op::Generate, id, 2, tokens),
+            &[1, 2],
+        );
+        s.write_all(&req).unwrap();
+        for _ in 0..=tokens {
+            s.read_exact(&mut h).unwrap();
+            let hd = ReplyHeader::decode(&h);
+            assert!(
+                hd.status == Status::Token as u16 || hd.status == Status::EndOfStream as u16,
+                "request {id}: status {}",
+                hd.status
+            );
+            for _ in 0..hd.words {
+                s.read_exact(&mut w).unwrap();
+            }
+        }
+        done.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn run(a: &Args, poll: bool, hold_us: u64) {
+    let region = Arc::new(
+        RingRegion::new(RingConfig {
+            request_slots: 4096,
+            completion_slots: 16384,
+        })
+        .unwrap(),
+    );
+    let cfg = NativeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        wake_timeout: (!poll).then_some(Duration::from_millis(10)),
+        stream_coalesce: Duration::from_micros(hold_us),
+        ..NativeConfig::default()
+    };
+    let t = NativeTransport::bind(cfg, Some(region.clone())).expect("bind");
+    let (addr, handle, waker) = (t.local_addr(), t.shutdown_handle(), t.waker());
+    let tid = Arc::new(Mutex::new(0));
+    let tid2 = tid.clone();
+    let cpu = a.transport_cpu;
+    let transport = std::thread::spawn(move || {
+        pin(cpu);
+        *tid2.lock().unwrap() = rustix::thread::gettid().as_raw_nonzero().get();
+        t.run().expect("transport")
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let (r2, s2, step, load_cpu) = (region.clone(), stop.clone(), a.step, a.load_cpu);
+    let exec = std::thread::spawn(move || {
+        pin(load_cpu);
+        executor(&r2, &*waker, step, &s2)
+    });
+    // Warm-up: a second of the same load, not measured.
+    let done = Arc::new(AtomicU64::new(0));
+    let warm = Duration::from_secs(1);
+    let start = Instant::now();
+    let until = start + warm + Duration::from_secs_f64(a.secs);
+    let clients: Vec<_> = (0..a.streams)
+        .map(|_| {
+            let (d, tokens) = (done.clone(), a.tokens);
+            std::thread::spawn(move || {
+                pin(load_cpu);
+                client(addr, tokens, until, &d)
+            })
+        })
+        .collect();
+    std::thread::sleep(warm);
+    let tid = *tid.lock().unwrap();
+    let (run0, done0, t0) = (
+        thread_run_ns(tid),
+        done.load(Ordering::Relaxed),
+        Instant::now(),
+    );
+    std::thread::sleep(Duration::from_secs_f64(a.secs));
+    let (run1, done1, secs) = (
+        thread_run_ns(tid),
+        done.load(Ordering::Relaxed),
+        t0.elapsed().as_secs_f64(),
+    );
+    for c in clients {
+        c.join().unwrap();
+    }
+    handle.shutdown();
+    let stats = transport.join().unwrap();
+    stop.store(true, Ordering::Release);
+    exec.join().unwrap();
+    let reqs = (done1 - done0).max(1) as f64;
+    let frames = reqs * f64::from(a.tokens + 1);
+    let us = (run1 - run0) as f64 / 1e3;
+    let all = stats.completions.max(1) as f64;
+    println!(
+        "| {} | {} | {:.0} | {:.2} | {:.1} | {:.1} | {:.1} |",
+        if poll {
+            "100 us poll"
+        } else {
+            "wake-up, 10 ms net"
+        },
+        hold_us,
+        reqs / secs,
+        us / frames,
+        us / reqs,
+        stats.writes as f64 / all * f64::from(a.tokens + 1),
+        stats.epoll_waits as f64 / all * f64::from(a.tokens + 1),
+    );
+}
+
+fn main() {
+    let a = parse();
+    println!(
+        "step {:?}, {} closed-loop streams of {} tokens, {} s per configuration (transport on CPU {}, load on CPU {})\n",
+        a.step, a.streams, a.tokens, a.secs, a.transport_cpu, a.load_cpu
+    );
+    println!(
+        "| transport wait | hold us | requests/s | transport us/frame | transport us/request | writes/request | epoll waits/request |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for poll in [true, false] {
+        for &h in &a.holds {
+            run(&a, poll, h);
+        }
+    }
+}
