@@ -12,7 +12,8 @@
 # Runs ON the GPU machine from the repo root. Writes OUT_DIR/summary.json (date, machine,
 # command, revision) and the logs.
 # Usage: bash bench/gpu/generate.sh BIN_DIR OUT_DIR   (BIN_DIR: bgs, bgs-llm-gpu, REVISION)
-# PARTS (default "check hf bench served openai") picks parts; SECS (default 30) is the paper
+# PARTS (default "check hf bench served openai") picks parts, STEP_LOOP (host|device) the step
+# loop of the served parts; SECS (default 30) is the paper
 # workload's duration per slot count.
 set -uo pipefail
 bin=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); work=/tmp/bgs-gen
@@ -22,6 +23,9 @@ export XDG_CACHE_HOME=/tmp/bgs-cache
 export BGS_QWEN_TOKENIZER=${BGS_QWEN_TOKENIZER:-$bin/qwen-tokenizer.json}
 SECS=${SECS:-30}
 PARTS=${PARTS:-check hf bench served openai}
+# STEP_LOOP (default host): where the served parts run the step loop (device: every path of
+# issue 9 part 6 through the resident loop; `--reply executor-sqe` is refused with it).
+STEP_LOOP=${STEP_LOOP:-host}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 log() { echo "$*" | tee -a "$out/steps.log"; }
 # step NAME TIMEOUT CMD...: run, keep the output, log rc and the last line.
@@ -83,7 +87,8 @@ port=7990
 start_server() {
   local name=$1; shift
   rm -f "$work/$name.server.log"
-  "$bin/bgs" serve --listen 127.0.0.1:$port --cpus 0-3 --executor gpu "$@" >"$work/$name.server.log" 2>&1 &
+  "$bin/bgs" serve --listen 127.0.0.1:$port --cpus 0-3 --executor gpu --gpu-step-loop "$STEP_LOOP" "$@" \
+    >"$work/$name.server.log" 2>&1 &
   spid=$!
   for _ in $(seq 600); do grep -q listening "$work/$name.server.log" 2>/dev/null && return 0; sleep 0.1; done
   log "$name: server did not start: $(tail -3 "$work/$name.server.log")"; return 1
@@ -107,7 +112,8 @@ for slots in 16 32; do
     stop_server
   fi
 done
-for reply in loop executor-sqe; do
+replies="loop executor-sqe"; [ "$STEP_LOOP" = device ] && replies=loop
+for reply in $replies; do
   port=$((port + 2))
   if start_server "kernel-$reply" --transport kernel --reply "$reply" --model "$work/qwen2.5-0.5b" --slots 32 --api-listen off; then
     gen_load "paper-kernel-$reply" --rate 192 --duration 10 --warmup 2 --prompts 64

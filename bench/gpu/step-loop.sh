@@ -11,6 +11,7 @@
 #  3. the paper workload on the Qwen2.5-0.5B shape (bf16; 16-32-token prompts, 64 tokens, EOS
 #     ignored, 192 req/s, 128 connections) at slots 16/32/64 with the device loop and, beside
 #     it, the host loop (today's default): server CPU per request, p99, TTFT;
+#     3b: the same with token frames held 8 ms to share writes (--stream-coalesce-us);
 #  4. saturation at 256 slots (served tokens/s).
 # Runs ON the GPU machine from the repo root. Usage: bash bench/gpu/step-loop.sh BIN_DIR OUT_DIR
 # (BIN_DIR: bgs, REVISION, qwen-tokenizer.json). SECS (default 20): paper workload duration;
@@ -149,6 +150,21 @@ for slots in ${SLOTS-16 32 64}; do
       gen_load "paper-$loop-s$slots" --prompt-tokens 24 --max-tokens 64 --ignore-eos \
         --connections 128 --rate 192 --duration "$SECS" --warmup 2 --prompts 64
       stop_server "qwen-$loop-s$slots"
+    fi
+  done
+done
+
+# 3b. The same workload with token frames held to share writes (--stream-coalesce-us, docs/cost.md
+#     "Streams"): 32 slots, each loop. COALESCE (default "8000"; empty skips) lists the holds.
+for hold in ${COALESCE-8000}; do
+  for loop in ${LOOPS:-device host}; do
+    [ "$loop" = device ] && [ "$device_ok" = 0 ] && continue
+    port=$((port + 2))
+    if start_server "qwen-$loop-s32-hold$hold" --model "$work/qwen2.5-0.5b" --slots 32 \
+      --gpu-step-loop $loop --stream-coalesce-us "$hold"; then
+      gen_load "paper-$loop-s32-hold$hold" --prompt-tokens 24 --max-tokens 64 --ignore-eos \
+        --connections 128 --rate 192 --duration "$SECS" --warmup 2 --prompts 64
+      stop_server "qwen-$loop-s32-hold$hold"
     fi
   done
 done
