@@ -68,8 +68,9 @@ pub struct NativeConfig {
     /// Hold a connection's streamed token frames up to this long, so that the frames of
     /// several steps leave in one write (zero: write at once, the default). A stream's first
     /// token, the frame that ends it, a one-shot reply and an error are never held, and they
-    /// flush what waits before them. Trades token latency (at most this much) for the per-write cost of TCP,
-    /// which on loopback includes the client's receive processing (docs/cost.md).
+    /// flush what waits before them. Trades token latency (at most this much) for the
+    /// per-write cost of TCP, which on loopback includes the client's receive processing
+    /// (docs/cost.md, "Streams").
     pub stream_coalesce: Duration,
 }
 
