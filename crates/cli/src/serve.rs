@@ -60,6 +60,11 @@ pub enum DispatcherKind {
 /// How the transport learns that the GPU published a completion.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum GpuWakeKind {
+    /// The native transport looks for each completion when it is expected, learned from the
+    /// completions (publish to reap), backing off to `--poll-us` when one is late
+    /// (docs/cost.md, "Paced polling"). The kernel transport's reply loop polls on its timer
+    /// (`--reply-timer-us`) as with `poll`.
+    Paced,
     /// The transport polls the completion ring on its short timer (`--poll-us`,
     /// `--reply-timer-us`) while requests are outstanding.
     Poll,
@@ -137,10 +142,11 @@ pub struct ServeArgs {
     /// slots, 0..=64 (0: one per 8 slots, at most 2; never more than the slots).
     #[arg(long, default_value_t = 0, value_parser = args::int(0usize, 64))]
     pub gpu_schedulers: usize,
-    /// GPU executor: how the transport learns of completions. `poll`: it polls on its short
-    /// timer while requests are outstanding. `interrupt`: the completion notifier wakes it
-    /// (native, or kernel `--reply loop`; docs/gpu.md, docs/cost.md).
-    #[arg(long, value_enum, default_value = "poll")]
+    /// GPU executor: how the transport learns of completions. `paced`: the native transport
+    /// looks when each completion is expected (learned), at most `--poll-us` apart. `poll`: it
+    /// polls on its short timer while requests are outstanding. `interrupt`: the completion
+    /// notifier wakes it (native, or kernel `--reply loop`; docs/gpu.md, docs/cost.md).
+    #[arg(long, value_enum, default_value = "paced")]
     pub gpu_completion_wake: GpuWakeKind,
     /// Floor mode: the native transport answers echo itself, without ring or executor (so it
     /// takes no executor, ring or kernel-transport flags).
@@ -445,7 +451,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         cuda_home: args.cuda_home.clone(),
         schedulers: args.gpu_schedulers,
         completion_wake: match args.gpu_completion_wake {
-            GpuWakeKind::Poll => bgs_executor_gpu::CompletionWake::Poll,
+            GpuWakeKind::Paced | GpuWakeKind::Poll => bgs_executor_gpu::CompletionWake::Poll,
             GpuWakeKind::Interrupt => bgs_executor_gpu::CompletionWake::Interrupt,
         },
         ..Default::default()
@@ -845,6 +851,11 @@ fn serve_native(
         // cost it a ring slot per closed connection.
         cancel_markers: executor_kind != ExecutorKind::Gpu,
         stream_coalesce: Duration::from_micros(args.stream_coalesce_us),
+        // Only an executor that cannot wake the transport needs its looks paced: the one-shot
+        // GPU executor without its notifier.
+        pace_completions: executor_kind == ExecutorKind::Gpu
+            && args.generation.model.is_none()
+            && args.gpu_completion_wake == GpuWakeKind::Paced,
         ..NativeConfig::default()
     };
     let region = if args.floor {

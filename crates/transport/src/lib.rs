@@ -12,6 +12,7 @@ pub mod conn;
 pub mod credit;
 pub mod kernel;
 pub mod native;
+mod pace;
 pub mod stats;
 
 pub use native::{NativeConfig, NativeTransport, ShutdownHandle};

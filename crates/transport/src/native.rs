@@ -31,6 +31,7 @@ use slab::Slab;
 
 use crate::conn::{ConnLimits, ConnState, RequestSink, Submit};
 use crate::credit::{Withheld, ack, publish_cancel};
+use crate::pace::CompletionPacer;
 use crate::stats::{RequestMetrics, TransportStats};
 
 const LISTENER: u64 = u64::MAX;
@@ -72,6 +73,11 @@ pub struct NativeConfig {
     /// per-write cost of TCP, which on loopback includes the client's receive processing
     /// (docs/cost.md, "Streams").
     pub stream_coalesce: Duration,
+    /// The executor cannot wake the transport (the one-shot GPU executor in poll mode): while
+    /// requests are outstanding, look for completions when each is expected, learned from the
+    /// completions, instead of every `poll_interval` (`crate::pace`). `poll_interval` stays
+    /// the longest wait.
+    pub pace_completions: bool,
 }
 
 impl Default for NativeConfig {
@@ -88,6 +94,7 @@ impl Default for NativeConfig {
             stats_every: None,
             cancel_markers: true,
             stream_coalesce: Duration::ZERO,
+            pace_completions: false,
         }
     }
 }
@@ -172,6 +179,8 @@ pub struct NativeTransport {
     /// Connections whose token frames are held for coalescing (`Conn::held`); an index can
     /// be stale (closed, or reused by a connection that is not held) and is then dropped.
     held: Vec<usize>,
+    /// With `pace_completions`: when to look for completions.
+    pacer: Option<CompletionPacer>,
 }
 
 impl std::fmt::Debug for NativeTransport {
@@ -205,6 +214,8 @@ impl NativeTransport {
                 "the native transport needs a ring region unless it runs in floor mode",
             ));
         }
+        let pacer = (cfg.pace_completions && region.is_some() && !cfg.floor)
+            .then(|| CompletionPacer::new(cfg.poll_interval));
         let listener = TcpListener::bind(cfg.listen)?;
         listener.set_nonblocking(true)?;
         let local_addr = listener.local_addr()?;
@@ -241,6 +252,7 @@ impl NativeTransport {
             owed_cancels: VecDeque::new(),
             metrics: None,
             held: Vec::new(),
+            pacer,
         })
     }
 
@@ -271,6 +283,15 @@ impl NativeTransport {
 
     /// Serve until shut down; then drain outstanding replies (bounded) and close everything.
     pub fn run(mut self) -> io::Result<TransportStats> {
+        if self.pacer.is_some() {
+            // Paced looks are microseconds apart; the default 50 us timer slack would add up
+            // to 50 us to each (it applies to this thread's epoll timeouts).
+            if let Err(e) =
+                rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1_000))
+            {
+                tracing::debug!(error = %e, "native transport: timer slack left at its default");
+            }
+        }
         let mut events = Vec::with_capacity(256);
         let mut dirty: Vec<usize> = Vec::new();
         let mut next_stats = self.cfg.stats_every.map(|d| Instant::now() + d);
@@ -370,13 +391,17 @@ impl NativeTransport {
         Ok(self.stats)
     }
 
-    fn wait_timeout(&self) -> Option<Timespec> {
+    fn wait_timeout(&mut self) -> Option<Timespec> {
+        let paced = match &mut self.pacer {
+            Some(p) => p.wait(Instant::now(), self.outstanding),
+            None => None,
+        };
         let d = match (self.outstanding, self.lingering) {
             // Owed cancel markers wait for room in the request ring: retry soon.
             _ if !self.owed_cancels.is_empty() => self.cfg.poll_interval,
             (0, 0) => return None,
             (0, _) => Duration::from_millis(250),
-            _ => self.cfg.wake_timeout.unwrap_or(self.cfg.poll_interval),
+            _ => paced.unwrap_or(self.cfg.wake_timeout.unwrap_or(self.cfg.poll_interval)),
         };
         Some(Timespec {
             tv_sec: d.as_secs() as _,
@@ -533,7 +558,20 @@ impl NativeTransport {
         }
         let added = conn.state.queued() - before;
         self.outstanding += added;
+        self.paced_publish(added);
         added > 0
+    }
+
+    /// `added` requests were just queued (published, for those that reach the executor).
+    fn paced_publish(&mut self, added: usize) {
+        if let Some(p) = &mut self.pacer
+            && added > 0
+        {
+            let now = Instant::now();
+            for _ in 0..added {
+                p.published(now);
+            }
+        }
     }
 
     /// Reap every completion in the ring and hand it to its connection.
@@ -544,6 +582,7 @@ impl NativeTransport {
         let mut buf = [0u32; SLOT_WORDS];
         let coalesce = !self.cfg.stream_coalesce.is_zero();
         let mut now = None;
+        let mut reaped_ns = None;
         loop {
             let c = region.completions().try_pop(|e| {
                 let n = (e.words as usize).min(SLOT_WORDS);
@@ -557,12 +596,21 @@ impl NativeTransport {
                     e.request_id,
                     n,
                     e.stream,
+                    e.publish_ns,
                 )
             });
-            let Some((token, seq, status, final_, stream_seq, request_id, n, stream)) = c else {
+            let Some((token, seq, status, final_, stream_seq, request_id, n, stream, published)) =
+                c
+            else {
                 break;
             };
             self.stats.completions += 1;
+            if let Some(p) = &mut self.pacer
+                && published != 0
+            {
+                let now_ns = *reaped_ns.get_or_insert_with(bgs_ring::monotonic_ns);
+                p.completed(Duration::from_nanos(now_ns.saturating_sub(published)));
+            }
             let idx = (token & 0xffff_ffff) as usize;
             let generation = (token >> 32) as u32;
             let status = Status::from_u16(status).unwrap_or(Status::Internal);
@@ -637,6 +685,14 @@ impl NativeTransport {
                 conn.rbuf.drain(..used);
                 let added = conn.state.queued() - before;
                 self.outstanding += added;
+                if let Some(p) = &mut self.pacer
+                    && added > 0
+                {
+                    let now = *now.get_or_insert_with(Instant::now);
+                    for _ in 0..added {
+                        p.published(now);
+                    }
+                }
                 if added > 0
                     && let Some(r) = &self.region
                 {

@@ -22,10 +22,35 @@ struct Run {
     stats: TransportStats,
     /// Times the fake executor rang the waker.
     rings: u64,
+    /// Round trip of each request at the client.
+    rtts: Vec<Duration>,
 }
 
-/// One connection, `REQUESTS` echo requests one at a time; returns the transport's counters.
+/// How the transport waits and how the fake executor behaves.
+struct Setup {
+    wake_timeout: Option<Duration>,
+    pace: bool,
+    poll: Duration,
+    hold: Duration,
+    /// The executor rings the waker (the notifier); else it never wakes anyone (poll mode).
+    rings: bool,
+    requests: u32,
+}
+
 fn run(wake_timeout: Option<Duration>) -> Run {
+    run_with(&Setup {
+        wake_timeout,
+        pace: false,
+        poll: Duration::from_micros(100),
+        hold: HOLD,
+        rings: true,
+        requests: REQUESTS,
+    })
+}
+
+/// One connection, `requests` echo requests one at a time; returns the transport's counters.
+fn run_with(setup: &Setup) -> Run {
+    let (hold, ring_waker) = (setup.hold, setup.rings);
     let region = Arc::new(
         RingRegion::new(RingConfig {
             request_slots: 64,
@@ -35,8 +60,9 @@ fn run(wake_timeout: Option<Duration>) -> Run {
     );
     let cfg = NativeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
-        poll_interval: Duration::from_micros(100),
-        wake_timeout,
+        poll_interval: setup.poll,
+        wake_timeout: setup.wake_timeout,
+        pace_completions: setup.pace,
         // As for the GPU executor: no cancel markers.
         cancel_markers: false,
         ..NativeConfig::default()
@@ -59,14 +85,16 @@ fn run(wake_timeout: Option<Duration>) -> Run {
                             e.request_id,
                             e.route,
                             e.payload[..n].to_vec(),
+                            e.publish_ns,
                         )
                     })
                 });
-                let Some(Some((conn, conn_seq, request_id, route, payload))) = got else {
+                let Some(Some((conn, conn_seq, request_id, route, payload, publish_ns))) = got
+                else {
                     region.requests().wait_nonempty(Duration::from_millis(5));
                     continue;
                 };
-                std::thread::sleep(HOLD);
+                std::thread::sleep(hold);
                 region
                     .completions()
                     .try_push(|c| {
@@ -79,10 +107,13 @@ fn run(wake_timeout: Option<Duration>) -> Run {
                         c.stream_seq = 0;
                         c.route = route;
                         c.stream = 0;
+                        // As the executors do: the request's publish time comes back (the
+                        // transport's pacing learns the service time from it).
+                        c.publish_ns = publish_ns;
                         c.payload[..payload.len()].copy_from_slice(&payload);
                     })
                     .unwrap();
-                if region.completions().has_sleepers() {
+                if ring_waker && region.completions().has_sleepers() {
                     rings.fetch_add(1, Ordering::Relaxed);
                     waker();
                 }
@@ -94,9 +125,11 @@ fn run(wake_timeout: Option<Duration>) -> Run {
     // Far below the 60 s safety timeout of the interrupt case: a reply that only a timeout
     // could deliver fails the test instead of passing slowly.
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    for id in 1..=REQUESTS {
+    let mut rtts = Vec::new();
+    for id in 1..=setup.requests {
         let mut out = Vec::new();
         encode_request(&mut out, &RequestHeader::new(Op::Echo, id, 1, 0), &[id * 7]);
+        let t0 = std::time::Instant::now();
         s.write_all(&out).unwrap();
         let mut h = [0u8; 24];
         s.read_exact(&mut h).unwrap();
@@ -108,6 +141,7 @@ fn run(wake_timeout: Option<Duration>) -> Run {
         let mut p = [0u8; 4];
         s.read_exact(&mut p).unwrap();
         assert_eq!(u32::from_le_bytes(p), id * 7);
+        rtts.push(t0.elapsed());
     }
     drop(s);
     handle.shutdown();
@@ -117,6 +151,7 @@ fn run(wake_timeout: Option<Duration>) -> Run {
     Run {
         stats,
         rings: rings.load(Ordering::Relaxed),
+        rtts,
     }
 }
 
@@ -148,4 +183,33 @@ fn interrupt_mode_wakes_on_the_waker_not_on_a_timer() {
         polled.stats.epoll_waits,
         woken.stats.epoll_waits
     );
+}
+
+/// An executor that cannot wake the transport and answers in 2 ms, with a 40 ms poll: the
+/// fixed poll finds each answer at its timer (~40 ms); paced looks find them near 2 ms once
+/// the first answers taught the pacer.
+#[test]
+fn paced_polling_finds_completions_when_they_are_expected() {
+    let setup = |pace| Setup {
+        wake_timeout: None,
+        pace,
+        poll: Duration::from_millis(40),
+        hold: Duration::from_millis(2),
+        rings: false,
+        requests: 36,
+    };
+    // The first answer is found by the poll (40 ms); the estimate shrinks by an eighth per
+    // answer found on time: near 2 ms after ~25.
+    let median_of_last = |r: &Run| {
+        let mut v: Vec<Duration> = r.rtts[26..].to_vec();
+        v.sort();
+        v[v.len() / 2]
+    };
+    let paced = run_with(&setup(true));
+    let polled = run_with(&setup(false));
+    let (p, q) = (median_of_last(&paced), median_of_last(&polled));
+    eprintln!("median round trip, requests 27-36: paced {p:?}, 40 ms poll {q:?}");
+    assert_eq!(paced.stats.replies, 36);
+    assert!(p < Duration::from_millis(20), "paced: {p:?}");
+    assert!(q > Duration::from_millis(30), "polled: {q:?}");
 }
