@@ -58,6 +58,8 @@ start_server() { # name, then serve flags
 stop_server() {
   kill -TERM "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
   log "server log tail: $(tail -3 "$work/$1.server.log" | tr '\n' ' ')"
+  # The device loop's counters (steps, per-step times, monitor looks), when it ran.
+  grep -h "GPU step loop:" "$work/$1.server.log" | sed 's/^/  /' | tee -a "$out/steps.log"
 }
 gen_load() { # name, then load flags
   local name=$1; shift
