@@ -302,17 +302,9 @@ impl NativeTransport {
             self.reap(&mut dirty);
             self.release_due_holds(&mut dirty);
             self.flush_dirty(&mut dirty);
-            let mut timeout = self.wait_timeout();
-            if let Some(left) = self.next_hold_deadline() {
-                let left = Timespec {
-                    tv_sec: left.as_secs() as _,
-                    tv_nsec: left.subsec_nanos() as _,
-                };
-                timeout = Some(match timeout {
-                    Some(t) if (t.tv_sec, t.tv_nsec) < (left.tv_sec, left.tv_nsec) => t,
-                    _ => left,
-                });
-            }
+            // The wait: the shortest of the transport's own timeout, the earliest hold's end
+            // and the next stats print (None: until something happens).
+            let mut timeout = shortest(self.wait_timeout(), self.next_hold_deadline());
             if let Some(at) = next_stats {
                 let now = Instant::now();
                 if now >= at {
@@ -321,30 +313,24 @@ impl NativeTransport {
                 }
                 // Wake for the next print even when idle.
                 let left = next_stats.map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
-                let cap = Timespec {
-                    tv_sec: left.as_secs() as _,
-                    tv_nsec: left.subsec_nanos() as _,
-                };
-                timeout = Some(match timeout {
-                    Some(t) if (t.tv_sec, t.tv_nsec) < (cap.tv_sec, cap.tv_nsec) => t,
-                    _ => cap,
-                });
+                timeout = shortest(timeout, Some(left));
             }
             // Announce the sleep before waiting, so that an executor publishing after our
             // last reap writes the doorbell; if something arrived in between, don't sleep.
             let guard = self.region.as_ref().map(|r| r.completions().sleep_guard());
             let timeout = match &self.region {
-                Some(r) if !r.completions().is_empty() => Some(Timespec::default()),
+                Some(r) if !r.completions().is_empty() => Some(Duration::ZERO),
                 _ => timeout,
             };
             events.clear();
             self.stats.epoll_waits += 1;
             // Did this wait rely on the executor's wake-up (so a timeout is worth counting)?
             let wake_wait = self.cfg.wake_timeout.is_some_and(|w| {
-                self.outstanding > 0
-                    && self.owed_cancels.is_empty()
-                    && timeout
-                        .is_some_and(|t| Duration::new(t.tv_sec as u64, t.tv_nsec as u32) >= w)
+                self.outstanding > 0 && self.owed_cancels.is_empty() && timeout >= Some(w)
+            });
+            let timeout = timeout.map(|d| Timespec {
+                tv_sec: d.as_secs() as _,
+                tv_nsec: d.subsec_nanos() as _,
             });
             match epoll::wait(
                 &self.epoll,
@@ -391,21 +377,17 @@ impl NativeTransport {
         Ok(self.stats)
     }
 
-    fn wait_timeout(&mut self) -> Option<Timespec> {
+    fn wait_timeout(&mut self) -> Option<Duration> {
         let paced = match &mut self.pacer {
             Some(p) => p.wait(Instant::now(), self.outstanding),
             None => None,
         };
-        let d = match (self.outstanding, self.lingering) {
+        Some(match (self.outstanding, self.lingering) {
             // Owed cancel markers wait for room in the request ring: retry soon.
             _ if !self.owed_cancels.is_empty() => self.cfg.poll_interval,
             (0, 0) => return None,
             (0, _) => Duration::from_millis(250),
             _ => paced.unwrap_or(self.cfg.wake_timeout.unwrap_or(self.cfg.poll_interval)),
-        };
-        Some(Timespec {
-            tv_sec: d.as_secs() as _,
-            tv_nsec: d.subsec_nanos() as _,
         })
     }
 
@@ -558,20 +540,10 @@ impl NativeTransport {
         }
         let added = conn.state.queued() - before;
         self.outstanding += added;
-        self.paced_publish(added);
-        added > 0
-    }
-
-    /// `added` requests were just queued (published, for those that reach the executor).
-    fn paced_publish(&mut self, added: usize) {
-        if let Some(p) = &mut self.pacer
-            && added > 0
-        {
-            let now = Instant::now();
-            for _ in 0..added {
-                p.published(now);
-            }
+        if let Some(p) = &mut self.pacer {
+            p.published(added, Instant::now);
         }
+        added > 0
     }
 
     /// Reap every completion in the ring and hand it to its connection.
@@ -685,13 +657,8 @@ impl NativeTransport {
                 conn.rbuf.drain(..used);
                 let added = conn.state.queued() - before;
                 self.outstanding += added;
-                if let Some(p) = &mut self.pacer
-                    && added > 0
-                {
-                    let now = *now.get_or_insert_with(Instant::now);
-                    for _ in 0..added {
-                        p.published(now);
-                    }
+                if let Some(p) = &mut self.pacer {
+                    p.published(added, || *now.get_or_insert_with(Instant::now));
                 }
                 if added > 0
                     && let Some(r) = &self.region
@@ -796,6 +763,9 @@ impl NativeTransport {
 
     /// How long until the earliest held connection must be written.
     fn next_hold_deadline(&self) -> Option<Duration> {
+        if self.held.is_empty() {
+            return None;
+        }
         let now = Instant::now();
         self.held
             .iter()
@@ -944,6 +914,14 @@ impl NativeTransport {
         for idx in idxs {
             self.close(idx);
         }
+    }
+}
+
+/// The shorter of two optional waits (None: no limit).
+fn shortest(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

@@ -54,11 +54,15 @@ impl CompletionPacer {
         self.service
     }
 
-    /// A request was published into the ring at `at`.
-    pub fn published(&mut self, at: Instant) {
-        if self.due.len() < MAX_TRACKED {
-            self.due.push_back(at);
+    /// `n` requests were just published into the ring; `now` reads the clock (only when
+    /// `n > 0`).
+    pub fn published(&mut self, n: usize, now: impl FnOnce() -> Instant) {
+        if n == 0 {
+            return;
         }
+        let at = now();
+        let room = MAX_TRACKED.saturating_sub(self.due.len());
+        self.due.extend(std::iter::repeat_n(at, n.min(room)));
     }
 
     /// A completion was reaped `took` after its request was published.
@@ -137,7 +141,7 @@ mod tests {
             // Arrivals up to now are published (the transport wakes for input).
             while next_arrival < n && arrivals[next_arrival] <= now {
                 pending.push_back(arrivals[next_arrival]);
-                p.published(arrivals[next_arrival]);
+                p.published(1, || arrivals[next_arrival]);
                 next_arrival += 1;
             }
             // Reap what is done.
@@ -195,13 +199,13 @@ mod tests {
         let t0 = Instant::now();
         let us = |n: u64| t0 + Duration::from_micros(n);
         // No completion seen yet: the poll.
-        p.published(us(0));
+        p.published(1, || us(0));
         assert_eq!(p.wait(us(0), 1), Some(poll));
         p.completed(Duration::from_micros(40));
         assert_eq!(p.service(), Some(Duration::from_micros(40)));
         assert_eq!(p.wait(us(40), 0), None);
         // A request published at 100 is expected at 140: the transport sleeps until then.
-        p.published(us(100));
+        p.published(1, || us(100));
         assert_eq!(p.wait(us(100), 1), Some(Duration::from_micros(40)));
         // Past it and still outstanding: 10, 20, 40, 80, 100, 100 us.
         let waits: Vec<u64> = (0..6)
