@@ -18,27 +18,15 @@ use bgs_protocol::{Op, RequestHeader, encode_request};
 use bgs_ring::{RingConfig, RingRegion};
 use bgs_transport::{NativeConfig, NativeTransport};
 
+mod common;
+use common::{pin, thread_run_ns};
+
 fn arg(name: &str, default: u64) -> u64 {
     let argv: Vec<String> = std::env::args().collect();
     argv.iter()
         .position(|a| a == name)
         .and_then(|i| argv.get(i + 1))
         .map_or(default, |v| v.parse().expect(name))
-}
-
-fn pin(cpu: usize) {
-    let mut set = rustix::thread::CpuSet::new();
-    set.set(cpu);
-    if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
-        eprintln!("pinning to CPU {cpu}: {e} (left unpinned)");
-    }
-}
-
-fn thread_run_ns(tid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Answer each request `service` after its publish time, in order; never wake anyone.

@@ -25,6 +25,9 @@ use bgs_protocol::{Op, ReplyHeader, RequestHeader, Status, encode_request};
 use bgs_ring::{RingConfig, RingRegion};
 use bgs_transport::{NativeConfig, NativeTransport};
 
+mod common;
+use common::{pin, thread_run_ns};
+
 struct Args {
     step: Duration,
     streams: usize,
@@ -65,21 +68,6 @@ fn parse() -> Args {
         }
     }
     a
-}
-
-fn pin(cpu: usize) {
-    let mut set = rustix::thread::CpuSet::new();
-    set.set(cpu);
-    if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
-        eprintln!("pinning to CPU {cpu}: {e} (left unpinned)");
-    }
-}
-
-fn thread_run_ns(tid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 struct Live {
