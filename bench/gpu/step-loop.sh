@@ -143,16 +143,24 @@ else
   device_ok=0
 fi
 
+# One served run of the Qwen2.5-0.5B shape: NAME LOOP RATE DURATION SERVER_ARGS... (the load:
+# 24-token prompts, 64 tokens, EOS ignored, 128 connections). The device loop's runs are
+# skipped once its tiny-model checks failed.
+served() {
+  local name=$1 loop=$2 rate=$3 secs=$4; shift 4
+  [ "$loop" = device ] && [ "$device_ok" = 0 ] && return
+  port=$((port + 2))
+  if start_server "qwen-$name" --model "$work/qwen2.5-0.5b" --gpu-step-loop "$loop" "$@"; then
+    gen_load "$name" --prompt-tokens 24 --max-tokens 64 --ignore-eos \
+      --connections 128 --rate "$rate" --duration "$secs" --warmup 2 --prompts 64
+    stop_server "qwen-$name"
+  fi
+}
+
 # 3. The paper workload, device loop beside the host loop.
 for slots in ${SLOTS-16 32 64}; do
   for loop in ${LOOPS:-device host}; do
-    [ "$loop" = device ] && [ "$device_ok" = 0 ] && continue
-    port=$((port + 2))
-    if start_server "qwen-$loop-s$slots" --model "$work/qwen2.5-0.5b" --slots $slots --gpu-step-loop $loop; then
-      gen_load "paper-$loop-s$slots" --prompt-tokens 24 --max-tokens 64 --ignore-eos \
-        --connections 128 --rate 192 --duration "$SECS" --warmup 2 --prompts 64
-      stop_server "qwen-$loop-s$slots"
-    fi
+    served "paper-$loop-s$slots" "$loop" 192 "$SECS" --slots "$slots"
   done
 done
 
@@ -160,14 +168,7 @@ done
 #     "Streams"): 32 slots, each loop. COALESCE (default "8000"; empty skips) lists the holds.
 for hold in ${COALESCE-8000}; do
   for loop in ${LOOPS:-device host}; do
-    [ "$loop" = device ] && [ "$device_ok" = 0 ] && continue
-    port=$((port + 2))
-    if start_server "qwen-$loop-s32-hold$hold" --model "$work/qwen2.5-0.5b" --slots 32 \
-      --gpu-step-loop $loop --stream-coalesce-us "$hold"; then
-      gen_load "paper-$loop-s32-hold$hold" --prompt-tokens 24 --max-tokens 64 --ignore-eos \
-        --connections 128 --rate 192 --duration "$SECS" --warmup 2 --prompts 64
-      stop_server "qwen-$loop-s32-hold$hold"
-    fi
+    served "paper-$loop-s32-hold$hold" "$loop" 192 "$SECS" --slots 32 --stream-coalesce-us "$hold"
   done
 done
 
@@ -176,13 +177,7 @@ done
 #    100,000 at batch 256). SAT_SLOTS (default 256; empty skips) and SAT_RATE override.
 for slots in ${SAT_SLOTS-256}; do
   for loop in ${LOOPS:-device host}; do
-    [ "$loop" = device ] && [ "$device_ok" = 0 ] && continue
-    port=$((port + 2))
-    if start_server "qwen-sat-$loop-s$slots" --model "$work/qwen2.5-0.5b" --slots $slots --gpu-step-loop $loop; then
-      gen_load "sat-$loop-s$slots" --prompt-tokens 24 --max-tokens 64 --ignore-eos \
-        --connections 128 --rate "${SAT_RATE:-1500}" --duration 10 --warmup 2 --prompts 64
-      stop_server "qwen-sat-$loop-s$slots"
-    fi
+    served "sat-$loop-s$slots" "$loop" "${SAT_RATE:-1500}" 10 --slots "$slots"
   done
 done
 
