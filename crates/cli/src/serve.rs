@@ -838,7 +838,7 @@ fn serve_native(
         // GPU executor's completion notifier once per completion: the timed wait is only a
         // safety net for them. Polling every `--poll-us` while a stream is outstanding (for
         // seconds) cost 2.4x the transport CPU per request at the H200's 1.8 ms step
-        // (`examples/stream_cost.rs`: 912 against 378 us). One-shot requests on the CPU
+        // (`examples/stream_cost.rs`: 945 against 414 us). One-shot requests on the CPU
         // executor keep the short timed wait: they finish within it. (With the tiny test
         // model's 33 us steps on a one-CPU server the poll's batching is cheaper: docs/cost.md,
         // "Streams".)
