@@ -327,11 +327,19 @@ impl Emu {
                         let kvh = head / group;
                         let q = self.f32s(qkv + ((t * (qd + 2 * kvd) + head * hd) * 4) as u64, hd);
                         // Each warp's (max, sum, accumulator) over its groups of 32 positions
-                        // (group g to warp g % warps).
+                        // (group g to warp g % warps), in the kernel's row-split form when the
+                        // head is 2..16 whole 16-byte vectors (the emulator's allocations are
+                        // 256-aligned, so the cache always is), else the scalar form.
+                        let per16 = 16 / es as usize;
+                        let lr = hd / per16;
+                        let rows_form = hd % per16 == 0 && [2, 4, 8, 16].contains(&lr);
                         let mut states = Vec::with_capacity(warps);
                         for warp in 0..warps {
-                            let mut acc = vec![0f32; hd];
                             let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+                            // One accumulator per row of a warp-wide load (RP = 32 / LR rows)
+                            // in the row-split form, one in the scalar form.
+                            let rp = if rows_form { 32 / lr } else { 1 };
+                            let mut accs = vec![vec![0f32; hd]; rp];
                             let mut p0 = warp * 32;
                             while p0 <= last {
                                 let mut sc = [f32::NEG_INFINITY; 32];
@@ -339,14 +347,30 @@ impl Emu {
                                     let pp = p0 + lane;
                                     if pp <= last {
                                         let k = self.wts(addr(&table, pp, kvh, false), hd);
-                                        let mut dot = 0f32;
-                                        for d in 0..hd {
-                                            dot += q[d] * k[d];
-                                        }
+                                        let dot = if rows_form {
+                                            // LR partial sums of BGS_PER16 dimensions each,
+                                            // then the row's butterfly.
+                                            let parts: Vec<f32> = (0..lr)
+                                                .map(|part| {
+                                                    let mut d = 0f32;
+                                                    for i in part * per16..(part + 1) * per16 {
+                                                        d += q[i] * k[i];
+                                                    }
+                                                    d
+                                                })
+                                                .collect();
+                                            butterfly(&parts, |a, b| a + b)
+                                        } else {
+                                            let mut d = 0f32;
+                                            for i in 0..hd {
+                                                d += q[i] * k[i];
+                                            }
+                                            d
+                                        };
                                         *s = dot * scale;
                                     }
                                 }
-                                let gmax = butterfly(sc, f32::max);
+                                let gmax = butterfly(&sc, f32::max);
                                 let mn = m.max(gmax);
                                 let mut e = [0f32; 32];
                                 for lane in 0..32 {
@@ -355,19 +379,29 @@ impl Emu {
                                     }
                                 }
                                 let corr = (m - mn).exp();
-                                l = l * corr + butterfly(e, |a, b| a + b);
-                                for a in acc.iter_mut() {
+                                l = l * corr + butterfly(&e, |a, b| a + b);
+                                for a in accs.iter_mut().flatten() {
                                     *a *= corr;
                                 }
+                                // Position p0 + j goes to row j % RP's accumulator, each row's
+                                // positions in order.
                                 for (j, &w) in e.iter().enumerate().take((last - p0 + 1).min(32)) {
                                     let v = self.wts(addr(&table, p0 + j, kvh, true), hd);
-                                    for d in 0..hd {
-                                        acc[d] += w * v[d];
+                                    for (a, x) in accs[j % rp].iter_mut().zip(&v) {
+                                        *a += w * x;
                                     }
                                 }
                                 m = mn;
                                 p0 += 32 * warps;
                             }
+                            // The rows' accumulators meet in the butterfly (dimension by
+                            // dimension; one row: unchanged).
+                            let acc: Vec<f32> = (0..hd)
+                                .map(|d| {
+                                    let col: Vec<f32> = accs.iter().map(|a| a[d]).collect();
+                                    butterfly(&col, |a, b| a + b)
+                                })
+                                .collect();
                             states.push((m, l, acc));
                         }
                         let o: Vec<f32> = if warps == 1 {
@@ -440,7 +474,7 @@ impl Emu {
                                 *acc += wr[k] * xs[t * inp + k];
                             }
                         }
-                        ys[t * out + r] = butterfly(lanes, |a, b| a + b);
+                        ys[t * out + r] = butterfly(&lanes, |a, b| a + b);
                     }
                 }
                 self.put_f32s(y, &ys);
@@ -480,11 +514,18 @@ impl Emu {
     }
 }
 
-/// The xor butterfly of the kernels' `warp_sum` / `warp_max`, as lane 0 sees it.
-fn butterfly(mut v: [f32; 32], f: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut o = 16;
+/// The xor butterfly of the kernels' `warp_sum` / `warp_max` over `v.len()` lanes (a power of
+/// two; offsets len/2 .. 1), as lane 0 sees it.
+fn butterfly(v: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+    assert!(
+        v.len().is_power_of_two(),
+        "butterfly over {} lanes",
+        v.len()
+    );
+    let mut v = v.to_vec();
+    let mut o = v.len() / 2;
     while o > 0 {
-        let prev = v;
+        let prev = v.clone();
         for (l, x) in v.iter_mut().enumerate() {
             *x = f(prev[l], prev[l ^ o]);
         }
@@ -623,7 +664,7 @@ impl StepModel for EmuModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bgs_model::synth::{DType, SplitMix64, SynthArch, synth_weights};
+    use bgs_model::synth::{DType, SplitMix64, SynthArch, synth_config, synth_weights_for};
     use bgs_model::{CpuModel, KvConfig};
 
     /// Greedy generation with chunked prefill (the binary's driver, simplified): sequence `i`
@@ -705,11 +746,12 @@ mod tests {
     }
 
     fn check_arch(arch: SynthArch, dtype: GpuDtype, tol: f32, exact_tokens: bool, inv: bool) {
-        check_arch_with(arch, dtype, tol, exact_tokens, inv, 1, &[3, 9, 1, 14]);
+        let cfg = synth_config(arch);
+        check_arch_with(cfg, dtype, tol, exact_tokens, inv, 1, &[3, 9, 1, 14]);
     }
 
     fn check_arch_with(
-        arch: SynthArch,
+        cfg: ModelConfig,
         dtype: GpuDtype,
         tol: f32,
         exact_tokens: bool,
@@ -722,7 +764,8 @@ mod tests {
             GpuDtype::F16 => DType::F16,
             GpuDtype::Bf16 => DType::Bf16,
         };
-        let (cfg, w) = synth_weights(arch, 5, dt);
+        let arch = format!("{:?} head_dim {}", cfg.arch, cfg.head_dim);
+        let (cfg, w) = synth_weights_for(cfg, 5, dt);
         let bs = 4;
         let per = (lens.iter().max().unwrap() + 21).div_ceil(bs);
         // Token capacity 32 and 4 items: buckets and padding are exercised.
@@ -757,20 +800,20 @@ mod tests {
         let d = max_rel_diff(&cpu.step_logits(&items).unwrap(), &emu.step_logits(&items));
         assert!(
             d <= tol,
-            "{arch:?} {dtype:?}: prefill logits differ by {d} (tolerance {tol})"
+            "{arch} {dtype:?}: prefill logits differ by {d} (tolerance {tol})"
         );
         // Chunks of 5 over prompts of 3..14 tokens: mixed prefill/decode steps, 3..17 tokens.
         let want = generate(&mut cpu, &ps, 20, 5, per);
         let got = generate(&mut emu, &ps, 20, 5, per);
         if exact_tokens {
-            assert_eq!(want, got, "{arch:?} {dtype:?}: greedy tokens differ");
+            assert_eq!(want, got, "{arch} {dtype:?}: greedy tokens differ");
         }
         // Batch invariance through the same plan: each sequence alone.
         for (i, p) in ps.iter().enumerate() {
             let alone = generate(&mut emu, std::slice::from_ref(p), 20, 5, per);
             assert_eq!(
                 alone[0], got[i],
-                "{arch:?} {dtype:?}: sequence {i} alone differs"
+                "{arch} {dtype:?}: sequence {i} alone differs"
             );
         }
     }
@@ -787,7 +830,7 @@ mod tests {
     fn emulated_attention_across_warps_matches_the_cpu_oracle() {
         for warps in [2, 4] {
             check_arch_with(
-                SynthArch::TinyQwen2,
+                synth_config(SynthArch::TinyQwen2),
                 GpuDtype::F32,
                 1e-4,
                 true,
@@ -795,6 +838,36 @@ mod tests {
                 warps,
                 &[3, 100, 1, 130],
             );
+        }
+    }
+
+    /// Attention's forms by head size: 64 (the real models': the row-split form with 8 lanes
+    /// a row in bf16, 16 in f32), 24 (the scalar form: not whole 16-byte vectors in bf16, 6
+    /// lanes in f32) and 8 in bf16 (one vector a row: the scalar form), with 1 and 4 warps and
+    /// positions past 128: tokens in f32 equal the oracle's, each sequence alone equals the
+    /// batch.
+    #[test]
+    fn emulated_attention_forms_by_head_size_match_the_cpu_oracle() {
+        for (head_dim, dtype, tol, exact) in [
+            (64, GpuDtype::F32, 1e-4, true),
+            (64, GpuDtype::Bf16, 3e-2, false),
+            (24, GpuDtype::F32, 1e-4, true),
+            (24, GpuDtype::Bf16, 3e-2, false),
+            (8, GpuDtype::Bf16, 3e-2, false),
+        ] {
+            let mut cfg = synth_config(SynthArch::TinyQwen2);
+            cfg.head_dim = head_dim;
+            for warps in [1, 4] {
+                check_arch_with(
+                    cfg.clone(),
+                    dtype,
+                    tol,
+                    exact,
+                    false,
+                    warps,
+                    &[3, 100, 1, 140],
+                );
+            }
         }
     }
 
@@ -845,7 +918,7 @@ mod tests {
             (SynthArch::TinyQwen2, GpuDtype::Bf16, false),
             (SynthArch::TinyLlama, GpuDtype::F32, true),
         ] {
-            let (cfg, w) = synth_weights(arch, 1, DType::F32);
+            let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
             let m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv);
             for ops in [m.plan().body(64), m.plan().head(8)] {
                 for op in ops {

@@ -26,17 +26,19 @@ pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
 /// The kernels' CUDA C++ source.
 pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
 
-/// NVRTC options for compute capability `major.minor` and `dtype` (no `-rdc`: the kernels
+/// NVRTC options for compute capability `major.minor`, `dtype` and the model's `head_dim`
+/// (attention's fast form is compiled for that head size alone; no `-rdc`: the kernels
 /// launch nothing themselves, so NVRTC's cubin loads as is).
-pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype) -> Vec<String> {
+pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -> Vec<String> {
     let mut o = vec![
         format!("-arch=sm_{major}{minor}"),
         "-std=c++17".into(),
         // Keep multiplies and adds separate, as the CPU oracle computes them.
         "-fmad=false".into(),
         format!("-DBGS_DT={}", dtype.kernel_id()),
+        format!("-DBGS_HEAD_DIM={head_dim}"),
     ];
-    // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_V_UNROLL=8`); part of the
+    // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`); part of the
     // cache key like every option.
     if let Ok(extra) = std::env::var("BGS_LLM_KERNEL_DEFINES") {
         o.extend(extra.split_whitespace().map(|d| format!("-D{d}")));
@@ -69,17 +71,24 @@ mod tests {
 
     #[test]
     fn options_and_cache_keys_follow_dtype_and_device() {
-        let o = nvrtc_options(9, 0, GpuDtype::Bf16);
+        let o = nvrtc_options(9, 0, GpuDtype::Bf16, 64);
         assert!(o.contains(&"-arch=sm_90".to_string()));
         assert!(o.contains(&"-DBGS_DT=2".to_string()));
+        assert!(o.contains(&"-DBGS_HEAD_DIM=64".to_string()));
         assert!(o.contains(&"-fmad=false".to_string()));
         assert!(!o.iter().any(|x| x.contains("rdc")));
         let k = cache_key(&o, "NVIDIA H200", "driver 13000 nvrtc 13.0");
         assert_eq!(k, cache_key(&o, "NVIDIA H200", "driver 13000 nvrtc 13.0"));
-        let f32o = nvrtc_options(9, 0, GpuDtype::F32);
+        let f32o = nvrtc_options(9, 0, GpuDtype::F32, 64);
         assert_ne!(
             k,
             cache_key(&f32o, "NVIDIA H200", "driver 13000 nvrtc 13.0")
+        );
+        // Another head size compiles another attention: another cubin.
+        let hd128 = nvrtc_options(9, 0, GpuDtype::Bf16, 128);
+        assert_ne!(
+            k,
+            cache_key(&hd128, "NVIDIA H200", "driver 13000 nvrtc 13.0")
         );
         assert_ne!(k, cache_key(&o, "NVIDIA H100", "driver 13000 nvrtc 13.0"));
         assert_ne!(k, cache_key(&o, "NVIDIA H200", "driver 13010 nvrtc 13.0"));

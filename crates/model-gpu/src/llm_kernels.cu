@@ -98,8 +98,34 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
 #define BGS_MAX_HEAD_DIM 128
 // Most warps of one attention block (positions split across warps, see bgs_attention).
 #define BGS_ATTN_MAX_WARPS 8
-#ifndef BGS_ATTN_V_UNROLL
-#define BGS_ATTN_V_UNROLL 1
+// Experiments only (BGS_LLM_KERNEL_DEFINES=BGS_ATTN_SCALAR=1): attention in the scalar form
+// whatever the head size, to time both forms in one run.
+#ifndef BGS_ATTN_SCALAR
+#define BGS_ATTN_SCALAR 0
+#endif
+// The model's head size (`-DBGS_HEAD_DIM`, set by the host for the model it loads; 0 =
+// unknown): attention's row-split form is compiled for it alone, so the kernel's register
+// count is that form's (~70 at head_dim 64 in bf16 against ~90 with every form in one kernel:
+// more blocks resident per SM). BGS_ATTN_LR = lanes per cache row, 0 = the scalar form.
+#ifndef BGS_HEAD_DIM
+#define BGS_HEAD_DIM 0
+#endif
+#if BGS_DT == 0
+#define BGS_PER16_PP 4  // BGS_PER16 for the preprocessor, which knows no sizeof
+#else
+#define BGS_PER16_PP 8
+#endif
+#if !BGS_ATTN_SCALAR && BGS_HEAD_DIM % BGS_PER16_PP == 0 &&                                 \
+    (BGS_HEAD_DIM / BGS_PER16_PP == 2 || BGS_HEAD_DIM / BGS_PER16_PP == 4 ||                 \
+     BGS_HEAD_DIM / BGS_PER16_PP == 8 || BGS_HEAD_DIM / BGS_PER16_PP == 16)
+#define BGS_ATTN_LR (BGS_HEAD_DIM / BGS_PER16_PP)
+#else
+#define BGS_ATTN_LR 0
+#endif
+// Rows of a group loaded at once by the row-split form (registers against memory latency:
+// 4 keeps bf16 at head_dim 64 near 70 registers, 8 needs ~96).
+#ifndef BGS_ATTN_CHUNK
+#define BGS_ATTN_CHUNK 4
 #endif
 #define BGS_NORM_THREADS 256
 #define BGS_ARGMAX_THREADS 1024
@@ -215,14 +241,177 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// One warp's share of a token's attention, the scalar form (any head_dim): the warp takes the
+// groups of 32 positions warp, warp + W, ...; lane j scores position p0 + j (a full dot product
+// over the head, in dimension order), then every lane accumulates the group's values for its
+// dimensions (l, l + 32, ...) in position order. Leaves the warp's accumulator in acc_out
+// (head_dim floats) and its max and sum in m, l (every lane).
+__device__ __forceinline__ void attention_scalar(const float *qs, const wt *cache, const int *table,
+                                                 int last, long long block_stride,
+                                                 long long head_off, long long v_off,
+                                                 int head_dim, int block_size, float scale,
+                                                 float *acc_out, float &m_out, float &l_out) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    float acc[BGS_MAX_HEAD_DIM / 32];
+#pragma unroll
+    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = 0.0f;
+    float m = BGS_NEG_INF, l = 0.0f;
+    for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
+        const int p = p0 + lane;
+        float sc = BGS_NEG_INF;
+        // The cache block of this lane's position: for its key here and, shuffled, for every
+        // lane's value read below (one table read per position, not one per value row).
+        const int blk = p <= last ? table[p / block_size] : 0;
+        if (p <= last) {
+            const wt *k = cache + (long long)blk * block_stride + head_off +
+                          (long long)(p % block_size) * head_dim;
+            sc = dot_row(qs, k, head_dim) * scale;
+        }
+        const float mn = fmaxf(m, warp_max(sc));
+        const float e = p <= last ? expf(sc - mn) : 0.0f;
+        const float corr = expf(m - mn);  // exp(-inf) = 0 for the first group
+        l = l * corr + warp_sum(e);
+#pragma unroll
+        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = acc[r] * corr;
+        const int n = min(32, last - p0 + 1);
+        for (int j = 0; j < n; j++) {
+            const float w = __shfl_sync(0xffffffffu, e, j);
+            const int bj = __shfl_sync(0xffffffffu, blk, j);
+            const int pj = p0 + j;
+            const wt *v = cache + (long long)bj * block_stride + head_off + v_off +
+                          (long long)(pj % block_size) * head_dim;
+#pragma unroll
+            for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+                const int d = lane + 32 * r;
+                if (d < head_dim) acc[r] = acc[r] + w * ld(v[d]);
+            }
+        }
+        m = mn;
+    }
+#pragma unroll
+    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+        const int d = lane + 32 * r;
+        if (d < head_dim) acc_out[d] = acc[r];
+    }
+    m_out = m;
+    l_out = l;
+}
+
+// The same share in the row-split form, for head_dim = LR * BGS_PER16 (LR lanes per cache
+// row, 2..16): a warp-wide 16-byte load covers RP = 32 / LR rows, so a group of 32 positions
+// is LR independent loads per lane for its keys and LR for its values (the scalar form
+// waits on 32 dependent value loads per group: at one token per step its attention was bound
+// by that latency, 23 us per layer on the H200 at 128 positions).
+//   Scores: in step i, the LR lanes of row sub = lane / LR take position p0 + i * RP + sub;
+//   lane part = lane % LR multiplies BGS_PER16 dimensions in order and the row's LR partial
+//   sums meet in an xor butterfly (offsets LR/2 .. 1); lane j then takes position p0 + j's
+//   score from the row's first lane. Max, weights and sum as in the scalar form.
+//   Values: lane (sub, part) accumulates, for its BGS_PER16 dimensions, rows sub, sub + RP,
+//   ... of each group in position order; after the last group the RP rows' accumulators meet
+//   in an xor butterfly (lane offsets 16 .. LR). Every split and tree depends only on the
+//   positions and head_dim, never on the batch.
+template <int LR>
+__device__ __forceinline__ void attention_rows(const float *qs, const wt *cache, const int *table,
+                                               int last, long long block_stride,
+                                               long long head_off, long long v_off,
+                                               int head_dim, int block_size, float scale,
+                                               float *acc_out, float &m_out, float &l_out) {
+    constexpr int RP = 32 / LR;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int sub = lane / LR, part = lane % LR;
+    float q[BGS_PER16], acc[BGS_PER16];
+#pragma unroll
+    for (int k = 0; k < BGS_PER16; k++) {
+        q[k] = qs[part * BGS_PER16 + k];
+        acc[k] = 0.0f;
+    }
+    float m = BGS_NEG_INF, l = 0.0f;
+    for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
+        const int p = p0 + lane;
+        const int blk = p <= last ? table[p / block_size] : 0;
+        // The group's rows in chunks of BGS_ATTN_CHUNK: each chunk's loads first (independent:
+        // one memory latency per chunk; a whole group at once needs ~100 registers a thread).
+        bgs_u4 rows[BGS_ATTN_CHUNK];
+        float sc = BGS_NEG_INF;
+#pragma unroll
+        for (int c = 0; c < LR; c += BGS_ATTN_CHUNK) {
+#pragma unroll
+            for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
+                const int pj = p0 + i * RP + sub;
+                const int bj = __shfl_sync(0xffffffffu, blk, i * RP + sub);
+                if (pj <= last)
+                    rows[i - c] = *(const bgs_u4 *)(cache + (long long)bj * block_stride +
+                                                    head_off +
+                                                    (long long)(pj % block_size) * head_dim +
+                                                    part * BGS_PER16);
+            }
+#pragma unroll
+            for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
+                float dot = 0.0f;
+                if (p0 + i * RP + sub <= last) {
+                    float e[BGS_PER16];
+                    unpack16(rows[i - c], e);
+#pragma unroll
+                    for (int k = 0; k < BGS_PER16; k++) dot = dot + q[k] * e[k];
+                }
+#pragma unroll
+                for (int o = LR / 2; o > 0; o >>= 1)
+                    dot = dot + __shfl_xor_sync(0xffffffffu, dot, o);
+                const float s = __shfl_sync(0xffffffffu, dot, (lane % RP) * LR);
+                if (lane / RP == i && p <= last) sc = s * scale;
+            }
+        }
+        const float mn = fmaxf(m, warp_max(sc));
+        const float e = p <= last ? expf(sc - mn) : 0.0f;
+        const float corr = expf(m - mn);  // exp(-inf) = 0 for the first group
+        l = l * corr + warp_sum(e);
+#pragma unroll
+        for (int k = 0; k < BGS_PER16; k++) acc[k] = acc[k] * corr;
+#pragma unroll
+        for (int c = 0; c < LR; c += BGS_ATTN_CHUNK) {
+#pragma unroll
+            for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
+                const int pj = p0 + i * RP + sub;
+                const int bj = __shfl_sync(0xffffffffu, blk, i * RP + sub);
+                if (pj <= last)
+                    rows[i - c] = *(const bgs_u4 *)(cache + (long long)bj * block_stride +
+                                                    head_off + v_off +
+                                                    (long long)(pj % block_size) * head_dim +
+                                                    part * BGS_PER16);
+            }
+#pragma unroll
+            for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
+                const float w = __shfl_sync(0xffffffffu, e, i * RP + sub);
+                if (p0 + i * RP + sub <= last) {
+                    float v[BGS_PER16];
+                    unpack16(rows[i - c], v);
+#pragma unroll
+                    for (int k = 0; k < BGS_PER16; k++) acc[k] = acc[k] + w * v[k];
+                }
+            }
+        }
+        m = mn;
+    }
+#pragma unroll
+    for (int o = 16; o >= LR; o >>= 1) {
+#pragma unroll
+        for (int k = 0; k < BGS_PER16; k++) acc[k] = acc[k] + __shfl_xor_sync(0xffffffffu, acc[k], o);
+    }
+    if (sub == 0) {
+#pragma unroll
+        for (int k = 0; k < BGS_PER16; k++) acc_out[part * BGS_PER16 + k] = acc[k];
+    }
+    m_out = m;
+    l_out = l;
+}
+
 // Paged attention for decode and ragged prefill: one block of W warps (blockDim / 32, at most
 // BGS_ATTN_MAX_WARPS) per (query head, token). The token attends to positions 0..=pos[t] of
 // its own sequence through that sequence's block table (grouped-query: kv head = head /
 // group), with an online softmax in f32 over groups of 32 positions, group g going to warp
-// g % W: lane j scores position p0 + j (a full dot product over the head, in dimension
-// order), the group's max and sum are butterfly reductions, then every lane accumulates the
-// group's values for its dimensions (l, l + 32, ...) in position order. With W > 1 the warps'
-// states are combined in warp order at the end (W = 1 writes its own state, unchanged). The
+// g % W (attention_rows when head_dim is 2..16 whole 16-byte vectors and the cache is
+// 16-byte aligned, else attention_scalar: the choice depends only on the model). With W > 1
+// the warps' states are combined in warp order at the end (W = 1 writes its own state). The
 // split depends only on the positions and W, so a token's result is the same whatever else
 // is in the batch; W only sets how many warps wait on memory at once.
 // out: [T][num_heads * head_dim] in `wt`.
@@ -245,68 +434,30 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
     const int last = pos[t];
     const long long head_off = (long long)kvh * block_size * head_dim;
     const long long v_off = (long long)num_kv_heads * block_size * head_dim;
-    float acc[BGS_MAX_HEAD_DIM / 32];
-#pragma unroll
-    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = 0.0f;
-    float m = BGS_NEG_INF, l = 0.0f;
-    // Warp w takes the groups of 32 positions w, w + W, w + 2W, ...: which warp holds which
-    // position depends only on the position, never on the batch.
-    for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
-        const int p = p0 + lane;
-        float sc = BGS_NEG_INF;
-        // The cache block of this lane's position: for its key here and, shuffled, for every
-        // lane's value read below (one table read per position, not one per value row).
-        const int blk = p <= last ? table[p / block_size] : 0;
-        if (p <= last) {
-            const wt *k = cache + (long long)blk * block_stride + head_off +
-                          (long long)(p % block_size) * head_dim;
-            sc = dot_row(qs, k, head_dim) * scale;
-        }
-        const float mn = fmaxf(m, warp_max(sc));
-        const float e = p <= last ? expf(sc - mn) : 0.0f;
-        const float corr = expf(m - mn);  // exp(-inf) = 0 for the first group
-        l = l * corr + warp_sum(e);
-#pragma unroll
-        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = acc[r] * corr;
-        const int n = min(32, last - p0 + 1);
-        // Not unrolled by default: on the H200 unrolling by 4 or 8 made this loop slower (22.5
-        // -> 25.5 / 30.1 us per layer at batch 1); BGS_LLM_KERNEL_DEFINES can set it.
-#pragma unroll BGS_ATTN_V_UNROLL
-        for (int j = 0; j < n; j++) {
-            const float w = __shfl_sync(0xffffffffu, e, j);
-            const int bj = __shfl_sync(0xffffffffu, blk, j);
-            const int pj = p0 + j;
-            const wt *v = cache + (long long)bj * block_stride + head_off + v_off +
-                          (long long)(pj % block_size) * head_dim;
-#pragma unroll
-            for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-                const int d = lane + 32 * r;
-                if (d < head_dim) acc[r] = acc[r] + w * ld(v[d]);
-            }
-        }
-        m = mn;
-    }
-    wt *o = out + (size_t)t * qd + head * head_dim;
-    if (warps == 1) {
-#pragma unroll
-        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-            const int d = lane + 32 * r;
-            if (d < head_dim) o[d] = st(acc[r] / l);
-        }
-        return;
-    }
-    // Several warps: combine their (max, sum, accumulator) states in warp order.
-#pragma unroll
-    for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-        const int d = lane + 32 * r;
-        if (d < head_dim) part_acc[warp][d] = acc[r];
-    }
+    float m, l;
+    float *acc = part_acc[warp];
+#if BGS_ATTN_LR > 0
+    // The row-split form for the head size this cubin was built for (a 16-byte aligned cache,
+    // as every device allocation is); anything else takes the scalar form.
+    if (head_dim == BGS_HEAD_DIM && ((unsigned long long)cache & 15ull) == 0)
+        attention_rows<BGS_ATTN_LR>(qs, cache, table, last, block_stride, head_off, v_off,
+                                    head_dim, block_size, scale, acc, m, l);
+    else
+#endif
+        attention_scalar(qs, cache, table, last, block_stride, head_off, v_off, head_dim,
+                         block_size, scale, acc, m, l);
     if (lane == 0) {
         part_m[warp] = m;
         part_l[warp] = l;
     }
     __syncthreads();
     if (warp != 0) return;
+    wt *o = out + (size_t)t * qd + head * head_dim;
+    if (warps == 1) {
+        for (int d = lane; d < head_dim; d += 32) o[d] = st(part_acc[0][d] / l);
+        return;
+    }
+    // Several warps: combine their (max, sum, accumulator) states in warp order.
     float mm = BGS_NEG_INF;
     for (int w = 0; w < warps; w++) mm = fmaxf(mm, part_m[w]);
     float ll = 0.0f, oo[BGS_MAX_HEAD_DIM / 32];

@@ -168,9 +168,14 @@ fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
     })
 }
 
-/// Build (or read from the cache) the kernels' cubin for the device and dtype.
-fn kernels(env: &Env, dtype: GpuDtype, cache: Option<&Path>) -> Result<(Vec<u8>, bool), GpuError> {
-    let options = crate::nvrtc_options(env.cc.0, env.cc.1, dtype);
+/// Build (or read from the cache) the kernels' cubin for the device, dtype and head size.
+fn kernels(
+    env: &Env,
+    dtype: GpuDtype,
+    head_dim: usize,
+    cache: Option<&Path>,
+) -> Result<(Vec<u8>, bool), GpuError> {
+    let options = crate::nvrtc_options(env.cc.0, env.cc.1, dtype, head_dim);
     let versions = format!("driver {} nvrtc {}", env.driver, compile::nvrtc_version()?);
     let key = crate::cache_key(&options, &env.name, &versions);
     let dir = compile::cache_dir(cache);
@@ -349,7 +354,12 @@ impl GpuModel {
             )?;
         }
         self.make_current()?;
-        let (cubin, hit) = kernels(env, self.dtype, opts.cache_dir.as_deref())?;
+        let (cubin, hit) = kernels(
+            env,
+            self.dtype,
+            self.cfg.head_dim,
+            opts.cache_dir.as_deref(),
+        )?;
         self.cache_hit = hit;
         ck(
             // SAFETY: `cubin` is a complete cubin for this device; out-pointer valid.

@@ -17,6 +17,9 @@ use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, nvrtc_options};
 
 const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 
+/// Head sizes the kernels are compiled for (`-DBGS_HEAD_DIM`): every form of attention.
+const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
+
 /// The kernels the model looks up by name.
 const ENTRY_POINTS: [&str; 8] = [
     "bgs_embed",
@@ -42,14 +45,16 @@ fn kernels_compile_with_nvrtc_for_sm90_in_every_dtype() {
     libs::load(&libs::NVRTC, &dirs).expect("libnvrtc");
     // SAFETY: only dlopens NVRTC, which was loaded above.
     assert!(unsafe { cudarc::nvrtc::sys::is_culib_present() });
-    for dt in DTYPES {
+    // Head sizes 16 and 64 (the tiny and the real models), 128, and 24 (attention's scalar form
+    // in every dtype; 128 is the scalar form in f32 too).
+    for (dt, head_dim) in DTYPES.into_iter().flat_map(|dt| HEAD_DIMS.map(|h| (dt, h))) {
         let cubin = compile::nvrtc_compile_source(
             "llm_kernels.cu",
             KERNEL_SOURCE,
             &[],
-            &nvrtc_options(9, 0, dt),
+            &nvrtc_options(9, 0, dt, head_dim),
         )
-        .unwrap_or_else(|e| panic!("{}: {e}", dt.name()));
+        .unwrap_or_else(|e| panic!("{} head_dim {head_dim}: {e}", dt.name()));
         assert!(cubin.starts_with(b"\x7fELF"), "{}: not a cubin", dt.name());
         // Every entry point is in the cubin under its unmangled name (extern "C").
         for name in ENTRY_POINTS {
@@ -61,7 +66,11 @@ fn kernels_compile_with_nvrtc_for_sm90_in_every_dtype() {
                 dt.name()
             );
         }
-        println!("{}: cubin {} bytes", dt.name(), cubin.len());
+        println!(
+            "{} head_dim {head_dim}: cubin {} bytes",
+            dt.name(),
+            cubin.len()
+        );
     }
     // A wrong dtype selector is a compile error, not a silently wrong type.
     let e = compile::nvrtc_compile_source(
@@ -103,10 +112,10 @@ __device__ float sinf(float);
 __device__ float fmaxf(float, float);
 "#;
 
-fn clang_check(dt: u32, extra: &str) -> Option<std::process::Output> {
+fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Output> {
     let cc = clang()?;
     let tmp = std::env::temp_dir().join(format!(
-        "bgs-llm-kernels-{}-{dt}-{}",
+        "bgs-llm-kernels-{}-{dt}-{head_dim}-{}",
         std::process::id(),
         extra.len()
     ));
@@ -127,6 +136,7 @@ fn clang_check(dt: u32, extra: &str) -> Option<std::process::Output> {
             "-Werror",
         ])
         .arg(format!("-DBGS_DT={dt}"))
+        .arg(format!("-DBGS_HEAD_DIM={head_dim}"))
         .arg("-include")
         .arg(tmp.join("stub.h"))
         .arg(tmp.join("k.cu"))
@@ -139,23 +149,25 @@ fn clang_check(dt: u32, extra: &str) -> Option<std::process::Output> {
 #[test]
 fn kernels_pass_clang_cuda_syntax_check_in_every_dtype() {
     for dt in DTYPES {
-        let Some(out) = clang_check(dt.kernel_id(), "") else {
-            missing("clang-19 not found; CUDA syntax check skipped");
-            return;
-        };
-        assert!(
-            out.status.success(),
-            "clang -x cuda failed for {}:\n{}",
-            dt.name(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        for head_dim in HEAD_DIMS {
+            let Some(out) = clang_check(dt.kernel_id(), head_dim, "") else {
+                missing("clang-19 not found; CUDA syntax check skipped");
+                return;
+            };
+            assert!(
+                out.status.success(),
+                "clang -x cuda failed for {} head_dim {head_dim}:\n{}",
+                dt.name(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     }
 }
 
 #[test]
 fn clang_check_catches_errors() {
     // The check is real: an injected error fails it, and it is the only error.
-    let Some(out) = clang_check(2, "static_assert(sizeof(wt) == 4, \"bgs-llm-drift\");") else {
+    let Some(out) = clang_check(2, 64, "static_assert(sizeof(wt) == 4, \"bgs-llm-drift\");") else {
         missing("clang-19 not found; CUDA syntax check skipped");
         return;
     };

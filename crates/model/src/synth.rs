@@ -282,7 +282,12 @@ fn random_tensor(
 /// The weights `synth` writes for `arch`, as the loader must read them back (already rounded
 /// to `dtype`).
 pub fn synth_weights(arch: SynthArch, seed: u64, dtype: DType) -> (ModelConfig, Weights) {
-    let c = synth_config(arch);
+    synth_weights_for(synth_config(arch), seed, dtype)
+}
+
+/// Random weights of the shapes of any configuration `c` (tests of other head sizes and
+/// layouts than the named shapes'), drawn like `synth_weights`'.
+pub fn synth_weights_for(c: ModelConfig, seed: u64, dtype: DType) -> (ModelConfig, Weights) {
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let (q, kv) = (c.num_heads * c.head_dim, c.kv_dim());
     let mat = |name: &str, rows: usize, cols: usize| {
