@@ -707,16 +707,9 @@ fn start_api(
 /// Where the forward pass of `--model` runs: on the GPU with `--executor gpu` (or `auto`
 /// finding one).
 fn model_device(args: &ServeArgs, kind: ExecutorKind) -> crate::llm::ModelDevice {
-    if kind == ExecutorKind::Gpu
-        && args.gpu_step_loop == StepLoopKind::Device
-        && args.transport != TransportKind::Native
-    {
-        // Verified on an H200 with the native transport only (bench/results/
-        // 20261201-gpu-step-loop); the kernel transport's paths have not run with it there.
-        tracing::warn!(
-            "--gpu-step-loop device has been verified on a GPU with --transport native only; with --transport kernel it has run in emulation, not on a GPU"
-        );
-    }
+    // The device step loop has run on an H200 with the native transport (binary and HTTP),
+    // the kernel transport's reply loop and the OpenAI API (bench/results/
+    // 20261201-gpu-step-loop-paths); `--reply executor-sqe` is refused with it elsewhere.
     match kind {
         ExecutorKind::Gpu => crate::llm::ModelDevice::Gpu {
             device: 0,
