@@ -144,15 +144,15 @@ else
 fi
 
 # One served run of the Qwen2.5-0.5B shape: NAME LOOP RATE DURATION SERVER_ARGS... (the load:
-# 24-token prompts, 64 tokens, EOS ignored, 128 connections). The device loop's runs are
-# skipped once its tiny-model checks failed.
+# 24-token prompts, 64 tokens, EOS ignored, CONNS connections, 128 unless set). The device
+# loop's runs are skipped once its tiny-model checks failed.
 served() {
-  local name=$1 loop=$2 rate=$3 secs=$4; shift 4
+  local name=$1 loop=$2 rate=$3 secs=$4 conns=${CONNS:-128}; shift 4
   [ "$loop" = device ] && [ "$device_ok" = 0 ] && return
   port=$((port + 2))
   if start_server "qwen-$name" --model "$work/qwen2.5-0.5b" --gpu-step-loop "$loop" "$@"; then
     gen_load "$name" --prompt-tokens 24 --max-tokens 64 --ignore-eos \
-      --connections 128 --rate "$rate" --duration "$secs" --warmup 2 --prompts 64
+      --connections "$conns" --rate "$rate" --duration "$secs" --warmup 2 --prompts 64
     stop_server "qwen-$name"
   fi
 }
@@ -175,9 +175,13 @@ done
 # 4. Saturation: many slots, offered well above what a step can serve (1,500 req/s x 64 tokens
 #    = 96,000 tokens/s); the generated tokens/s is the served throughput (issue 9's target:
 #    100,000 at batch 256). SAT_SLOTS (default 256; empty skips) and SAT_RATE override.
+#    Twice as many connections as slots, to rule out the client: a connection's replies go
+#    back in order (a pipelined request's frames wait behind the stream before it), and with
+#    128 connections the 128- and 256-slot runs averaged only 84 and 118 tokens per step
+#    (bench/results/20261201-gpu-step-loop-batch-publish).
 for slots in ${SAT_SLOTS-256}; do
   for loop in ${LOOPS:-device host}; do
-    served "sat-$loop-s$slots" "$loop" "${SAT_RATE:-1500}" 10 --slots "$slots"
+    CONNS=$((2 * slots)) served "sat-$loop-s$slots" "$loop" "${SAT_RATE:-1500}" 10 --slots "$slots"
   done
 done
 
