@@ -770,8 +770,8 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
             eprintln!(
                 "bgs: GPU step loop: {} requests, {} admitted, {} refused, {} cancels, {} steps \
                  ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
-                 {} credit stalls, {} completion-ring stalls, \
-                 {} live, {} free KV blocks, {} monitor looks",
+                 {} credit stalls, {} sequences left out of steps for credit, \
+                 {} completion-ring stalls, {} live, {} free KV blocks, {} monitor looks",
                 st.requests,
                 st.admitted,
                 st.refused,
@@ -783,6 +783,7 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 st.mean_finish_ns / 1000,
                 st.frames,
                 st.credit_stalls,
+                st.credit_waits,
                 st.ring_full,
                 st.live,
                 st.free_blocks,

@@ -182,6 +182,7 @@ pub mod layout {
         ("STEP_NS", C_STEP_NS),
         ("PLAN_NS", C_PLAN_NS),
         ("FINISH_NS", C_FINISH_NS),
+        ("CREDIT_WAITS", C_CREDIT_WAITS),
     ];
     /// Host → device: nonzero asks the dispatcher to stop (read with acquire, low 32 bits).
     pub const C_STOP: usize = 0;
@@ -234,6 +235,9 @@ pub mod layout {
     pub const C_PLAN_NS: usize = 23;
     /// Sum over steps of F's finish + publish time, ns.
     pub const C_FINISH_NS: usize = 24;
+    /// Sum over launched steps of the running sequences left out for want of credit (their
+    /// readers had not acknowledged enough frames; `gld_credit_waits`).
+    pub const C_CREDIT_WAITS: usize = 25;
     /// Control block words.
     pub const C_WORDS: usize = 32;
 
@@ -559,6 +563,8 @@ pub struct GenLoopStats {
     pub mean_plan_ns: u64,
     /// Mean time F spent advancing the sequences and publishing a step's frames, ns.
     pub mean_finish_ns: u64,
+    /// Running sequences left out of a step for want of credit, summed over steps.
+    pub credit_waits: u64,
     /// Looks of the host monitor at the control block (its host cost is about one wake-up
     /// each; `crate::pacer`). Not a device word: 0 from `from_ctl`, filled by the executor.
     pub monitor_looks: u64,
@@ -589,6 +595,7 @@ impl GenLoopStats {
             mean_step_ns: w[C_STEP_NS].checked_div(steps).unwrap_or(0),
             mean_plan_ns: w[C_PLAN_NS].checked_div(steps).unwrap_or(0),
             mean_finish_ns: w[C_FINISH_NS].checked_div(steps).unwrap_or(0),
+            credit_waits: w[C_CREDIT_WAITS],
             monitor_looks: 0,
         }
     }

@@ -291,6 +291,23 @@ __device__ void gld_credit(struct gld_ctx *c, bgs_u32 lane) {
     }
 }
 
+/* Running sequences the step left out for want of credit (lane 0): bgs_gl_plan plans a
+ * sequence only with BGS_GL_STEP_CREDIT of it, so a stream whose reader has not acknowledged
+ * its frames holds its slot without advancing. Counted per launched step (C_CREDIT_WAITS):
+ * the publish-time C_CREDIT_STALLS does not see these. */
+__device__ bgs_u32 gld_credit_waits(struct gld_ctx *c, const bgs_u32 *credit) {
+    const bgs_u32 *st = c->state;
+    const bgs_u32 *order = st + st[BGS_GL_H_ORDER_AT];
+    bgs_u32 waits = 0u;
+    for (bgs_u32 k = 0u; k < st[BGS_GL_H_N_LIVE]; k++) {
+        const bgs_u32 *s = st + st[BGS_GL_H_SEQ_AT] + order[k] * st[BGS_GL_H_SEQ_WORDS];
+        if (s[BGS_GL_S_RUNNING] != 0u && s[BGS_GL_S_END] == 0u &&
+            credit[order[k]] < BGS_GL_STEP_CREDIT)
+            waits++;
+    }
+    return waits;
+}
+
 /* Publish `n` owed frames (lane 0), in order, each stream until its credit or the ring runs
  * out; report each stream's count with bgs_gl_delivered, and give back the credit-stream
  * index of every stream that left the table. Returns 0 when the ring was full. */
@@ -577,6 +594,8 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                      * model work does not hide. */
                     gld_add(&c, BGS_GLD_C_PLAN_NS, c.s[BGS_GLD_S_STEP_T0] - t_plan);
                     gld_add(&c, BGS_GLD_C_STEP_TOKENS, pk.tokens);
+                    gld_add(&c, BGS_GLD_C_CREDIT_WAITS,
+                            gld_credit_waits(&c, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]));
                     if (gld_launch_step(&c, &pk) == 0) {
                         sh_cmd = 1;
                     } else {

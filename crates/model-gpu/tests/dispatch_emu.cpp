@@ -403,10 +403,15 @@ int main(int argc, char **argv) {
     emu_launches.clear();
     bgs_gld_dispatch(p.data());
     CHECK(emu_launches.empty() && ctl[BGS_GLD_C_STOPPED] == 1, "stop");
+    // Sequences left out of a step for credit: at most the running ones of every step.
+    CHECK(ctl[BGS_GLD_C_CREDIT_WAITS] <= (unsigned long long)steps * MAX_RUNNING,
+          "credit waits %llu over %u steps of at most %u running",
+          (unsigned long long)ctl[BGS_GLD_C_CREDIT_WAITS], steps, MAX_RUNNING);
     std::printf("emu: ok: %u streams exact, %u cancelled, %u busy, %u one-shot; %u steps, %u idle relaunches, "
-                "%llu credit stalls, %llu ring-full, %llu frames\n",
+                "%llu credit stalls, %llu credit waits, %llu ring-full, %llu frames\n",
                 gen_ok, cancelled, busy, oneshot, steps, idle_relaunches,
-                (unsigned long long)ctl[BGS_GLD_C_CREDIT_STALLS], (unsigned long long)ctl[BGS_GLD_C_RING_FULL],
+                (unsigned long long)ctl[BGS_GLD_C_CREDIT_STALLS],
+                (unsigned long long)ctl[BGS_GLD_C_CREDIT_WAITS], (unsigned long long)ctl[BGS_GLD_C_RING_FULL],
                 (unsigned long long)ctl[BGS_GLD_C_FRAMES]);
     (void)fails;
     (void)cancels_sent;
