@@ -236,7 +236,7 @@ pub mod layout {
     /// Sum over steps of F's finish + publish time, ns.
     pub const C_FINISH_NS: usize = 24;
     /// Sum over launched steps of the running sequences left out for want of credit (their
-    /// readers had not acknowledged enough frames; `gld_credit_waits`).
+    /// readers had not acknowledged enough frames; counted by `gld_credit`).
     pub const C_CREDIT_WAITS: usize = 25;
     /// Control block words.
     pub const C_WORDS: usize = 32;
@@ -1255,7 +1255,8 @@ fn monitor(sh: &Shared) {
         sh.looks.fetch_add(1, Ordering::Relaxed);
         let f = sh.dev.ctl(layout::C_FRAMES).load(Ordering::Acquire);
         let live = sh.dev.ctl(layout::C_LIVE).load(Ordering::Acquire) != 0;
-        sleep = pacer.after_look(Instant::now(), f != frames, live);
+        let now = Instant::now();
+        sleep = pacer.after_look(now, f != frames, live);
         if f != frames {
             frames = f;
             sh.region.completions().notify();
@@ -1268,9 +1269,9 @@ fn monitor(sh: &Shared) {
         // chain that broke without recording one. Either way nothing serves the ring now.
         // The stream query is a driver call, far dearer than the loads above: once every
         // STREAM_QUERY_PERIOD, not on every look (1.76 looks per step on the H200).
-        let query = err == 0 && last_query.elapsed() >= STREAM_QUERY_PERIOD;
+        let query = err == 0 && now.duration_since(last_query) >= STREAM_QUERY_PERIOD;
         if query {
-            last_query = Instant::now();
+            last_query = now;
         }
         let ended = query
             && sh.dev.idle()

@@ -63,6 +63,8 @@ __device__ __forceinline__ bgs_u64 gld_ld_relaxed_sys(const bgs_u64 *p) {
 __device__ __forceinline__ void gld_st_relaxed_sys(bgs_u64 *p, bgs_u64 v) {
     *(volatile bgs_u64 *)p = v;
 }
+/* The one thread is the whole warp. */
+__device__ __forceinline__ bgs_u32 gld_warp_sum(bgs_u32 v) { return v; }
 __device__ __forceinline__ bgs_u64 gld_now_ns() { return bgs_emu_now_ns(); }
 #else
 
@@ -88,6 +90,10 @@ __device__ __forceinline__ bgs_u64 gld_ld_relaxed_sys(const bgs_u64 *p) {
 }
 __device__ __forceinline__ void gld_st_relaxed_sys(bgs_u64 *p, bgs_u64 v) {
     asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+/* Sum over the dispatcher's warp (every lane calls it and gets the sum). */
+__device__ __forceinline__ bgs_u32 gld_warp_sum(bgs_u32 v) {
+    return __reduce_add_sync(0xffffffffu, v);
 }
 __device__ __forceinline__ bgs_u64 gld_now_ns() {
     bgs_u64 t;
@@ -271,13 +277,18 @@ __device__ void gld_batch_commit(struct gld_ctx *c, struct gld_batch *b) {
 
 /* Credit of every table slot (all lanes): window minus the stream's frames in flight
  * (published by us, not yet acknowledged in the region's stream_acks). More acks than frames
- * reads as nothing in flight, as in the CPU executor (crates/executor `Sink::in_flight`). */
-__device__ void gld_credit(struct gld_ctx *c, bgs_u32 lane) {
+ * reads as nothing in flight, as in the CPU executor (crates/executor `Sink::in_flight`).
+ * Returns (to every lane) how many running sequences lack the BGS_GL_STEP_CREDIT that
+ * bgs_gl_plan needs to plan them: streams whose readers have not acknowledged their frames,
+ * holding a slot without advancing (C_CREDIT_WAITS, per launched step; the publish-time
+ * C_CREDIT_STALLS does not see these). */
+__device__ bgs_u32 gld_credit(struct gld_ctx *c, bgs_u32 lane) {
     const bgs_u32 n = (bgs_u32)c->p[BGS_GLD_P_MAX_SEQS];
     const bgs_u32 window = (bgs_u32)c->p[BGS_GLD_P_WINDOW];
     bgs_u32 *credit = (bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
     const bgs_u32 *published = (const bgs_u32 *)c->p[BGS_GLD_P_PUBLISHED];
     struct bgs_ring_header *h = gld_header(c->ring);
+    bgs_u32 waits = 0u;
     for (bgs_u32 k = lane; k < n; k += GLD_LANES) {
         const bgs_u32 stream = bgs_gl_slot_stream(c->state, k);
         bgs_u32 cr = 0u;
@@ -286,26 +297,14 @@ __device__ void gld_credit(struct gld_ctx *c, bgs_u32 lane) {
             bgs_u32 d = published[stream] - acked;
             if (d > 0x7fffffffu) d = 0u;
             cr = d >= window ? 0u : window - d;
+            if (cr < BGS_GL_STEP_CREDIT) {
+                const bgs_u32 *s = bgs_gl_cseq(c->state, k);
+                waits += s[BGS_GL_S_RUNNING] != 0u && s[BGS_GL_S_END] == 0u;
+            }
         }
         credit[k] = cr;
     }
-}
-
-/* Running sequences the step left out for want of credit (lane 0): bgs_gl_plan plans a
- * sequence only with BGS_GL_STEP_CREDIT of it, so a stream whose reader has not acknowledged
- * its frames holds its slot without advancing. Counted per launched step (C_CREDIT_WAITS):
- * the publish-time C_CREDIT_STALLS does not see these. */
-__device__ bgs_u32 gld_credit_waits(struct gld_ctx *c, const bgs_u32 *credit) {
-    const bgs_u32 *st = c->state;
-    const bgs_u32 *order = st + st[BGS_GL_H_ORDER_AT];
-    bgs_u32 waits = 0u;
-    for (bgs_u32 k = 0u; k < st[BGS_GL_H_N_LIVE]; k++) {
-        const bgs_u32 *s = st + st[BGS_GL_H_SEQ_AT] + order[k] * st[BGS_GL_H_SEQ_WORDS];
-        if (s[BGS_GL_S_RUNNING] != 0u && s[BGS_GL_S_END] == 0u &&
-            credit[order[k]] < BGS_GL_STEP_CREDIT)
-            waits++;
-    }
-    return waits;
+    return gld_warp_sum(waits);
 }
 
 /* Publish `n` owed frames (lane 0), in order, each stream until its credit or the ring runs
@@ -561,7 +560,7 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
         __syncwarp();
         if (sh_cmd == 2) break;
         const bgs_u32 took = gld_intake(&c, lane);
-        gld_credit(&c, lane);
+        const bgs_u32 credit_waits = gld_credit(&c, lane);
         __syncwarp();
         if (lane == 0) {
             struct bgs_gl_frame *frames = (struct bgs_gl_frame *)params[BGS_GLD_P_FRAMES];
@@ -594,8 +593,7 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                      * model work does not hide. */
                     gld_add(&c, BGS_GLD_C_PLAN_NS, c.s[BGS_GLD_S_STEP_T0] - t_plan);
                     gld_add(&c, BGS_GLD_C_STEP_TOKENS, pk.tokens);
-                    gld_add(&c, BGS_GLD_C_CREDIT_WAITS,
-                            gld_credit_waits(&c, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]));
+                    gld_add(&c, BGS_GLD_C_CREDIT_WAITS, credit_waits);
                     if (gld_launch_step(&c, &pk) == 0) {
                         sh_cmd = 1;
                     } else {

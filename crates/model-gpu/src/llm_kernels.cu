@@ -297,6 +297,26 @@ __device__ __forceinline__ void attention_scalar(const float *qs, const wt *cach
     l_out = l;
 }
 
+// Rows c .. c + BGS_ATTN_CHUNK of the group at p0 in the row-split form (row i: position
+// p0 + i * RP + sub), this lane's 16 bytes of each, from `base` (the head's keys or values in
+// every cache block); each row's block id is shuffled from the lane that read it. Rows past
+// `last` are left as they are (never used).
+template <int LR>
+__device__ __forceinline__ void load_rows(bgs_u4 *rows, const wt *base, int blk, int p0, int c,
+                                          int sub, int part, int last, long long block_stride,
+                                          int block_size, int head_dim) {
+    constexpr int RP = 32 / LR;
+#pragma unroll
+    for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
+        const int pj = p0 + i * RP + sub;
+        const int bj = __shfl_sync(0xffffffffu, blk, i * RP + sub);
+        if (pj <= last)
+            rows[i - c] = *(const bgs_u4 *)(base + (long long)bj * block_stride +
+                                            (long long)(pj % block_size) * head_dim +
+                                            part * BGS_PER16);
+    }
+}
+
 // The same share in the row-split form, for head_dim = LR * BGS_PER16 (LR lanes per cache
 // row, 2..16): a warp-wide 16-byte load covers RP = 32 / LR rows, so a group of 32 positions
 // is LR independent loads per lane for its keys and LR for its values (the scalar form
@@ -335,16 +355,8 @@ __device__ __forceinline__ void attention_rows(const float *qs, const wt *cache,
         float sc = BGS_NEG_INF;
 #pragma unroll
         for (int c = 0; c < LR; c += BGS_ATTN_CHUNK) {
-#pragma unroll
-            for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
-                const int pj = p0 + i * RP + sub;
-                const int bj = __shfl_sync(0xffffffffu, blk, i * RP + sub);
-                if (pj <= last)
-                    rows[i - c] = *(const bgs_u4 *)(cache + (long long)bj * block_stride +
-                                                    head_off +
-                                                    (long long)(pj % block_size) * head_dim +
-                                                    part * BGS_PER16);
-            }
+            load_rows<LR>(rows, cache + head_off, blk, p0, c, sub, part, last, block_stride,
+                          block_size, head_dim);
 #pragma unroll
             for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
                 float dot = 0.0f;
@@ -369,16 +381,8 @@ __device__ __forceinline__ void attention_rows(const float *qs, const wt *cache,
         for (int k = 0; k < BGS_PER16; k++) acc[k] = acc[k] * corr;
 #pragma unroll
         for (int c = 0; c < LR; c += BGS_ATTN_CHUNK) {
-#pragma unroll
-            for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
-                const int pj = p0 + i * RP + sub;
-                const int bj = __shfl_sync(0xffffffffu, blk, i * RP + sub);
-                if (pj <= last)
-                    rows[i - c] = *(const bgs_u4 *)(cache + (long long)bj * block_stride +
-                                                    head_off + v_off +
-                                                    (long long)(pj % block_size) * head_dim +
-                                                    part * BGS_PER16);
-            }
+            load_rows<LR>(rows, cache + head_off + v_off, blk, p0, c, sub, part, last,
+                          block_stride, block_size, head_dim);
 #pragma unroll
             for (int i = c; i < c + BGS_ATTN_CHUNK && i < LR; i++) {
                 const float w = __shfl_sync(0xffffffffu, e, i * RP + sub);

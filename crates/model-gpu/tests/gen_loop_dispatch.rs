@@ -145,6 +145,7 @@ __device__ void __threadfence();
 __device__ void __threadfence_system();
 __device__ void __nanosleep(unsigned);
 __device__ void __syncwarp(unsigned = 0xffffffffu);
+__device__ unsigned __reduce_add_sync(unsigned, unsigned);
 __device__ unsigned long long atomicCAS_system(unsigned long long *, unsigned long long, unsigned long long);
 __device__ unsigned long long atomicMax_system(unsigned long long *, unsigned long long);
 "#;
