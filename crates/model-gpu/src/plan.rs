@@ -265,8 +265,10 @@ pub(crate) struct Plan<'a> {
     pub inputs: u64,
     /// Projections through `bgs_gemm_invariant` instead of cuBLAS.
     pub invariant_gemm: bool,
-    /// Warps of one attention block (positions split across them), 1..=8.
+    /// Warps of one query head in attention (positions split across them), 1..=8.
     pub attention_warps: u32,
+    /// Query heads per attention block: 1, or the group (`attention_grouped`).
+    pub attention_heads_per_block: u32,
 }
 
 impl Plan<'_> {
@@ -389,10 +391,11 @@ impl Plan<'_> {
                     Arg::L(block_stride),
                 ],
             ));
+            let hpb = self.attention_heads_per_block;
             ops.push(launch(
                 Kernel::Attention,
-                (nh as u32, nu),
-                32 * self.attention_warps,
+                (nh as u32 / hpb, nu),
+                32 * self.attention_warps * hpb,
                 &[
                     Arg::P(b.qkv),
                     Arg::P(cache_l),
@@ -407,6 +410,7 @@ impl Plan<'_> {
                     Arg::I(bs as i32),
                     Arg::L(block_stride),
                     Arg::F(scale),
+                    Arg::I(hpb as i32),
                 ],
             ));
             ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));

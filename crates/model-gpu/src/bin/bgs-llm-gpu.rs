@@ -76,6 +76,10 @@ struct DeviceArgs {
     /// Warps per attention block (positions split across them), 1..=8.
     #[arg(long, default_value_t = GpuModelOptions::default().attention_warps)]
     attention_warps: u32,
+    /// Experiment: one attention block per query group (kv head) instead of per query head;
+    /// the same bits, other memory traffic (`GpuModelOptions::attention_grouped`).
+    #[arg(long)]
+    attention_grouped: bool,
 }
 
 #[derive(Args, Debug)]
@@ -170,6 +174,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         use_graphs: !dev.no_graphs,
         batch_invariant_gemm: dev.invariant_gemm,
         attention_warps: dev.attention_warps,
+        attention_grouped: dev.attention_grouped,
         ..Default::default()
     }
 }
@@ -498,6 +503,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "model": name, "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "attention_warps": a.dev.attention_warps,
+        "attention_grouped": a.dev.attention_grouped,
         "pass": ok, "checks": results,
     });
     write_json(&a.json, &v)?;
@@ -738,6 +744,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "arch": a.arch.name(), "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "attention_warps": a.dev.attention_warps,
+        "attention_grouped": a.dev.attention_grouped,
         "weight_bytes": m.weight_bytes(),
         "kv_bytes_per_position": m.kv_bytes_per_position(),
         "copy_bandwidth_bytes_per_s": bw, "decode": rows, "prefill": prefill,
