@@ -506,33 +506,233 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
     }
 }
 
-#define BGS_GEMM_TOKENS 16
+// ---- Projections of the fused form (small buckets; every bucket with the invariant option) --
+//
+// y[t][r] = sum_k x[t][k] * w[r][k] over the row's 16-byte chunks: lane l takes chunks l,
+// l + 32, ... in order (each chunk's BGS_PER16 products in memory order), then the warp's
+// butterfly. A result depends only on its own row and token, never on how many tokens share
+// the launch, so every bucket gives a token the same bits (`batch_invariant_gemm`). One warp
+// per unit (a row, or the two rows an epilogue pairs), the block's BGS_PROJ_WARPS warps taking
+// units blockIdx.x * 8 + warp, then + gridDim.x * 8, ...; blockIdx.y = a group of
+// BGS_PROJ_TOKENS tokens, so the weights are read once per group. Rows must be whole 16-byte
+// chunks (the host only picks this form when every width is).
+// The fused form's kernels put the layer's other steps into the projections around them:
+//   bgs_proj_norm_rope_kv  RMSNorm of the residual (prologue) -> QKV -> bias, RoPE, q in
+//                          place, k/v into the paged cache (bgs_rope_kv's epilogue)
+//   bgs_proj_add           attention output -> o_proj -> residual += (and act -> down_proj)
+//   bgs_proj_norm_silu     RMSNorm (prologue) -> gate/up -> silu(g) * u (bgs_silu_mul's)
+// so a layer is 5 launches instead of 9, and the norm, RoPE and SiLU arithmetic is the
+// unfused kernels' operation for operation.
+#define BGS_PROJ_TOKENS 8
+#define BGS_PROJ_WARPS 8  // 256 threads = BGS_NORM_THREADS: the prologue is bgs_add_rmsnorm's
 
-// The batch-invariant projection (option `batch_invariant_gemm`, instead of cuBLAS):
-// y[t][r] = sum_k x[t][k] * w[r][k] for t < n, x and w in `wt`, y in f32. One warp per (row r,
-// group of BGS_GEMM_TOKENS tokens); lane l sums k = l, l + 32, ... in order and the 32 partial
-// sums are reduced by the butterfly, so a result depends only on its own row and token, never
-// on n or the bucket. Block: 8 warps (8 rows); grid: (ceil(out / 8), ceil(n / tokens)).
-extern "C" __global__ void bgs_gemm_invariant(const wt *w, const wt *x, float *y, int out, int in,
-                                              int n) {
+// acc[r][t] += the unit's R rows (wr[r]) · token t's row of x (row stride `in`), t < nt, over
+// this lane's chunks; U chunks' weight loads are issued before their arithmetic.
+template <int R, int U>
+__device__ __forceinline__ void proj_dot(const wt *const *wr, const wt *x, int in, int nt,
+                                         float (&acc)[R][BGS_PROJ_TOKENS]) {
     const int lane = threadIdx.x % 32;
-    const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int t0 = blockIdx.y * BGS_GEMM_TOKENS;
-    if (r >= out) return;  // the whole warp: r is the same in every lane
-    float acc[BGS_GEMM_TOKENS];
+    const int chunks = in / BGS_PER16;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        bgs_u4 wv[R][U];
 #pragma unroll
-    for (int j = 0; j < BGS_GEMM_TOKENS; j++) acc[j] = 0.0f;
-    const wt *wr = w + (size_t)r * in;
-    for (int k = lane; k < in; k += 32) {
-        const float wv = ld(wr[k]);
+        for (int u = 0; u < U; u++)
+            if (c0 + 32 * u < chunks) {
 #pragma unroll
-        for (int j = 0; j < BGS_GEMM_TOKENS; j++)
-            if (t0 + j < n) acc[j] = acc[j] + wv * ld(x[(size_t)(t0 + j) * in + k]);
+                for (int r = 0; r < R; r++) wv[r][u] = ((const bgs_u4 *)wr[r])[c0 + 32 * u];
+            }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + 32 * u;
+            if (c >= chunks) break;
+            float we[R][BGS_PER16];
+#pragma unroll
+            for (int r = 0; r < R; r++) unpack16(wv[r][u], we[r]);
+#pragma unroll
+            for (int t = 0; t < BGS_PROJ_TOKENS; t++) {
+                if (t >= nt) break;
+                float xe[BGS_PER16];
+                unpack16(((const bgs_u4 *)(x + (size_t)t * in))[c], xe);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+#pragma unroll
+                    for (int k = 0; k < BGS_PER16; k++) acc[r][t] = acc[r][t] + we[r][k] * xe[k];
+                }
+            }
+        }
     }
+}
+
+// Every lane gets acc's warp sums; lane t < BGS_PROJ_TOKENS keeps token t's in `mine`
+// (select, not a dynamic index: the arrays stay in registers).
+template <int R>
+__device__ __forceinline__ void proj_reduce(float (&acc)[R][BGS_PROJ_TOKENS], float (&mine)[R],
+                                            int nt) {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int j = 0; j < BGS_GEMM_TOKENS; j++) {
-        const float s = warp_sum(acc[j]);
-        if (lane == 0 && t0 + j < n) y[(size_t)(t0 + j) * out + r] = s;
+    for (int r = 0; r < R; r++) mine[r] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < BGS_PROJ_TOKENS; t++) {
+        if (t >= nt) break;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float s = warp_sum(acc[r][t]);
+            if (lane == t) mine[r] = s;
+        }
+    }
+}
+
+// The prologue of the norm kernels: xs[t][i] = w[i] * (x[t][i] / rms(x[t])) in `wt` for the
+// block's nt tokens (row stride `in`), bgs_add_rmsnorm's arithmetic (per-thread strided sums,
+// then its tree, every token's tree side by side).
+__device__ __forceinline__ void proj_norm_prologue(const float *x, const float *nw, float eps,
+                                                   wt *xs, int in, int nt) {
+    __shared__ float sh[BGS_PROJ_TOKENS][BGS_NORM_THREADS];
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int t = 0; t < BGS_PROJ_TOKENS; t++) {
+        float acc = 0.0f;
+        if (t < nt)
+            for (int i = tid; i < in; i += BGS_NORM_THREADS) {
+                const float v = x[(size_t)t * in + i];
+                acc = acc + v * v;
+            }
+        sh[t][tid] = acc;
+    }
+    __syncthreads();
+    for (int s = BGS_NORM_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+#pragma unroll
+            for (int t = 0; t < BGS_PROJ_TOKENS; t++) sh[t][tid] += sh[t][tid + s];
+        }
+        __syncthreads();
+    }
+    for (int t = 0; t < nt; t++) {
+        const float mean = sh[t][0] / (float)in;
+        const float inv = 1.0f / sqrtf(mean + eps);
+        for (int i = tid; i < in; i += BGS_NORM_THREADS)
+            xs[(size_t)t * in + i] = st(nw[i] * (x[(size_t)t * in + i] * inv));
+    }
+    __syncthreads();
+}
+
+// y[t][r] = w[r] · x[t] (f32 out): a projection without a fused step (the LM head with the
+// invariant option).
+extern "C" __global__ void bgs_proj(const wt *w, const wt *x, float *y, int out, int in, int n) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
+    for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < out; u += gridDim.x * BGS_PROJ_WARPS) {
+        float acc[1][BGS_PROJ_TOKENS] = {};
+        const wt *wr[1] = {w + (size_t)u * in};
+        proj_dot<1, 4>(wr, x + (size_t)t0 * in, in, nt, acc);
+        float mine[1];
+        proj_reduce<1>(acc, mine, nt);
+        if (lane < nt) y[(size_t)(t0 + lane) * out + u] = mine[0];
+    }
+}
+
+// res[t][r] += w[r] · x[t]: o_proj and down_proj with the residual add (one writer per
+// element, the add bgs_add_rmsnorm does).
+extern "C" __global__ void bgs_proj_add(const wt *w, const wt *x, float *res, int out, int in,
+                                        int n) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
+    for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < out; u += gridDim.x * BGS_PROJ_WARPS) {
+        float acc[1][BGS_PROJ_TOKENS] = {};
+        const wt *wr[1] = {w + (size_t)u * in};
+        proj_dot<1, 4>(wr, x + (size_t)t0 * in, in, nt, acc);
+        float mine[1];
+        proj_reduce<1>(acc, mine, nt);
+        if (lane < nt) {
+            float *o = res + (size_t)(t0 + lane) * out + u;
+            *o = *o + mine[0];
+        }
+    }
+}
+
+// act[t][i] = silu(g) * u with g = w[i] · xn[t], u = w[inter + i] · xn[t], xn = the
+// post-attention norm of the residual (prologue; dynamic shared memory: BGS_PROJ_TOKENS *
+// in elements of `wt`).
+extern "C" __global__ void bgs_proj_norm_silu(const wt *w, const float *res, const float *nw,
+                                              float eps, wt *act, int inter, int in, int n) {
+    extern __shared__ __attribute__((aligned(16))) unsigned char proj_smem[];
+    wt *xs = (wt *)proj_smem;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
+    proj_norm_prologue(res + (size_t)t0 * in, nw, eps, xs, in, nt);
+    for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < inter;
+         u += gridDim.x * BGS_PROJ_WARPS) {
+        float acc[2][BGS_PROJ_TOKENS] = {};
+        const wt *wr[2] = {w + (size_t)u * in, w + (size_t)(inter + u) * in};
+        proj_dot<2, 2>(wr, xs, in, nt, acc);
+        float mine[2];
+        proj_reduce<2>(acc, mine, nt);
+        if (lane < nt) {
+            const float g = mine[0], up = mine[1];
+            const float s = g / (1.0f + expf(-g));
+            act[(size_t)(t0 + lane) * inter + u] = st(s * up);
+        }
+    }
+}
+
+// The fused QKV step: xn = the input norm of the residual (prologue), then for unit j (head h =
+// j / half, i = j % half of the q, k and v heads in the fused weight's row order) rows base + i
+// and base + i + half, and bgs_rope_kv's epilogue: + bias, q and k rotated at pos[t], q into
+// qkv ([T][q + 2 kv] f32, where attention reads it), k and v into the paged cache at slot[t]
+// (nothing for -1).
+extern "C" __global__ void bgs_proj_norm_rope_kv(
+    const wt *w, const float *res, const float *nw, float eps, float *qkv, const float *bias,
+    const int *pos, const int *slot, const float *inv_freq, wt *cache, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, long long block_stride, int in, int n) {
+    extern __shared__ __attribute__((aligned(16))) unsigned char proj_smem[];
+    wt *xs = (wt *)proj_smem;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
+    proj_norm_prologue(res + (size_t)t0 * in, nw, eps, xs, in, nt);
+    const int half = head_dim / 2;
+    const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
+    const int units = (num_heads + 2 * num_kv_heads) * half;
+    for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < units;
+         u += gridDim.x * BGS_PROJ_WARPS) {
+        const int h = u / half, i = u % half, base = h * head_dim;
+        float acc[2][BGS_PROJ_TOKENS] = {};
+        const wt *wr[2] = {w + (size_t)(base + i) * in, w + (size_t)(base + i + half) * in};
+        proj_dot<2, 2>(wr, xs, in, nt, acc);
+        float mine[2];
+        proj_reduce<2>(acc, mine, nt);
+        if (lane >= nt) continue;
+        const int t = t0 + lane;
+        float x1 = mine[0], x2 = mine[1];
+        if (bias) {
+            x1 = x1 + bias[base + i];
+            x2 = x2 + bias[base + i + half];
+        }
+        const int s = slot[t];
+        wt *kc = 0;
+        if (s >= 0) {
+            const long long blk = s / block_size, off = s % block_size;
+            kc = cache + blk * block_stride + off * head_dim;
+        }
+        if (h < num_heads + num_kv_heads) {
+            const float a = (float)pos[t] * inv_freq[i];
+            const float c = cosf(a), sn = sinf(a);
+            const float r1 = x1 * c + (-x2) * sn;
+            const float r2 = x2 * c + x1 * sn;
+            if (h < num_heads) {
+                float *row = qkv + (size_t)t * (qd + 2 * kvd);
+                row[base + i] = r1;
+                row[base + i + half] = r2;
+            } else if (kc) {
+                wt *k = kc + (long long)(h - num_heads) * block_size * head_dim;
+                k[i] = st(r1);
+                k[i + half] = st(r2);
+            }
+        } else if (kc) {
+            wt *v = kc + (long long)num_kv_heads * block_size * head_dim +
+                    (long long)(h - num_heads - num_kv_heads) * block_size * head_dim;
+            v[i] = st(x1);
+            v[i + half] = st(x2);
+        }
     }
 }
 

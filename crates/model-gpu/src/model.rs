@@ -10,7 +10,9 @@ use cudarc::cublas::sys as cublas;
 use cudarc::driver::sys as cu;
 
 use crate::host::{self, GpuDtype, Packed, StepGeometry};
-use crate::plan::{self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan};
+use crate::plan::{
+    self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan, fused_form_fits,
+};
 
 /// Bytes of the cuBLAS workspace set before capture (32 MiB: NVIDIA's recommendation for
 /// Hopper; a graph-captured cuBLAS call must not allocate).
@@ -42,10 +44,18 @@ pub struct GpuModelOptions {
     pub cache_dir: Option<PathBuf>,
     /// Replay one captured graph per bucket (false: the same launches, uncaptured).
     pub use_graphs: bool,
-    /// Projections through the batch-invariant kernel (`bgs_gemm_invariant`: a fixed
-    /// reduction order per output, whatever the bucket) instead of cuBLAS. Slower (weights
-    /// are read once per 16 tokens), for measuring and guaranteeing batch invariance.
+    /// Every bucket in the fused form (see `fused_max_tokens`: the crate's own projections,
+    /// each output's reduction order fixed by its row alone) and the LM head through
+    /// `bgs_proj`, instead of cuBLAS: batch-invariant by construction. Slower for large
+    /// buckets (weights are read once per 8 tokens, no tensor cores); refused when the model's
+    /// widths do not fit the form.
     pub batch_invariant_gemm: bool,
+    /// Buckets of at most this many tokens (decode at small batch) run the fused form: the
+    /// projections are the crate's own kernels with the layer's other steps fused into them
+    /// (the norms as prologues; bias, RoPE and the K/V writes, SiLU and the residual adds as
+    /// epilogues), 5 launches per layer instead of 9 (docs/gpu-model.md). 0: cuBLAS for every
+    /// bucket. Ignored (cuBLAS) when the model's widths do not fit the form.
+    pub fused_max_tokens: usize,
     /// Warps per attention block, 1..=8: the positions a token attends to are split across
     /// them in fixed groups of 32 (more memory requests in flight at small batch; the split
     /// depends only on the positions, so results stay batch-invariant).
@@ -77,6 +87,7 @@ impl Default for GpuModelOptions {
             cache_dir: None,
             use_graphs: true,
             batch_invariant_gemm: false,
+            fused_max_tokens: 16,
             attention_warps: 4,
             attention_grouped: false,
             device_launch: false,
@@ -230,6 +241,8 @@ pub struct GpuModel {
     use_graphs: bool,
     device_launch: bool,
     invariant_gemm: bool,
+    /// Buckets of at most this many tokens run the fused form (0 when it cannot).
+    fused_max_tokens: usize,
     attention_warps: u32,
     /// Query heads per attention block: 1, or the group (`attention_grouped`).
     attention_heads_per_block: u32,
@@ -281,6 +294,7 @@ impl std::fmt::Debug for GpuModel {
             .field("kv_bytes", &self.kv_bytes)
             .field("use_graphs", &self.use_graphs)
             .field("batch_invariant_gemm", &self.invariant_gemm)
+            .field("fused_max_tokens", &self.fused_max_tokens)
             .finish_non_exhaustive()
     }
 }
@@ -338,6 +352,21 @@ impl GpuModel {
         }
         let attention_heads_per_block =
             attention_heads_per_block(&cfg, opts.attention_warps, opts.attention_grouped)?;
+        let fused_max_tokens = match fused_form_fits(&cfg, opts.dtype) {
+            Ok(()) => opts.fused_max_tokens,
+            Err(why) if opts.batch_invariant_gemm => {
+                return Err(GpuModelError::Config(format!(
+                    "batch_invariant_gemm runs every projection in the fused form, which \
+                     cannot run this model: {why}"
+                )));
+            }
+            Err(why) => {
+                if opts.fused_max_tokens > 0 {
+                    tracing::info!("fused form off (cuBLAS for every bucket): {why}");
+                }
+                0
+            }
+        };
 
         let env = init(opts.device, opts.cuda_home.as_deref())?;
         let mut m = GpuModel {
@@ -347,6 +376,7 @@ impl GpuModel {
             use_graphs: opts.use_graphs,
             device_launch: opts.device_launch,
             invariant_gemm: opts.batch_invariant_gemm,
+            fused_max_tokens,
             attention_warps: opts.attention_warps,
             attention_heads_per_block,
             device_name: env.name.clone(),
@@ -671,6 +701,7 @@ impl GpuModel {
             cache: self.cache,
             inputs: self.inputs,
             invariant_gemm: self.invariant_gemm,
+            fused_max_tokens: self.fused_max_tokens,
             attention_warps: self.attention_warps,
             attention_heads_per_block: self.attention_heads_per_block,
         }
@@ -692,8 +723,9 @@ impl GpuModel {
                     kernel,
                     grid,
                     block,
+                    shared,
                     args,
-                } => self.launch(*kernel, *grid, *block, args)?,
+                } => self.launch(*kernel, *grid, *block, *shared, args)?,
                 Op::Gemm(g) => self.gemm(g)?,
             }
         }
@@ -705,6 +737,7 @@ impl GpuModel {
         k: Kernel,
         grid: (u32, u32),
         block: u32,
+        shared: u32,
         args: &[Arg],
     ) -> Result<(), GpuError> {
         let f = Kernel::ALL
@@ -730,7 +763,8 @@ impl GpuModel {
             // types of `args` (`Plan` builds them from the kernels' signatures; the emulator
             // tests check the order): pointers and 8-byte integers are read whole, 4-byte
             // values from the first bytes of their little-endian cell. The cells outlive the
-            // call (the launch copies the arguments); `stream` is live.
+            // call (the launch copies the arguments); `stream` is live. `shared` is within the
+            // 48 KB a block may use without an opt-in (`plan::fused_form_fits`).
             unsafe {
                 cu::cuLaunchKernel(
                     f,
@@ -740,7 +774,7 @@ impl GpuModel {
                     block,
                     1,
                     1,
-                    0,
+                    shared,
                     self.stream,
                     ptrs.as_mut_ptr(),
                     std::ptr::null_mut(),

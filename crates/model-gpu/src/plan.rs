@@ -13,10 +13,16 @@ use crate::model::GpuModelError;
 pub(crate) const NORM_THREADS: u32 = 256;
 /// Threads of `bgs_argmax` blocks (`BGS_ARGMAX_THREADS`).
 pub(crate) const ARGMAX_THREADS: u32 = 1024;
-/// Tokens per warp of `bgs_gemm_invariant` (`BGS_GEMM_TOKENS`).
-pub(crate) const GEMM_TOKENS: usize = 16;
-/// Rows (warps) per block of `bgs_gemm_invariant`.
-pub(crate) const GEMM_ROWS: usize = 8;
+/// Tokens per block of the fused form's projections (`BGS_PROJ_TOKENS`).
+pub(crate) const PROJ_TOKENS: usize = 8;
+/// Warps per block of the fused form's projections (`BGS_PROJ_WARPS`; 256 threads, the
+/// norm prologue's `BGS_NORM_THREADS`).
+pub(crate) const PROJ_WARPS: usize = 8;
+/// Shared memory of the norm prologue's tree (`sh` in `proj_norm_prologue`), which the
+/// dynamic `xs` rows come on top of.
+const PROJ_STATIC_SHARED: usize = PROJ_TOKENS * NORM_THREADS as usize * 4;
+/// Shared memory a block may use without an opt-in.
+const MAX_BLOCK_SHARED: usize = 48 * 1024;
 
 /// The kernels of `llm_kernels.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,11 +34,14 @@ pub(crate) enum Kernel {
     SiluMul,
     GatherRows,
     Argmax,
-    GemmInvariant,
+    Proj,
+    ProjAdd,
+    ProjNormSilu,
+    ProjNormRopeKv,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 8] = [
+    pub(crate) const ALL: [Kernel; 11] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -40,7 +49,10 @@ impl Kernel {
         Kernel::SiluMul,
         Kernel::GatherRows,
         Kernel::Argmax,
-        Kernel::GemmInvariant,
+        Kernel::Proj,
+        Kernel::ProjAdd,
+        Kernel::ProjNormSilu,
+        Kernel::ProjNormRopeKv,
     ];
 
     /// The `extern "C"` name.
@@ -53,7 +65,10 @@ impl Kernel {
             Kernel::SiluMul => "bgs_silu_mul",
             Kernel::GatherRows => "bgs_gather_rows",
             Kernel::Argmax => "bgs_argmax",
-            Kernel::GemmInvariant => "bgs_gemm_invariant",
+            Kernel::Proj => "bgs_proj",
+            Kernel::ProjAdd => "bgs_proj_add",
+            Kernel::ProjNormSilu => "bgs_proj_norm_silu",
+            Kernel::ProjNormRopeKv => "bgs_proj_norm_rope_kv",
         }
     }
 }
@@ -96,6 +111,8 @@ pub(crate) enum Op {
         kernel: Kernel,
         grid: (u32, u32),
         block: u32,
+        /// Dynamic shared memory in bytes.
+        shared: u32,
         args: Vec<Arg>,
     },
     Gemm(Gemm),
@@ -251,6 +268,49 @@ pub(crate) fn alloc_bufs(
     })
 }
 
+/// Whether the fused form's projections can run this model in `dtype`: every row they read
+/// is whole 16-byte chunks, and a block's normed rows fit its shared memory. `Err` says why
+/// not.
+pub(crate) fn fused_form_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), String> {
+    let es = dtype.size();
+    let per16 = 16 / es;
+    let widths = [
+        ("hidden_size", cfg.hidden_size),
+        ("intermediate_size", cfg.intermediate_size),
+        ("num_heads × head_dim", cfg.num_heads * cfg.head_dim),
+    ];
+    for (what, w) in widths {
+        if w % per16 != 0 {
+            return Err(format!(
+                "{what} {w} is not a multiple of {per16} ({dtype:?} values per 16 bytes)"
+            ));
+        }
+    }
+    let shared = PROJ_STATIC_SHARED + PROJ_TOKENS * cfg.hidden_size * es;
+    if shared > MAX_BLOCK_SHARED {
+        return Err(format!(
+            "{PROJ_TOKENS} normed rows of {} {dtype:?} values need {shared} bytes of shared \
+             memory, more than {MAX_BLOCK_SHARED}",
+            cfg.hidden_size
+        ));
+    }
+    Ok(())
+}
+
+/// A launch of one of the fused form's projections over `units` warp units and `n` tokens.
+fn proj_launch(kernel: Kernel, units: usize, n: usize, shared: u32, args: &[Arg]) -> Op {
+    Op::Launch {
+        kernel,
+        grid: (
+            units.div_ceil(PROJ_WARPS) as u32,
+            n.div_ceil(PROJ_TOKENS) as u32,
+        ),
+        block: (PROJ_WARPS * 32) as u32,
+        shared,
+        args: args.to_vec(),
+    }
+}
+
 /// Everything a step's operations refer to.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Plan<'a> {
@@ -263,8 +323,11 @@ pub(crate) struct Plan<'a> {
     pub cache: u64,
     /// The step-input buffer (`StepGeometry` layout).
     pub inputs: u64,
-    /// Projections through `bgs_gemm_invariant` instead of cuBLAS.
+    /// Every projection through the fused form's kernels (a fixed reduction order per output,
+    /// whatever the bucket), the LM head through `bgs_proj`, instead of cuBLAS.
     pub invariant_gemm: bool,
+    /// Buckets of at most this many tokens run the fused form (0: none); see [`Plan::fused`].
+    pub fused_max_tokens: usize,
     /// Warps of one query head in attention (positions split across them), 1..=8.
     pub attention_warps: u32,
     /// Query heads per attention block: 1, or the group (`attention_grouped`).
@@ -274,14 +337,12 @@ pub(crate) struct Plan<'a> {
 impl Plan<'_> {
     fn gemm(&self, w: u64, x: u64, y: u64, [out, inp, n]: [usize; 3], what: &'static str) -> Op {
         if self.invariant_gemm {
-            return Op::Launch {
-                kernel: Kernel::GemmInvariant,
-                grid: (
-                    out.div_ceil(GEMM_ROWS) as u32,
-                    n.div_ceil(GEMM_TOKENS) as u32,
-                ),
-                block: (GEMM_ROWS * 32) as u32,
-                args: vec![
+            return proj_launch(
+                Kernel::Proj,
+                out,
+                n,
+                0,
+                &[
                     Arg::P(w),
                     Arg::P(x),
                     Arg::P(y),
@@ -289,7 +350,7 @@ impl Plan<'_> {
                     Arg::I(inp as i32),
                     Arg::I(n as i32),
                 ],
-            };
+            );
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
         // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B
@@ -308,6 +369,13 @@ impl Plan<'_> {
             ldc: out as i32,
             what,
         })
+    }
+
+    /// Whether a bucket of `n` tokens runs the fused form: every bucket with the invariant
+    /// option, else buckets of at most `fused_max_tokens` (the host only sets either when
+    /// [`fused_form_fits`] the model).
+    pub(crate) fn fused(&self, n: usize) -> bool {
+        self.invariant_gemm || n <= self.fused_max_tokens
     }
 
     fn input(&self, word: usize) -> u64 {
@@ -339,8 +407,10 @@ impl Plan<'_> {
             kernel,
             grid,
             block,
+            shared: 0,
             args: args.to_vec(),
         };
+        let fused = self.fused(n);
         let norm = |delta: u64, w: u64| {
             launch(
                 Kernel::AddRmsNorm,
@@ -367,30 +437,60 @@ impl Plan<'_> {
                 Arg::I(h as i32),
             ],
         )];
+        let xn_shared = (PROJ_TOKENS * h) as u32 * es as u32;
         for (l, lw) in self.w.layers.iter().enumerate() {
-            if l == 0 {
-                ops.push(norm(0, lw.input_norm));
-            }
-            ops.push(self.gemm(lw.qkv, b.xn, b.qkv, [qd + 2 * kvd, h, n], "qkv"));
             let cache_l = self.cache + (l * layer_elems) as u64 * es;
-            ops.push(launch(
-                Kernel::RopeKv,
-                (nu, 1),
-                128,
-                &[
-                    Arg::P(b.qkv),
-                    Arg::P(lw.qkv_bias),
-                    Arg::P(pos),
-                    Arg::P(slot),
-                    Arg::P(b.inv_freq),
-                    Arg::P(cache_l),
-                    Arg::I(nh as i32),
-                    Arg::I(nkv as i32),
-                    Arg::I(hd as i32),
-                    Arg::I(bs as i32),
-                    Arg::L(block_stride),
-                ],
-            ));
+            if fused {
+                // The input norm, QKV, bias, RoPE and the K/V writes in one launch.
+                ops.push(proj_launch(
+                    Kernel::ProjNormRopeKv,
+                    (nh + 2 * nkv) * (hd / 2),
+                    n,
+                    xn_shared,
+                    &[
+                        Arg::P(lw.qkv),
+                        Arg::P(b.x),
+                        Arg::P(lw.input_norm),
+                        Arg::F(eps),
+                        Arg::P(b.qkv),
+                        Arg::P(lw.qkv_bias),
+                        Arg::P(pos),
+                        Arg::P(slot),
+                        Arg::P(b.inv_freq),
+                        Arg::P(cache_l),
+                        Arg::I(nh as i32),
+                        Arg::I(nkv as i32),
+                        Arg::I(hd as i32),
+                        Arg::I(bs as i32),
+                        Arg::L(block_stride),
+                        Arg::I(h as i32),
+                        Arg::I(n as i32),
+                    ],
+                ));
+            } else {
+                if l == 0 {
+                    ops.push(norm(0, lw.input_norm));
+                }
+                ops.push(self.gemm(lw.qkv, b.xn, b.qkv, [qd + 2 * kvd, h, n], "qkv"));
+                ops.push(launch(
+                    Kernel::RopeKv,
+                    (nu, 1),
+                    128,
+                    &[
+                        Arg::P(b.qkv),
+                        Arg::P(lw.qkv_bias),
+                        Arg::P(pos),
+                        Arg::P(slot),
+                        Arg::P(b.inv_freq),
+                        Arg::P(cache_l),
+                        Arg::I(nh as i32),
+                        Arg::I(nkv as i32),
+                        Arg::I(hd as i32),
+                        Arg::I(bs as i32),
+                        Arg::L(block_stride),
+                    ],
+                ));
+            }
             let hpb = self.attention_heads_per_block;
             ops.push(launch(
                 Kernel::Attention,
@@ -413,6 +513,43 @@ impl Plan<'_> {
                     Arg::I(hpb as i32),
                 ],
             ));
+            if fused {
+                let add = |w: u64, x: u64, inp: usize| {
+                    proj_launch(
+                        Kernel::ProjAdd,
+                        h,
+                        n,
+                        0,
+                        &[
+                            Arg::P(w),
+                            Arg::P(x),
+                            Arg::P(b.x),
+                            Arg::I(h as i32),
+                            Arg::I(inp as i32),
+                            Arg::I(n as i32),
+                        ],
+                    )
+                };
+                ops.push(add(lw.o, b.attn, qd));
+                ops.push(proj_launch(
+                    Kernel::ProjNormSilu,
+                    inter,
+                    n,
+                    xn_shared,
+                    &[
+                        Arg::P(lw.gate_up),
+                        Arg::P(b.x),
+                        Arg::P(lw.post_norm),
+                        Arg::F(eps),
+                        Arg::P(b.act),
+                        Arg::I(inter as i32),
+                        Arg::I(h as i32),
+                        Arg::I(n as i32),
+                    ],
+                ));
+                ops.push(add(lw.down, b.act, inter));
+                continue;
+            }
             ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));
             ops.push(norm(b.tmp, lw.post_norm));
             ops.push(self.gemm(lw.gate_up, b.xn, b.gu, [2 * inter, h, n], "gate/up"));
@@ -436,6 +573,10 @@ impl Plan<'_> {
                 .map_or(self.w.final_norm, |nl| nl.input_norm);
             ops.push(norm(b.tmp, next_norm));
         }
+        if fused {
+            // The final norm, for the LM head (the fused layers norm inside their projections).
+            ops.push(norm(0, self.w.final_norm));
+        }
         ops
     }
 
@@ -448,6 +589,7 @@ impl Plan<'_> {
                 kernel: Kernel::GatherRows,
                 grid: (s as u32, 1),
                 block: 256,
+                shared: 0,
                 args: vec![
                     Arg::P(b.xn),
                     Arg::P(rows),
@@ -466,6 +608,7 @@ impl Plan<'_> {
                 kernel: Kernel::Argmax,
                 grid: (s as u32, 1),
                 block: ARGMAX_THREADS,
+                shared: 0,
                 args: vec![
                     Arg::P(b.logits),
                     Arg::P(b.next),

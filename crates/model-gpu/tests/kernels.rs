@@ -21,7 +21,7 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 8] = [
+const ENTRY_POINTS: [&str; 11] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -29,7 +29,10 @@ const ENTRY_POINTS: [&str; 8] = [
     "bgs_silu_mul",
     "bgs_gather_rows",
     "bgs_argmax",
-    "bgs_gemm_invariant",
+    "bgs_proj",
+    "bgs_proj_add",
+    "bgs_proj_norm_silu",
+    "bgs_proj_norm_rope_kv",
 ];
 
 #[test]

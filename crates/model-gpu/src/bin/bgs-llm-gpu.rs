@@ -70,9 +70,13 @@ struct DeviceArgs {
     /// Run the step's launches without CUDA graphs (debugging).
     #[arg(long)]
     no_graphs: bool,
-    /// Projections through the batch-invariant kernel instead of cuBLAS.
+    /// Every bucket in the fused form (own projections with a fixed reduction order) and the
+    /// LM head through `bgs_proj`, instead of cuBLAS: batch-invariant by construction.
     #[arg(long)]
     invariant_gemm: bool,
+    /// Buckets of at most this many tokens run the fused form (0: cuBLAS for every bucket).
+    #[arg(long, default_value_t = GpuModelOptions::default().fused_max_tokens)]
+    fused_max_tokens: usize,
     /// Warps per attention block (positions split across them), 1..=8.
     #[arg(long, default_value_t = GpuModelOptions::default().attention_warps)]
     attention_warps: u32,
@@ -173,6 +177,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         cache_dir: dev.cache_dir.clone(),
         use_graphs: !dev.no_graphs,
         batch_invariant_gemm: dev.invariant_gemm,
+        fused_max_tokens: dev.fused_max_tokens,
         attention_warps: dev.attention_warps,
         attention_grouped: dev.attention_grouped,
         ..Default::default()
@@ -502,6 +507,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "model": name, "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
+        "fused_max_tokens": a.dev.fused_max_tokens,
         "attention_warps": a.dev.attention_warps,
         "attention_grouped": a.dev.attention_grouped,
         "pass": ok, "checks": results,
@@ -743,6 +749,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "arch": a.arch.name(), "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
+        "fused_max_tokens": a.dev.fused_max_tokens,
         "attention_warps": a.dev.attention_warps,
         "attention_grouped": a.dev.attention_grouped,
         "weight_bytes": m.weight_bytes(),
