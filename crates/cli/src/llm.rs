@@ -54,6 +54,16 @@ pub struct ModelArgs {
     /// not depend on what else is in the batch; slower) instead of cuBLAS.
     #[arg(long)]
     pub batch_invariant: bool,
+    /// GPU forward pass: buckets of at most this many tokens (decode at small batch) run the
+    /// fused form (own projections with the norms, RoPE/KV writes, SiLU and residual adds
+    /// fused in); larger ones run cuBLAS. 0: cuBLAS for every bucket. Mixing the two forms
+    /// changes a request's bits with the batch size (see docs/gpu-model.md).
+    #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().fused_max_tokens)]
+    pub gpu_fused_max_tokens: usize,
+    /// GPU forward pass: launch the model's kernels with programmatic dependent launch
+    /// (sm_90+): each may start while the one before it drains.
+    #[arg(long)]
+    pub gpu_pdl: bool,
 }
 
 /// `--dtype` values.
@@ -106,7 +116,12 @@ pub enum LoadedEngine {
 }
 
 /// Flags of [`ModelArgs`] that only the GPU forward pass reads (refused with the CPU one).
-pub const GPU_ONLY_MODEL_FLAGS: &[&str] = &["dtype", "batch_invariant"];
+pub const GPU_ONLY_MODEL_FLAGS: &[&str] = &[
+    "dtype",
+    "batch_invariant",
+    "gpu_fused_max_tokens",
+    "gpu_pdl",
+];
 
 /// Flags of [`ModelArgs`] that only the CPU forward pass reads.
 pub const CPU_ONLY_MODEL_FLAGS: &[&str] = &["model_threads"];
@@ -227,6 +242,8 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                 max_seqs: slots,
                 cuda_home: cuda_home.clone(),
                 batch_invariant_gemm: args.batch_invariant,
+                fused_max_tokens: args.gpu_fused_max_tokens,
+                programmatic_launch: args.gpu_pdl,
                 device_launch: *step_loop_on_device,
                 ..bgs_model_gpu::GpuModelOptions::default()
             };

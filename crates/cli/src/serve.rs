@@ -281,6 +281,8 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "api_listen",
             "dtype",
             "batch_invariant",
+            "gpu_fused_max_tokens",
+            "gpu_pdl",
         ])
     {
         bail!("{f} applies to generation; it does nothing without --model");

@@ -33,6 +33,8 @@ pub struct OpenedDevice {
     pub driver_version: i32,
     /// `CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED`.
     pub host_native_atomics: bool,
+    /// Streaming multiprocessors (`CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`).
+    pub multiprocessors: u32,
 }
 
 /// Load the driver, initialise it and open device `ordinal`. Without the driver library,
@@ -69,7 +71,7 @@ pub fn open(ordinal: usize) -> Result<OpenedDevice, GpuError> {
     }
     let mut dev: cu::CUdevice = 0;
     let mut name = [0 as std::ffi::c_char; 256];
-    let (mut major, mut minor, mut native, mut driver) = (0, 0, 0, 0);
+    let (mut major, mut minor, mut native, mut driver, mut sms) = (0, 0, 0, 0, 0);
     // SAFETY: initialized driver, valid ordinal, valid out-pointers and buffer length.
     unsafe {
         use cu::CUdevice_attribute as A;
@@ -94,6 +96,11 @@ pub fn open(ordinal: usize) -> Result<OpenedDevice, GpuError> {
                 A::CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED,
                 "cuDeviceGetAttribute(host native atomics)",
             ),
+            (
+                &mut sms,
+                A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                "cuDeviceGetAttribute(multiprocessor count)",
+            ),
         ] {
             check(cu::cuDeviceGetAttribute(out, attr, dev), what)?;
         }
@@ -109,6 +116,7 @@ pub fn open(ordinal: usize) -> Result<OpenedDevice, GpuError> {
         compute_capability: (major, minor),
         driver_version: driver,
         host_native_atomics: native != 0,
+        multiprocessors: sms.max(1) as u32,
     })
 }
 

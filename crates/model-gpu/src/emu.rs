@@ -757,6 +757,9 @@ impl EmuModel {
             inputs: self.inputs,
             invariant_gemm: self.invariant_gemm,
             fused_max_tokens: self.fused_max_tokens,
+            // Few multiprocessors: the norm kernels' grids are capped below their units, so
+            // the plan's grid-stride sizing is exercised.
+            sms: 2,
             attention_warps: self.attention_warps,
             attention_heads_per_block: self.attention_heads_per_block,
         }

@@ -130,8 +130,37 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
 #define BGS_NORM_THREADS 256
 #define BGS_ARGMAX_THREADS 1024
 
+// Programmatic dependent launch (`GpuModelOptions::programmatic_launch`, sm_90 and later):
+// with it the host launches each kernel with programmatic stream serialization, so a kernel
+// may start while the one before it in the step drains. Every kernel therefore begins with
+// BGS_PDL_BEGIN: `griddepcontrol.wait` blocks until the grid it depends on has completed and
+// its memory is visible (so nothing is read early; a kernel launched without the attribute
+// returns from it at once), then `griddepcontrol.launch_dependents` lets the next kernel be
+// scheduled now rather than when this grid ends (BGS_PDL_EARLY=0: at its end). Waiting on the
+// previous grid's completion chains every earlier kernel's completion too, since each of
+// them waited in turn before doing anything.
+#ifndef BGS_PDL_EARLY
+#define BGS_PDL_EARLY 1
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if BGS_PDL_EARLY
+#define BGS_PDL_BEGIN()                                                                    \
+    do {                                                                                   \
+        asm volatile("griddepcontrol.wait;" ::: "memory");                                 \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                    \
+    } while (0)
+#else
+#define BGS_PDL_BEGIN() asm volatile("griddepcontrol.wait;" ::: "memory")
+#endif
+#else
+#define BGS_PDL_BEGIN() \
+    do {                \
+    } while (0)
+#endif
+
 // x[t] = embed[tok[t]] (as f32).
 extern "C" __global__ void bgs_embed(const unsigned *tok, const wt *embed, float *x, int hidden) {
+    BGS_PDL_BEGIN();
     const int t = blockIdx.x;
     const wt *src = embed + (size_t)tok[t] * hidden;
     float *dst = x + (size_t)t * hidden;
@@ -155,6 +184,7 @@ __device__ __forceinline__ float block_sum(float v, float *sh) {
 // One block of BGS_NORM_THREADS threads per token.
 extern "C" __global__ void bgs_add_rmsnorm(float *x, const float *delta, const float *w,
                                            wt *out, int hidden, float eps) {
+    BGS_PDL_BEGIN();
     __shared__ float sh[BGS_NORM_THREADS];
     const int t = blockIdx.x;
     float *xr = x + (size_t)t * hidden;
@@ -181,6 +211,7 @@ extern "C" __global__ void bgs_rope_kv(float *qkv, const float *bias, const int 
                                        const int *slot, const float *inv_freq, wt *cache,
                                        int num_heads, int num_kv_heads, int head_dim,
                                        int block_size, long long block_stride) {
+    BGS_PDL_BEGIN();
     const int t = blockIdx.x;
     const int half = head_dim / 2;
     const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
@@ -441,6 +472,7 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
                                          wt *out, int num_heads, int num_kv_heads,
                                          int head_dim, int block_size, long long block_stride,
                                          float scale, int heads_per_block) {
+    BGS_PDL_BEGIN();
     __shared__ float qs[BGS_ATTN_MAX_BLOCK_HEADS][BGS_MAX_HEAD_DIM];
     __shared__ float part_acc[BGS_ATTN_MAX_BLOCK_WARPS][BGS_MAX_HEAD_DIM];
     __shared__ float part_m[BGS_ATTN_MAX_BLOCK_WARPS], part_l[BGS_ATTN_MAX_BLOCK_WARPS];
@@ -619,6 +651,7 @@ __device__ __forceinline__ void proj_norm_prologue(const float *x, const float *
 // y[t][r] = w[r] · x[t] (f32 out): a projection without a fused step (the LM head with the
 // invariant option).
 extern "C" __global__ void bgs_proj(const wt *w, const wt *x, float *y, int out, int in, int n) {
+    BGS_PDL_BEGIN();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
     for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < out; u += gridDim.x * BGS_PROJ_WARPS) {
@@ -635,6 +668,7 @@ extern "C" __global__ void bgs_proj(const wt *w, const wt *x, float *y, int out,
 // element, the add bgs_add_rmsnorm does).
 extern "C" __global__ void bgs_proj_add(const wt *w, const wt *x, float *res, int out, int in,
                                         int n) {
+    BGS_PDL_BEGIN();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
     for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < out; u += gridDim.x * BGS_PROJ_WARPS) {
@@ -655,6 +689,7 @@ extern "C" __global__ void bgs_proj_add(const wt *w, const wt *x, float *res, in
 // in elements of `wt`).
 extern "C" __global__ void bgs_proj_norm_silu(const wt *w, const float *res, const float *nw,
                                               float eps, wt *act, int inter, int in, int n) {
+    BGS_PDL_BEGIN();
     extern __shared__ __attribute__((aligned(16))) unsigned char proj_smem[];
     wt *xs = (wt *)proj_smem;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -664,7 +699,7 @@ extern "C" __global__ void bgs_proj_norm_silu(const wt *w, const float *res, con
          u += gridDim.x * BGS_PROJ_WARPS) {
         float acc[2][BGS_PROJ_TOKENS] = {};
         const wt *wr[2] = {w + (size_t)u * in, w + (size_t)(inter + u) * in};
-        proj_dot<2, 2>(wr, xs, in, nt, acc);
+        proj_dot<2, 4>(wr, xs, in, nt, acc);
         float mine[2];
         proj_reduce<2>(acc, mine, nt);
         if (lane < nt) {
@@ -684,6 +719,7 @@ extern "C" __global__ void bgs_proj_norm_rope_kv(
     const wt *w, const float *res, const float *nw, float eps, float *qkv, const float *bias,
     const int *pos, const int *slot, const float *inv_freq, wt *cache, int num_heads,
     int num_kv_heads, int head_dim, int block_size, long long block_stride, int in, int n) {
+    BGS_PDL_BEGIN();
     extern __shared__ __attribute__((aligned(16))) unsigned char proj_smem[];
     wt *xs = (wt *)proj_smem;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -697,7 +733,7 @@ extern "C" __global__ void bgs_proj_norm_rope_kv(
         const int h = u / half, i = u % half, base = h * head_dim;
         float acc[2][BGS_PROJ_TOKENS] = {};
         const wt *wr[2] = {w + (size_t)(base + i) * in, w + (size_t)(base + i + half) * in};
-        proj_dot<2, 2>(wr, xs, in, nt, acc);
+        proj_dot<2, 4>(wr, xs, in, nt, acc);
         float mine[2];
         proj_reduce<2>(acc, mine, nt);
         if (lane >= nt) continue;
@@ -738,6 +774,7 @@ extern "C" __global__ void bgs_proj_norm_rope_kv(
 
 // gu: [T][2 * inter] f32 (gate then up, the fused GEMM's output); out[t][i] = silu(g) * u.
 extern "C" __global__ void bgs_silu_mul(const float *gu, wt *out, int inter, int tokens) {
+    BGS_PDL_BEGIN();
     const long long n = (long long)tokens * inter;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n;
          j += (long long)gridDim.x * blockDim.x) {
@@ -750,6 +787,7 @@ extern "C" __global__ void bgs_silu_mul(const float *gu, wt *out, int inter, int
 
 // out[s] = xn[rows[s]]: the sampled tokens' normed rows, the LM head's input.
 extern "C" __global__ void bgs_gather_rows(const wt *xn, const int *rows, wt *out, int hidden) {
+    BGS_PDL_BEGIN();
     const int s = blockIdx.x;
     const wt *src = xn + (size_t)rows[s] * hidden;
     wt *dst = out + (size_t)s * hidden;
@@ -768,6 +806,7 @@ __device__ __forceinline__ void better(float &bv, unsigned &bi, float v, unsigne
 // next[s] = argmax(logits[s]) with ties to the lowest id; one block of BGS_ARGMAX_THREADS
 // threads per row: strided scan in index order, then a fixed shared-memory tree.
 extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int vocab) {
+    BGS_PDL_BEGIN();
     __shared__ float sv[BGS_ARGMAX_THREADS];
     __shared__ unsigned si[BGS_ARGMAX_THREADS];
     const int s = blockIdx.x;

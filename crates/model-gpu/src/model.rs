@@ -56,6 +56,10 @@ pub struct GpuModelOptions {
     /// epilogues), 5 launches per layer instead of 9 (docs/gpu-model.md). 0: cuBLAS for every
     /// bucket. Ignored (cuBLAS) when the model's widths do not fit the form.
     pub fused_max_tokens: usize,
+    /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
+    /// on older devices): each may be scheduled while the one before it drains, and waits for
+    /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
+    pub programmatic_launch: bool,
     /// Warps per attention block, 1..=8: the positions a token attends to are split across
     /// them in fixed groups of 32 (more memory requests in flight at small batch; the split
     /// depends only on the positions, so results stay batch-invariant).
@@ -88,6 +92,7 @@ impl Default for GpuModelOptions {
             use_graphs: true,
             batch_invariant_gemm: false,
             fused_max_tokens: 16,
+            programmatic_launch: false,
             attention_warps: 4,
             attention_grouped: false,
             device_launch: false,
@@ -164,6 +169,8 @@ struct Env {
     name: String,
     cc: (i32, i32),
     driver: i32,
+    /// Streaming multiprocessors (the fused form's norm kernels size their grids by them).
+    sms: u32,
 }
 
 fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
@@ -181,6 +188,7 @@ fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
         dev: d.dev,
         name: d.name,
         cc: d.compute_capability,
+        sms: d.multiprocessors,
         driver: d.driver_version,
     })
 }
@@ -243,6 +251,12 @@ pub struct GpuModel {
     invariant_gemm: bool,
     /// Buckets of at most this many tokens run the fused form (0 when it cannot).
     fused_max_tokens: usize,
+    /// Launch the crate's kernels with programmatic stream serialization
+    /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
+    /// events between the operations.
+    pdl: std::cell::Cell<bool>,
+    /// The device's multiprocessors.
+    sms: u32,
     attention_warps: u32,
     /// Query heads per attention block: 1, or the group (`attention_grouped`).
     attention_heads_per_block: u32,
@@ -295,6 +309,7 @@ impl std::fmt::Debug for GpuModel {
             .field("use_graphs", &self.use_graphs)
             .field("batch_invariant_gemm", &self.invariant_gemm)
             .field("fused_max_tokens", &self.fused_max_tokens)
+            .field("programmatic_launch", &self.pdl.get())
             .finish_non_exhaustive()
     }
 }
@@ -377,6 +392,8 @@ impl GpuModel {
             device_launch: opts.device_launch,
             invariant_gemm: opts.batch_invariant_gemm,
             fused_max_tokens,
+            pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
+            sms: env.sms,
             attention_warps: opts.attention_warps,
             attention_heads_per_block,
             device_name: env.name.clone(),
@@ -702,6 +719,7 @@ impl GpuModel {
             inputs: self.inputs,
             invariant_gemm: self.invariant_gemm,
             fused_max_tokens: self.fused_max_tokens,
+            sms: self.sms,
             attention_warps: self.attention_warps,
             attention_heads_per_block: self.attention_heads_per_block,
         }
@@ -758,6 +776,37 @@ impl GpuModel {
             .iter_mut()
             .map(|c| (c as *mut u64).cast::<c_void>())
             .collect();
+        if self.pdl.get() {
+            // Programmatic stream serialization: the kernel may start while the previous one
+            // drains; it waits for it (`BGS_PDL_BEGIN`) before reading anything.
+            let mut attr = cu::CUlaunchAttribute {
+                id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                // SAFETY: an all-zero union is a valid value of every member (plain integers).
+                value: unsafe { std::mem::zeroed() },
+            };
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = cu::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: 1,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: shared,
+                hStream: self.stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            return ck(
+                // SAFETY: as for cuLaunchKernel below; `config` and the attribute it points to
+                // live through the call.
+                unsafe {
+                    cu::cuLaunchKernelEx(&config, f, ptrs.as_mut_ptr(), std::ptr::null_mut())
+                },
+                &format!("cuLaunchKernelEx({}, programmatic)", k.name()),
+            );
+        }
         ck(
             // SAFETY: `f` is a kernel of the loaded module whose parameters are, in order, the
             // types of `args` (`Plan` builds them from the kernels' signatures; the emulator
@@ -1081,6 +1130,9 @@ impl GpuModel {
                 "cuEventRecordWithFlags(external)",
             )
         };
+        // Plain launches here: an event record between two kernels leaves nothing for a
+        // programmatic edge to overlap, and the intervals should be the launches' own.
+        let pdl = self.pdl.replace(false);
         let graph = self.capture("per-op profile", |m| {
             record(0, m.stream)?;
             for (i, op) in ops.iter().enumerate() {
@@ -1088,7 +1140,9 @@ impl GpuModel {
                 record(i + 1, m.stream)?;
             }
             Ok(())
-        })?;
+        });
+        self.pdl.set(pdl);
+        let graph = graph?;
         let mut acc = vec![0f64; ops.len()];
         for it in 0..iters.max(1) + 1 {
             ck(

@@ -297,12 +297,23 @@ pub(crate) fn fused_form_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), 
     Ok(())
 }
 
-/// A launch of one of the fused form's projections over `units` warp units and `n` tokens.
-fn proj_launch(kernel: Kernel, units: usize, n: usize, shared: u32, args: &[Arg]) -> Op {
+/// Blocks per multiprocessor of the fused norm kernels (see `Plan::sms`).
+pub(crate) const PROJ_NORM_BLOCKS_PER_SM: usize = 2;
+
+/// A launch of one of the fused form's projections over `units` warp units and `n` tokens, at
+/// most `max_blocks` blocks per token group (the warps stride over the units).
+fn proj_launch(
+    kernel: Kernel,
+    units: usize,
+    n: usize,
+    max_blocks: usize,
+    shared: u32,
+    args: &[Arg],
+) -> Op {
     Op::Launch {
         kernel,
         grid: (
-            units.div_ceil(PROJ_WARPS) as u32,
+            units.div_ceil(PROJ_WARPS).min(max_blocks.max(1)) as u32,
             n.div_ceil(PROJ_TOKENS) as u32,
         ),
         block: (PROJ_WARPS * 32) as u32,
@@ -328,6 +339,10 @@ pub(crate) struct Plan<'a> {
     pub invariant_gemm: bool,
     /// Buckets of at most this many tokens run the fused form (0: none); see [`Plan::fused`].
     pub fused_max_tokens: usize,
+    /// The device's multiprocessors: the fused norm kernels run at most
+    /// [`PROJ_NORM_BLOCKS_PER_SM`] blocks on each (every block norms its tokens first, so
+    /// fewer blocks with more units each beat one unit per warp).
+    pub sms: u32,
     /// Warps of one query head in attention (positions split across them), 1..=8.
     pub attention_warps: u32,
     /// Query heads per attention block: 1, or the group (`attention_grouped`).
@@ -341,6 +356,7 @@ impl Plan<'_> {
                 Kernel::Proj,
                 out,
                 n,
+                usize::MAX,
                 0,
                 &[
                     Arg::P(w),
@@ -438,6 +454,7 @@ impl Plan<'_> {
             ],
         )];
         let xn_shared = (PROJ_TOKENS * h) as u32 * es as u32;
+        let norm_blocks = PROJ_NORM_BLOCKS_PER_SM * self.sms as usize;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let cache_l = self.cache + (l * layer_elems) as u64 * es;
             if fused {
@@ -446,6 +463,7 @@ impl Plan<'_> {
                     Kernel::ProjNormRopeKv,
                     (nh + 2 * nkv) * (hd / 2),
                     n,
+                    norm_blocks,
                     xn_shared,
                     &[
                         Arg::P(lw.qkv),
@@ -519,6 +537,7 @@ impl Plan<'_> {
                         Kernel::ProjAdd,
                         h,
                         n,
+                        usize::MAX,
                         0,
                         &[
                             Arg::P(w),
@@ -535,6 +554,7 @@ impl Plan<'_> {
                     Kernel::ProjNormSilu,
                     inter,
                     n,
+                    norm_blocks,
                     xn_shared,
                     &[
                         Arg::P(lw.gate_up),
