@@ -150,7 +150,9 @@ served() {
   local name=$1 loop=$2 rate=$3 secs=$4 conns=${CONNS:-128}; shift 4
   [ "$loop" = device ] && [ "$device_ok" = 0 ] && return
   port=$((port + 2))
-  if start_server "qwen-$name" --model "$work/qwen2.5-0.5b" --gpu-step-loop "$loop" "$@"; then
+  # SERVE_FLAGS: more server flags for every served run (e.g. --gpu-pdl).
+  # shellcheck disable=SC2086
+  if start_server "qwen-$name" --model "$work/qwen2.5-0.5b" --gpu-step-loop "$loop" "$@" ${SERVE_FLAGS:-}; then
     gen_load "$name" --prompt-tokens 24 --max-tokens 64 --ignore-eos \
       --connections "$conns" --rate "$rate" --duration "$secs" --warmup 2 --prompts 64
     stop_server "qwen-$name"

@@ -341,25 +341,16 @@ impl Emu {
                 }
             }
             Kernel::Attention => {
+                assert!(
+                    block.is_multiple_of(32) && (32..=256).contains(&block),
+                    "block {block}"
+                );
+                let warps = (block / 32) as usize;
                 let (qkv, cache, pos, seq, bt_off, bt, out) =
                     (p(0), p(1), p(2), p(3), p(4), p(5), p(6));
-                let (nh, nkv, hd, bs, stride, scale, hpb) =
-                    (int(7), int(8), int(9), int(10), ll(11), fl(12), int(13));
-                // A block: `hpb` query heads (1, or the group) of W warps each.
-                assert!(hpb == 1 || hpb == nh / nkv, "heads per block {hpb}");
-                let most_warps = if hpb > 1 {
-                    crate::model::ATTENTION_GROUPED_MAX_WARPS as usize
-                } else {
-                    8
-                };
-                assert!(
-                    block.is_multiple_of(32 * hpb as u32)
-                        && (1..=8).contains(&(block as usize / 32 / hpb))
-                        && block as usize / 32 <= most_warps,
-                    "block {block} for {hpb} heads"
-                );
-                let warps = block as usize / 32 / hpb;
-                assert_eq!(gx * hpb, nh);
+                let (nh, nkv, hd, bs, stride, scale) =
+                    (int(7), int(8), int(9), int(10), ll(11), fl(12));
+                assert_eq!(gx, nh);
                 let (qd, kvd) = (nh * hd, nkv * hd);
                 let group = nh / nkv;
                 for t in 0..gy {
@@ -375,7 +366,7 @@ impl Emu {
                         cache + e as u64 * es
                     };
                     let table = self.i32s(bt + 4 * off, last / bs + 1);
-                    for head in 0..nh {
+                    for head in 0..gx {
                         let kvh = head / group;
                         let q = self.f32s(qkv + ((t * (qd + 2 * kvd) + head * hd) * 4) as u64, hd);
                         // Each warp's (max, sum, accumulator) over its groups of 32 positions
@@ -684,7 +675,6 @@ pub(crate) struct EmuModel {
     invariant_gemm: bool,
     fused_max_tokens: usize,
     attention_warps: u32,
-    attention_heads_per_block: u32,
 }
 
 impl EmuModel {
@@ -721,7 +711,6 @@ impl EmuModel {
             invariant_gemm,
             fused_max_tokens: 0,
             attention_warps: 1,
-            attention_heads_per_block: 1,
         }
     }
 
@@ -735,14 +724,6 @@ impl EmuModel {
     pub(crate) fn with_fused_max_tokens(mut self, n: usize) -> EmuModel {
         plan::fused_form_fits(&self.cfg, self.dtype).unwrap();
         self.fused_max_tokens = n;
-        self
-    }
-
-    /// One attention block per query group (as `GpuModelOptions::attention_grouped`).
-    pub(crate) fn with_attention_grouped(mut self, grouped: bool) -> EmuModel {
-        self.attention_heads_per_block =
-            crate::model::attention_heads_per_block(&self.cfg, self.attention_warps, grouped)
-                .unwrap();
         self
     }
 
@@ -761,7 +742,6 @@ impl EmuModel {
             // the plan's grid-stride sizing is exercised.
             sms: 2,
             attention_warps: self.attention_warps,
-            attention_heads_per_block: self.attention_heads_per_block,
         }
     }
 
@@ -1048,46 +1028,6 @@ mod tests {
                 );
             }
         }
-    }
-
-    /// Grouped attention blocks (a block per kv head serving its query group, the
-    /// `attention_grouped` experiment): the plan's grid, block and heads-per-block argument
-    /// give the same logits bit for bit as one block per query head, and a group too large for
-    /// one block is refused.
-    #[test]
-    fn emulated_grouped_attention_blocks_give_the_same_bits() {
-        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 5, DType::F32);
-        let ps = prompts(cfg.vocab_size, &[3, 70, 1, 40]);
-        let tables: Vec<Vec<u32>> = (0..4).map(|i| (i * 8..(i + 1) * 8).collect()).collect();
-        let items: Vec<StepItem<'_>> = ps
-            .iter()
-            .zip(&tables)
-            .map(|(p, t)| StepItem {
-                tokens: p,
-                pos: 0,
-                blocks: t,
-                sample: true,
-            })
-            .collect();
-        let logits = |grouped: bool| {
-            let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::F32, [16, 32, 128, 4], false)
-                .with_attention_warps(4)
-                .with_attention_grouped(grouped);
-            assert_eq!(m.attention_heads_per_block, if grouped { 2 } else { 1 });
-            m.step_logits(&items)
-        };
-        let (per_head, grouped) = (logits(false), logits(true));
-        for (a, b) in per_head.iter().zip(&grouped) {
-            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
-        }
-        // Qwen2.5-0.5B's group of 7 heads: 4 warps each fit (28), 8 do not.
-        let qwen = synth_config(SynthArch::Qwen25_05b);
-        assert_eq!(
-            crate::model::attention_heads_per_block(&qwen, 4, true).unwrap(),
-            7
-        );
-        let e = crate::model::attention_heads_per_block(&qwen, 8, true).unwrap_err();
-        assert!(e.to_string().contains("56 warps"), "{e}");
     }
 
     #[test]

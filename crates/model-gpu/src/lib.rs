@@ -27,17 +27,9 @@ pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
 pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
 
 /// NVRTC options for compute capability `major.minor`, `dtype` and the model's `head_dim`
-/// (attention's fast form is compiled for that head size alone), with attention's shared
-/// arrays sized for whole query groups per block when `attention_grouped`
-/// (`GpuModelOptions::attention_grouped`). No `-rdc`: the kernels launch nothing themselves,
-/// so NVRTC's cubin loads as is.
-pub fn nvrtc_options(
-    major: i32,
-    minor: i32,
-    dtype: GpuDtype,
-    head_dim: usize,
-    attention_grouped: bool,
-) -> Vec<String> {
+/// (attention's fast form is compiled for that head size alone; no `-rdc`: the kernels
+/// launch nothing themselves, so NVRTC's cubin loads as is).
+pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -> Vec<String> {
     let mut o = vec![
         format!("-arch=sm_{major}{minor}"),
         "-std=c++17".into(),
@@ -45,7 +37,6 @@ pub fn nvrtc_options(
         "-fmad=false".into(),
         format!("-DBGS_DT={}", dtype.kernel_id()),
         format!("-DBGS_HEAD_DIM={head_dim}"),
-        format!("-DBGS_ATTN_GROUPED={}", u8::from(attention_grouped)),
     ];
     // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`); part of the
     // cache key like every option.
@@ -80,7 +71,7 @@ mod tests {
 
     #[test]
     fn options_and_cache_keys_follow_dtype_and_device() {
-        let o = nvrtc_options(9, 0, GpuDtype::Bf16, 64, false);
+        let o = nvrtc_options(9, 0, GpuDtype::Bf16, 64);
         assert!(o.contains(&"-arch=sm_90".to_string()));
         assert!(o.contains(&"-DBGS_DT=2".to_string()));
         assert!(o.contains(&"-DBGS_HEAD_DIM=64".to_string()));
@@ -88,22 +79,16 @@ mod tests {
         assert!(!o.iter().any(|x| x.contains("rdc")));
         let k = cache_key(&o, "NVIDIA H200", "driver 13000 nvrtc 13.0");
         assert_eq!(k, cache_key(&o, "NVIDIA H200", "driver 13000 nvrtc 13.0"));
-        let f32o = nvrtc_options(9, 0, GpuDtype::F32, 64, false);
+        let f32o = nvrtc_options(9, 0, GpuDtype::F32, 64);
         assert_ne!(
             k,
             cache_key(&f32o, "NVIDIA H200", "driver 13000 nvrtc 13.0")
         );
         // Another head size compiles another attention: another cubin.
-        let hd128 = nvrtc_options(9, 0, GpuDtype::Bf16, 128, false);
+        let hd128 = nvrtc_options(9, 0, GpuDtype::Bf16, 128);
         assert_ne!(
             k,
             cache_key(&hd128, "NVIDIA H200", "driver 13000 nvrtc 13.0")
-        );
-        let grouped = nvrtc_options(9, 0, GpuDtype::Bf16, 64, true);
-        assert!(grouped.contains(&"-DBGS_ATTN_GROUPED=1".to_string()));
-        assert_ne!(
-            k,
-            cache_key(&grouped, "NVIDIA H200", "driver 13000 nvrtc 13.0")
         );
         assert_ne!(k, cache_key(&o, "NVIDIA H100", "driver 13000 nvrtc 13.0"));
         assert_ne!(k, cache_key(&o, "NVIDIA H200", "driver 13010 nvrtc 13.0"));

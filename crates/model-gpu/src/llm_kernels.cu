@@ -281,9 +281,8 @@ __device__ __forceinline__ void attention_scalar(const float *qs, const wt *cach
                                                  int last, long long block_stride,
                                                  long long head_off, long long v_off,
                                                  int head_dim, int block_size, float scale,
-                                                 int warp, int warps, float *acc_out,
-                                                 float &m_out, float &l_out) {
-    const int lane = threadIdx.x % 32;
+                                                 float *acc_out, float &m_out, float &l_out) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     float acc[BGS_MAX_HEAD_DIM / 32];
 #pragma unroll
     for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = 0.0f;
@@ -367,10 +366,9 @@ __device__ __forceinline__ void attention_rows(const float *qs, const wt *cache,
                                                int last, long long block_stride,
                                                long long head_off, long long v_off,
                                                int head_dim, int block_size, float scale,
-                                               int warp, int warps, float *acc_out,
-                                               float &m_out, float &l_out) {
+                                               float *acc_out, float &m_out, float &l_out) {
     constexpr int RP = 32 / LR;
-    const int lane = threadIdx.x % 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int sub = lane / LR, part = lane % LR;
     float q[BGS_PER16], acc[BGS_PER16];
 #pragma unroll
@@ -442,93 +440,73 @@ __device__ __forceinline__ void attention_rows(const float *qs, const wt *cache,
     l_out = l;
 }
 
-// Paged attention for decode and ragged prefill: W warps (`warps_per_head`) per (query head,
-// token). The token attends to positions 0..=pos[t] of its own sequence through that
-// sequence's block table (grouped-query: kv head = head / group), with an online softmax in f32
-// over groups of 32 positions, group g going to the head's warp g % W (attention_rows when the
-// cubin was built for this head size, else attention_scalar: the choice depends only on the
-// model). With W > 1 the warps' states are combined in warp order at the end. The split
-// depends only on the positions and W, so a token's result is the same whatever else is in
-// the batch; W only sets how many warps wait on memory at once.
-// A block serves `heads_per_block` query heads of one kv head: 1 (grid (num_heads, T), block
-// 32 * W), or, in a cubin built with -DBGS_ATTN_GROUPED=1 (`GpuModelOptions::
-// attention_grouped`, an experiment), the whole group (grid (num_kv_heads, T), block 32 * W *
-// group) so that the group's warps read each K/V row through the same SM's L1. Every head's
-// arithmetic is the same either way (bit for bit); the grouped build only sizes the shared
-// arrays for up to 32 warps (32 KB, against 4.6 KB: fewer blocks per SM otherwise).
+// Paged attention for decode and ragged prefill: one block of W warps (blockDim / 32, at most
+// BGS_ATTN_MAX_WARPS) per (query head, token). The token attends to positions 0..=pos[t] of
+// its own sequence through that sequence's block table (grouped-query: kv head = head /
+// group), with an online softmax in f32 over groups of 32 positions, group g going to warp
+// g % W (attention_rows when head_dim is 2..16 whole 16-byte vectors and the cache is
+// 16-byte aligned, else attention_scalar: the choice depends only on the model). With W > 1
+// the warps' states are combined in warp order at the end (W = 1 writes its own state). The
+// split depends only on the positions and W, so a token's result is the same whatever else
+// is in the batch; W only sets how many warps wait on memory at once.
 // out: [T][num_heads * head_dim] in `wt`.
-#ifndef BGS_ATTN_GROUPED
-#define BGS_ATTN_GROUPED 0
-#endif
-#if BGS_ATTN_GROUPED
-#define BGS_ATTN_MAX_BLOCK_WARPS 32
-#define BGS_ATTN_MAX_BLOCK_HEADS 32
-#else
-#define BGS_ATTN_MAX_BLOCK_WARPS BGS_ATTN_MAX_WARPS
-#define BGS_ATTN_MAX_BLOCK_HEADS 1
-#endif
 extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, const int *pos,
                                          const int *seq, const int *bt_off, const int *bt,
                                          wt *out, int num_heads, int num_kv_heads,
                                          int head_dim, int block_size, long long block_stride,
-                                         float scale, int heads_per_block) {
+                                         float scale) {
     BGS_PDL_BEGIN();
-    __shared__ float qs[BGS_ATTN_MAX_BLOCK_HEADS][BGS_MAX_HEAD_DIM];
-    __shared__ float part_acc[BGS_ATTN_MAX_BLOCK_WARPS][BGS_MAX_HEAD_DIM];
-    __shared__ float part_m[BGS_ATTN_MAX_BLOCK_WARPS], part_l[BGS_ATTN_MAX_BLOCK_WARPS];
-    const int t = blockIdx.y;
-    const int lane = threadIdx.x % 32, bwarp = threadIdx.x / 32;
-    const int warps = blockDim.x / 32 / heads_per_block;  // W: warps of one head
-    const int hh = bwarp / warps, warp = bwarp % warps;  // the head in the block, its warp
-    const int head = blockIdx.x * heads_per_block + hh;
+    __shared__ float qs[BGS_MAX_HEAD_DIM];
+    __shared__ float part_acc[BGS_ATTN_MAX_WARPS][BGS_MAX_HEAD_DIM];
+    __shared__ float part_m[BGS_ATTN_MAX_WARPS], part_l[BGS_ATTN_MAX_WARPS];
+    const int head = blockIdx.x, t = blockIdx.y;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
     const int kvh = head / (num_heads / num_kv_heads);
     const float *q = qkv + (size_t)t * (qd + 2 * kvd) + head * head_dim;
-    for (int d = warp * 32 + lane; d < head_dim; d += 32 * warps) qs[hh][d] = q[d];
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[d];
     __syncthreads();
     const int *table = bt + bt_off[seq[t]];
     const int last = pos[t];
     const long long head_off = (long long)kvh * block_size * head_dim;
     const long long v_off = (long long)num_kv_heads * block_size * head_dim;
     float m, l;
-    float *acc = part_acc[bwarp];
+    float *acc = part_acc[warp];
 #if BGS_ATTN_LR > 0
     // The row-split form for the head size this cubin was built for (a 16-byte aligned cache,
     // as every device allocation is); anything else takes the scalar form.
     if (head_dim == BGS_HEAD_DIM && ((unsigned long long)cache & 15ull) == 0)
-        attention_rows<BGS_ATTN_LR>(qs[hh], cache, table, last, block_stride, head_off, v_off,
-                                    head_dim, block_size, scale, warp, warps, acc, m, l);
+        attention_rows<BGS_ATTN_LR>(qs, cache, table, last, block_stride, head_off, v_off,
+                                    head_dim, block_size, scale, acc, m, l);
     else
 #endif
-        attention_scalar(qs[hh], cache, table, last, block_stride, head_off, v_off, head_dim,
-                         block_size, scale, warp, warps, acc, m, l);
+        attention_scalar(qs, cache, table, last, block_stride, head_off, v_off, head_dim,
+                         block_size, scale, acc, m, l);
     if (lane == 0) {
-        part_m[bwarp] = m;
-        part_l[bwarp] = l;
+        part_m[warp] = m;
+        part_l[warp] = l;
     }
     __syncthreads();
     if (warp != 0) return;
-    // The head's first warp writes its output: its W warps' (max, sum, accumulator) states
-    // combined in warp order (W = 1: its own state).
-    const int w0 = hh * warps;
     wt *o = out + (size_t)t * qd + head * head_dim;
     if (warps == 1) {
-        for (int d = lane; d < head_dim; d += 32) o[d] = st(part_acc[w0][d] / l);
+        for (int d = lane; d < head_dim; d += 32) o[d] = st(part_acc[0][d] / l);
         return;
     }
+    // Several warps: combine their (max, sum, accumulator) states in warp order.
     float mm = BGS_NEG_INF;
-    for (int w = 0; w < warps; w++) mm = fmaxf(mm, part_m[w0 + w]);
+    for (int w = 0; w < warps; w++) mm = fmaxf(mm, part_m[w]);
     float ll = 0.0f, oo[BGS_MAX_HEAD_DIM / 32];
 #pragma unroll
     for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) oo[r] = 0.0f;
     for (int w = 0; w < warps; w++) {
         // A warp without positions (m = -inf) weighs nothing.
-        const float f = part_m[w0 + w] == BGS_NEG_INF ? 0.0f : expf(part_m[w0 + w] - mm);
-        ll = ll + part_l[w0 + w] * f;
+        const float f = part_m[w] == BGS_NEG_INF ? 0.0f : expf(part_m[w] - mm);
+        ll = ll + part_l[w] * f;
 #pragma unroll
         for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
             const int d = lane + 32 * r;
-            if (d < head_dim) oo[r] = oo[r] + part_acc[w0 + w][d] * f;
+            if (d < head_dim) oo[r] = oo[r] + part_acc[w][d] * f;
         }
     }
 #pragma unroll

@@ -64,11 +64,6 @@ pub struct GpuModelOptions {
     /// them in fixed groups of 32 (more memory requests in flight at small batch; the split
     /// depends only on the positions, so results stay batch-invariant).
     pub attention_warps: u32,
-    /// Experiment (default off, not yet timed on a GPU): one attention block per (kv head,
-    /// token) serving the whole query group, `attention_warps` warps per query head, so the
-    /// group reads each K/V row through one SM's L1. The same arithmetic per head, so the same
-    /// bits. Refused when group × `attention_warps` exceeds 28 warps (registers of a block).
-    pub attention_grouped: bool,
     /// Instantiate the step graphs with `CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH` (and
     /// upload them) so that a graph running on the device (the resident step loop,
     /// `crate::gen_exec`) can launch them; [`GpuModel::device_handles`] exposes them. Requires
@@ -94,7 +89,6 @@ impl Default for GpuModelOptions {
             fused_max_tokens: 16,
             programmatic_launch: false,
             attention_warps: 4,
-            attention_grouped: false,
             device_launch: false,
         }
     }
@@ -193,40 +187,14 @@ fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
     })
 }
 
-/// Most warps of a grouped attention block: 32 × 28 threads at the row-split form's ~71
-/// registers fill the 65,536 registers of an SM (a block of 32 warps would not launch).
-pub(crate) const ATTENTION_GROUPED_MAX_WARPS: u32 = 28;
-
-/// Query heads per attention block: 1, or with `grouped` the model's whole query group
-/// (refused when its warps exceed [`ATTENTION_GROUPED_MAX_WARPS`]).
-pub(crate) fn attention_heads_per_block(
-    cfg: &ModelConfig,
-    warps: u32,
-    grouped: bool,
-) -> Result<u32, GpuModelError> {
-    if !grouped {
-        return Ok(1);
-    }
-    let group = (cfg.num_heads / cfg.num_kv_heads.max(1)) as u32;
-    if group * warps > ATTENTION_GROUPED_MAX_WARPS {
-        return Err(GpuModelError::Config(format!(
-            "attention_grouped: a query group of {group} heads × {warps} attention warps is \
-             {} warps, more than one block can hold ({ATTENTION_GROUPED_MAX_WARPS})",
-            group * warps
-        )));
-    }
-    Ok(group)
-}
-
 /// Build (or read from the cache) the kernels' cubin for the device, dtype and head size.
 fn kernels(
     env: &Env,
     dtype: GpuDtype,
     head_dim: usize,
-    attention_grouped: bool,
     cache: Option<&Path>,
 ) -> Result<(Vec<u8>, bool), GpuError> {
-    let options = crate::nvrtc_options(env.cc.0, env.cc.1, dtype, head_dim, attention_grouped);
+    let options = crate::nvrtc_options(env.cc.0, env.cc.1, dtype, head_dim);
     let versions = format!("driver {} nvrtc {}", env.driver, compile::nvrtc_version()?);
     let key = crate::cache_key(&options, &env.name, &versions);
     let dir = compile::cache_dir(cache);
@@ -258,8 +226,6 @@ pub struct GpuModel {
     /// The device's multiprocessors.
     sms: u32,
     attention_warps: u32,
-    /// Query heads per attention block: 1, or the group (`attention_grouped`).
-    attention_heads_per_block: u32,
     device_name: String,
     compute_capability: (i32, i32),
     cache_hit: bool,
@@ -365,8 +331,6 @@ impl GpuModel {
                 opts.attention_warps
             )));
         }
-        let attention_heads_per_block =
-            attention_heads_per_block(&cfg, opts.attention_warps, opts.attention_grouped)?;
         let fused_max_tokens = match fused_form_fits(&cfg, opts.dtype) {
             Ok(()) => opts.fused_max_tokens,
             Err(why) if opts.batch_invariant_gemm => {
@@ -395,7 +359,6 @@ impl GpuModel {
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
-            attention_heads_per_block,
             device_name: env.name.clone(),
             compute_capability: env.cc,
             cache_hit: false,
@@ -442,7 +405,6 @@ impl GpuModel {
             env,
             self.dtype,
             self.cfg.head_dim,
-            self.attention_heads_per_block > 1,
             opts.cache_dir.as_deref(),
         )?;
         self.cache_hit = hit;
@@ -455,32 +417,6 @@ impl GpuModel {
             .iter()
             .map(|k| get_function(self.module, k.name()))
             .collect::<Result<_, _>>()?;
-        if self.attention_heads_per_block > 1 {
-            // A grouped attention block must fit the compiled kernel's registers (the 28-warp
-            // bound assumes ~71 a thread; f32 needs more): refuse here, not at the first step.
-            let attention = Kernel::ALL.iter().position(|k| *k == Kernel::Attention);
-            let f = self.funcs[attention.unwrap_or_default()];
-            let mut most = 0i32;
-            ck(
-                // SAFETY: `f` is a function of the loaded module; out-pointer valid.
-                unsafe {
-                    cu::cuFuncGetAttribute(
-                        &mut most,
-                        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
-                        f,
-                    )
-                },
-                "cuFuncGetAttribute(bgs_attention)",
-            )?;
-            let threads = 32 * self.attention_warps * self.attention_heads_per_block;
-            if threads > most.max(0) as u32 {
-                return Err(GpuModelError::Config(format!(
-                    "attention_grouped: a block of {threads} threads ({} heads × {} warps) is \
-                     more than bgs_attention can launch here ({most})",
-                    self.attention_heads_per_block, self.attention_warps
-                )));
-            }
-        }
         ck(
             // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
             unsafe { cu::cuStreamCreate(&mut self.stream, STREAM_NON_BLOCKING) },
@@ -721,7 +657,6 @@ impl GpuModel {
             fused_max_tokens: self.fused_max_tokens,
             sms: self.sms,
             attention_warps: self.attention_warps,
-            attention_heads_per_block: self.attention_heads_per_block,
         }
     }
 

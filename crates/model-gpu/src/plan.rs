@@ -343,10 +343,8 @@ pub(crate) struct Plan<'a> {
     /// [`PROJ_NORM_BLOCKS_PER_SM`] blocks on each (every block norms its tokens first, so
     /// fewer blocks with more units each beat one unit per warp).
     pub sms: u32,
-    /// Warps of one query head in attention (positions split across them), 1..=8.
+    /// Warps of one attention block (positions split across them), 1..=8.
     pub attention_warps: u32,
-    /// Query heads per attention block: 1, or the group (`attention_grouped`).
-    pub attention_heads_per_block: u32,
 }
 
 impl Plan<'_> {
@@ -509,11 +507,10 @@ impl Plan<'_> {
                     ],
                 ));
             }
-            let hpb = self.attention_heads_per_block;
             ops.push(launch(
                 Kernel::Attention,
-                (nh as u32 / hpb, nu),
-                32 * self.attention_warps * hpb,
+                (nh as u32, nu),
+                32 * self.attention_warps,
                 &[
                     Arg::P(b.qkv),
                     Arg::P(cache_l),
@@ -528,7 +525,6 @@ impl Plan<'_> {
                     Arg::I(bs as i32),
                     Arg::L(block_stride),
                     Arg::F(scale),
-                    Arg::I(hpb as i32),
                 ],
             ));
             if fused {

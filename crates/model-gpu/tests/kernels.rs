@@ -49,13 +49,13 @@ fn kernels_compile_with_nvrtc_for_sm90_in_every_dtype() {
     // SAFETY: only dlopens NVRTC, which was loaded above.
     assert!(unsafe { cudarc::nvrtc::sys::is_culib_present() });
     // Head sizes 16 and 64 (the tiny and the real models), 128, and 24 (attention's scalar form
-    // in every dtype; 128 is the scalar form in f32 too); 64 with attention's grouped blocks.
+    // in every dtype; 128 is the scalar form in f32 too).
     for (dt, head_dim) in DTYPES.into_iter().flat_map(|dt| HEAD_DIMS.map(|h| (dt, h))) {
         let cubin = compile::nvrtc_compile_source(
             "llm_kernels.cu",
             KERNEL_SOURCE,
             &[],
-            &nvrtc_options(9, 0, dt, head_dim, head_dim == 64),
+            &nvrtc_options(9, 0, dt, head_dim),
         )
         .unwrap_or_else(|e| panic!("{} head_dim {head_dim}: {e}", dt.name()));
         assert!(cubin.starts_with(b"\x7fELF"), "{}: not a cubin", dt.name());

@@ -83,10 +83,6 @@ struct DeviceArgs {
     /// Warps per attention block (positions split across them), 1..=8.
     #[arg(long, default_value_t = GpuModelOptions::default().attention_warps)]
     attention_warps: u32,
-    /// Experiment: one attention block per query group (kv head) instead of per query head;
-    /// the same bits, other memory traffic (`GpuModelOptions::attention_grouped`).
-    #[arg(long)]
-    attention_grouped: bool,
 }
 
 #[derive(Args, Debug)]
@@ -183,7 +179,6 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         fused_max_tokens: dev.fused_max_tokens,
         programmatic_launch: dev.pdl,
         attention_warps: dev.attention_warps,
-        attention_grouped: dev.attention_grouped,
         ..Default::default()
     }
 }
@@ -513,7 +508,6 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": a.dev.pdl,
         "attention_warps": a.dev.attention_warps,
-        "attention_grouped": a.dev.attention_grouped,
         "pass": ok, "checks": results,
     });
     write_json(&a.json, &v)?;
@@ -755,7 +749,6 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": a.dev.pdl,
         "attention_warps": a.dev.attention_warps,
-        "attention_grouped": a.dev.attention_grouped,
         "weight_bytes": m.weight_bytes(),
         "kv_bytes_per_position": m.kv_bytes_per_position(),
         "copy_bandwidth_bytes_per_s": bw, "decode": rows, "prefill": prefill,
