@@ -55,11 +55,10 @@ step check-tiny-llama-f16 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-llama
 step check-qwen-bf16 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --json "$work/check-qwen-bf16.json"
 step check-smollm2-bf16 240 "$bin/bgs-llm-gpu" check --model "$work/smollm2-135m" --dtype bf16 --steps 16 --json "$work/check-smollm2-bf16.json"
 step check-tiny-qwen2-f32-nographs 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --no-graphs --json "$work/check-tiny-qwen2-f32-nographs.json"
-step check-tiny-qwen2-f32-cublas 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --fused-max-tokens 0 --json "$work/check-tiny-qwen2-f32-cublas.json"
+step check-tiny-qwen2-f32-fused2 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --fused-max-tokens 2 --json "$work/check-tiny-qwen2-f32-fused2.json"
 step check-tiny-llama-f32-fused 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-llama" --dtype f32 --fused-max-tokens 512 --json "$work/check-tiny-llama-f32-fused.json"
 step check-qwen-f32-fused 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype f32 --steps 8 --fused-max-tokens 512 --json "$work/check-qwen-f32-fused.json"
-step check-tiny-qwen2-f32-pdl 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --pdl --json "$work/check-tiny-qwen2-f32-pdl.json"
-step check-qwen-bf16-pdl 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --pdl --json "$work/check-qwen-bf16-pdl.json"
+step check-tiny-qwen2-f32-nopdl 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --no-pdl --json "$work/check-tiny-qwen2-f32-nopdl.json"
 step check-tiny-qwen2-bf16-invariant 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 --invariant-gemm --json "$work/check-tiny-qwen2-bf16-invariant.json"
 fi
 
@@ -76,20 +75,19 @@ for m in qwen2.5-0.5b smollm2-135m; do
 done
 fi
 
-# 3. Step times against the memory floor: the defaults, cuBLAS for every bucket
-#    (--fused-max-tokens 0), buckets of up to 4 tokens fused, programmatic dependent
-#    launch (--pdl), and every bucket fused (--invariant-gemm). BENCH_FLAGS adds flags to all.
+# 3. Step times against the memory floor: the defaults (cuBLAS, programmatic dependent
+#    launch), buckets of up to 2 tokens in the fused form (--fused-max-tokens 2), without
+#    programmatic launch (--no-pdl), and every bucket fused (--invariant-gemm). BENCH_FLAGS
+#    adds flags to all.
 if want bench; then
 bf=${BENCH_FLAGS:-}
 for m in qwen2.5-0.5b smollm2-135m; do
   step "bench-$m" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
-    --batches 1,2,4,8,16,64,256 --context 128 --per-op --json "$work/bench-$m.json"
-  step "bench-$m-cublas" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
-    --batches 1,2,4,8,16,64,256 --context 128 --fused-max-tokens 0 --json "$work/bench-$m-cublas.json"
-  step "bench-$m-fused4" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
-    --batches 1,2,4,8,16,64,256 --context 128 --fused-max-tokens 4 --json "$work/bench-$m-fused4.json"
-  step "bench-$m-pdl" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
-    --batches 1,2,4,8,16,64,256 --context 128 --pdl --json "$work/bench-$m-pdl.json"
+    --batches 1,2,4,16,64,256 --context 128 --per-op --json "$work/bench-$m.json"
+  step "bench-$m-fused2" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
+    --batches 1,2,4,16,64,256 --context 128 --fused-max-tokens 2 --json "$work/bench-$m-fused2.json"
+  step "bench-$m-nopdl" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
+    --batches 1,2,4,16,64,256 --context 128 --no-pdl --json "$work/bench-$m-nopdl.json"
 done
 step "bench-qwen2.5-0.5b-invariant" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 $bf \
   --batches 1,16,64,256 --context 128 --iters 20 --warmup 3 --invariant-gemm --json "$work/bench-qwen2.5-0.5b-invariant.json"

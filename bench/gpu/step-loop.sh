@@ -150,7 +150,7 @@ served() {
   local name=$1 loop=$2 rate=$3 secs=$4 conns=${CONNS:-128}; shift 4
   [ "$loop" = device ] && [ "$device_ok" = 0 ] && return
   port=$((port + 2))
-  # SERVE_FLAGS: more server flags for every served run (e.g. --gpu-pdl).
+  # SERVE_FLAGS: more server flags for every served run (e.g. --gpu-fused-max-tokens 2).
   # shellcheck disable=SC2086
   if start_server "qwen-$name" --model "$work/qwen2.5-0.5b" --gpu-step-loop "$loop" "$@" ${SERVE_FLAGS:-}; then
     gen_load "$name" --prompt-tokens 24 --max-tokens 64 --ignore-eos \

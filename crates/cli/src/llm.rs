@@ -60,10 +60,11 @@ pub struct ModelArgs {
     /// changes a request's bits with the batch size (see docs/gpu-model.md).
     #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().fused_max_tokens)]
     pub gpu_fused_max_tokens: usize,
-    /// GPU forward pass: launch the model's kernels with programmatic dependent launch
-    /// (sm_90+): each may start while the one before it drains.
+    /// GPU forward pass: launch the model's kernels one after the other, without programmatic
+    /// dependent launch (by default, on sm_90+, each may start while the one before it
+    /// drains; the same results either way).
     #[arg(long)]
-    pub gpu_pdl: bool,
+    pub gpu_no_pdl: bool,
 }
 
 /// `--dtype` values.
@@ -120,7 +121,7 @@ pub const GPU_ONLY_MODEL_FLAGS: &[&str] = &[
     "dtype",
     "batch_invariant",
     "gpu_fused_max_tokens",
-    "gpu_pdl",
+    "gpu_no_pdl",
 ];
 
 /// Flags of [`ModelArgs`] that only the CPU forward pass reads.
@@ -243,7 +244,7 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                 cuda_home: cuda_home.clone(),
                 batch_invariant_gemm: args.batch_invariant,
                 fused_max_tokens: args.gpu_fused_max_tokens,
-                programmatic_launch: args.gpu_pdl,
+                programmatic_launch: !args.gpu_no_pdl,
                 device_launch: *step_loop_on_device,
                 ..bgs_model_gpu::GpuModelOptions::default()
             };

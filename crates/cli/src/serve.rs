@@ -282,7 +282,7 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "dtype",
             "batch_invariant",
             "gpu_fused_max_tokens",
-            "gpu_pdl",
+            "gpu_no_pdl",
         ])
     {
         bail!("{f} applies to generation; it does nothing without --model");
@@ -769,11 +769,13 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
         }
         Some(Executor::GpuLoop(e)) => {
             let (_model, st) = e.shutdown().context("stopping the GPU step loop")?;
+            let per_step = |v: u64| v as f64 / st.steps.max(1) as f64;
             eprintln!(
                 "bgs: GPU step loop: {} requests, {} admitted, {} refused, {} cancels, {} steps \
                  ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
-                 {} credit stalls, {} sequences left out of steps for credit, \
-                 {} completion-ring stalls, {} live, {} free KV blocks, {} monitor looks",
+                 {} credit stalls, running sequences per step {:.1} (left out: {:.1} for credit, \
+                 {:.1} with a frame owed), {} completion-ring stalls, {} live, {} free KV blocks, \
+                 {} monitor looks",
                 st.requests,
                 st.admitted,
                 st.refused,
@@ -785,7 +787,9 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 st.mean_finish_ns / 1000,
                 st.frames,
                 st.credit_stalls,
-                st.credit_waits,
+                per_step(st.running_seen),
+                per_step(st.credit_waits),
+                per_step(st.pending_waits),
                 st.ring_full,
                 st.live,
                 st.free_blocks,

@@ -183,6 +183,8 @@ pub mod layout {
         ("PLAN_NS", C_PLAN_NS),
         ("FINISH_NS", C_FINISH_NS),
         ("CREDIT_WAITS", C_CREDIT_WAITS),
+        ("RUNNING_SEEN", C_RUNNING_SEEN),
+        ("PENDING_WAITS", C_PENDING_WAITS),
     ];
     /// Host → device: nonzero asks the dispatcher to stop (read with acquire, low 32 bits).
     pub const C_STOP: usize = 0;
@@ -235,9 +237,14 @@ pub mod layout {
     pub const C_PLAN_NS: usize = 23;
     /// Sum over steps of F's finish + publish time, ns.
     pub const C_FINISH_NS: usize = 24;
-    /// Sum over launched steps of the running sequences left out for want of credit (their
-    /// readers had not acknowledged enough frames; counted by `gld_credit`).
+    /// Sum over launched steps of the running sequences the plan left out for want of credit
+    /// (their readers had not acknowledged enough frames; `gld_census_of`).
     pub const C_CREDIT_WAITS: usize = 25;
+    /// Sum over launched steps of the running sequences the plan saw.
+    pub const C_RUNNING_SEEN: usize = 26;
+    /// Sum over launched steps of the running sequences the plan left out because a token
+    /// frame of theirs was still owed (not yet published).
+    pub const C_PENDING_WAITS: usize = 27;
     /// Control block words.
     pub const C_WORDS: usize = 32;
 
@@ -565,6 +572,12 @@ pub struct GenLoopStats {
     pub mean_finish_ns: u64,
     /// Running sequences left out of a step for want of credit, summed over steps.
     pub credit_waits: u64,
+    /// Running sequences the plans saw, summed over steps (over `steps`: the mean a step
+    /// could have carried).
+    pub running_seen: u64,
+    /// Running sequences left out of a step because a token frame was still owed, summed
+    /// over steps.
+    pub pending_waits: u64,
     /// Looks of the host monitor at the control block (its host cost is about one wake-up
     /// each; `crate::pacer`). Not a device word: 0 from `from_ctl`, filled by the executor.
     pub monitor_looks: u64,
@@ -596,6 +609,8 @@ impl GenLoopStats {
             mean_plan_ns: w[C_PLAN_NS].checked_div(steps).unwrap_or(0),
             mean_finish_ns: w[C_FINISH_NS].checked_div(steps).unwrap_or(0),
             credit_waits: w[C_CREDIT_WAITS],
+            running_seen: w[C_RUNNING_SEEN],
+            pending_waits: w[C_PENDING_WAITS],
             monitor_looks: 0,
         }
     }

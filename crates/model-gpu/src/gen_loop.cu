@@ -277,18 +277,13 @@ __device__ void gld_batch_commit(struct gld_ctx *c, struct gld_batch *b) {
 
 /* Credit of every table slot (all lanes): window minus the stream's frames in flight
  * (published by us, not yet acknowledged in the region's stream_acks). More acks than frames
- * reads as nothing in flight, as in the CPU executor (crates/executor `Sink::in_flight`).
- * Returns (to every lane) how many running sequences lack the BGS_GL_STEP_CREDIT that
- * bgs_gl_plan needs to plan them: streams whose readers have not acknowledged their frames,
- * holding a slot without advancing (C_CREDIT_WAITS, per launched step; the publish-time
- * C_CREDIT_STALLS does not see these). */
-__device__ bgs_u32 gld_credit(struct gld_ctx *c, bgs_u32 lane) {
+ * reads as nothing in flight, as in the CPU executor (crates/executor `Sink::in_flight`). */
+__device__ void gld_credit(struct gld_ctx *c, bgs_u32 lane) {
     const bgs_u32 n = (bgs_u32)c->p[BGS_GLD_P_MAX_SEQS];
     const bgs_u32 window = (bgs_u32)c->p[BGS_GLD_P_WINDOW];
     bgs_u32 *credit = (bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
     const bgs_u32 *published = (const bgs_u32 *)c->p[BGS_GLD_P_PUBLISHED];
     struct bgs_ring_header *h = gld_header(c->ring);
-    bgs_u32 waits = 0u;
     for (bgs_u32 k = lane; k < n; k += GLD_LANES) {
         const bgs_u32 stream = bgs_gl_slot_stream(c->state, k);
         bgs_u32 cr = 0u;
@@ -297,14 +292,37 @@ __device__ bgs_u32 gld_credit(struct gld_ctx *c, bgs_u32 lane) {
             bgs_u32 d = published[stream] - acked;
             if (d > 0x7fffffffu) d = 0u;
             cr = d >= window ? 0u : window - d;
-            if (cr < BGS_GL_STEP_CREDIT) {
-                const bgs_u32 *s = bgs_gl_cseq(c->state, k);
-                waits += s[BGS_GL_S_RUNNING] != 0u && s[BGS_GL_S_END] == 0u;
-            }
         }
         credit[k] = cr;
     }
-    return gld_warp_sum(waits);
+}
+
+/* The running sequences bgs_gl_plan is about to see (all lanes, after the round's
+ * publication): how many, how many the policy will skip because a token frame of theirs is
+ * still owed (not yet published), and how many because their credit is below
+ * BGS_GL_STEP_CREDIT (readers behind on acknowledgements). Summed per launched step into
+ * C_RUNNING_SEEN, C_PENDING_WAITS and C_CREDIT_WAITS: a served run whose steps carry fewer
+ * tokens than it has running sequences says here which of the two held them back. */
+struct gld_census {
+    bgs_u32 running, pending, low_credit;
+};
+__device__ struct gld_census gld_census_of(struct gld_ctx *c, bgs_u32 lane) {
+    const bgs_u32 n = (bgs_u32)c->p[BGS_GLD_P_MAX_SEQS];
+    const bgs_u32 *credit = (const bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
+    bgs_u32 running = 0u, pending = 0u, low = 0u;
+    for (bgs_u32 k = lane; k < n; k += GLD_LANES) {
+        if (bgs_gl_slot_stream(c->state, k) == BGS_GL_NO_STREAM) continue;
+        const bgs_u32 *s = bgs_gl_cseq(c->state, k);
+        if (s[BGS_GL_S_RUNNING] == 0u || s[BGS_GL_S_END] != 0u) continue;
+        running++;
+        pending += s[BGS_GL_S_PENDING] != 0u;
+        low += credit[k] < BGS_GL_STEP_CREDIT;
+    }
+    struct gld_census r;
+    r.running = gld_warp_sum(running);
+    r.pending = gld_warp_sum(pending);
+    r.low_credit = gld_warp_sum(low);
+    return r;
 }
 
 /* Publish `n` owed frames (lane 0), in order, each stream until its credit or the ring runs
@@ -560,17 +578,21 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
         __syncwarp();
         if (sh_cmd == 2) break;
         const bgs_u32 took = gld_intake(&c, lane);
-        const bgs_u32 credit_waits = gld_credit(&c, lane);
+        gld_credit(&c, lane);
         __syncwarp();
+        bool moved = took != 0; /* lane 0's is the one used */
         if (lane == 0) {
             struct bgs_gl_frame *frames = (struct bgs_gl_frame *)params[BGS_GLD_P_FRAMES];
-            bool moved = took != 0;
             const bgs_u32 n = bgs_gl_owed(c.state, frames);
             if (n != 0u) {
                 const bgs_u64 before = c.shadow[BGS_GLD_C_FRAMES];
                 gld_publish_frames(&c, frames, n);
                 moved |= c.shadow[BGS_GLD_C_FRAMES] != before;
             }
+        }
+        __syncwarp();
+        const struct gld_census census = gld_census_of(&c, lane);
+        if (lane == 0) {
             const bgs_u64 t_plan = gld_now_ns();
             const int planned = bgs_gl_plan(c.state, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]);
             if (planned < 0) {
@@ -593,7 +615,9 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                      * model work does not hide. */
                     gld_add(&c, BGS_GLD_C_PLAN_NS, c.s[BGS_GLD_S_STEP_T0] - t_plan);
                     gld_add(&c, BGS_GLD_C_STEP_TOKENS, pk.tokens);
-                    gld_add(&c, BGS_GLD_C_CREDIT_WAITS, credit_waits);
+                    gld_add(&c, BGS_GLD_C_RUNNING_SEEN, census.running);
+                    gld_add(&c, BGS_GLD_C_PENDING_WAITS, census.pending);
+                    gld_add(&c, BGS_GLD_C_CREDIT_WAITS, census.low_credit);
                     if (gld_launch_step(&c, &pk) == 0) {
                         sh_cmd = 1;
                     } else {

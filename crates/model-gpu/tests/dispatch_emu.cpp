@@ -403,15 +403,22 @@ int main(int argc, char **argv) {
     emu_launches.clear();
     bgs_gld_dispatch(p.data());
     CHECK(emu_launches.empty() && ctl[BGS_GLD_C_STOPPED] == 1, "stop");
-    // Sequences left out of a step for credit: at most the running ones of every step.
-    CHECK(ctl[BGS_GLD_C_CREDIT_WAITS] <= (unsigned long long)steps * MAX_RUNNING,
-          "credit waits %llu over %u steps of at most %u running",
-          (unsigned long long)ctl[BGS_GLD_C_CREDIT_WAITS], steps, MAX_RUNNING);
+    // The plans' census: the running sequences seen are at most MAX_RUNNING a step, and those
+    // left out (for credit, for a frame still owed) are among them.
+    const unsigned long long seen = ctl[BGS_GLD_C_RUNNING_SEEN];
+    CHECK(seen <= (unsigned long long)steps * MAX_RUNNING && seen >= steps,
+          "running seen %llu over %u steps of at most %u running", seen, steps, MAX_RUNNING);
+    CHECK(ctl[BGS_GLD_C_CREDIT_WAITS] <= seen && ctl[BGS_GLD_C_PENDING_WAITS] <= seen,
+          "credit waits %llu, pending waits %llu, of %llu running seen",
+          (unsigned long long)ctl[BGS_GLD_C_CREDIT_WAITS],
+          (unsigned long long)ctl[BGS_GLD_C_PENDING_WAITS], seen);
     std::printf("emu: ok: %u streams exact, %u cancelled, %u busy, %u one-shot; %u steps, %u idle relaunches, "
-                "%llu credit stalls, %llu credit waits, %llu ring-full, %llu frames\n",
+                "%llu credit stalls, %llu running seen, %llu credit waits, %llu pending waits, %llu ring-full, "
+                "%llu frames\n",
                 gen_ok, cancelled, busy, oneshot, steps, idle_relaunches,
-                (unsigned long long)ctl[BGS_GLD_C_CREDIT_STALLS],
-                (unsigned long long)ctl[BGS_GLD_C_CREDIT_WAITS], (unsigned long long)ctl[BGS_GLD_C_RING_FULL],
+                (unsigned long long)ctl[BGS_GLD_C_CREDIT_STALLS], seen,
+                (unsigned long long)ctl[BGS_GLD_C_CREDIT_WAITS],
+                (unsigned long long)ctl[BGS_GLD_C_PENDING_WAITS], (unsigned long long)ctl[BGS_GLD_C_RING_FULL],
                 (unsigned long long)ctl[BGS_GLD_C_FRAMES]);
     (void)fails;
     (void)cancels_sent;

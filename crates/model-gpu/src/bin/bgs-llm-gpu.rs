@@ -77,9 +77,9 @@ struct DeviceArgs {
     /// Buckets of at most this many tokens run the fused form (0: cuBLAS for every bucket).
     #[arg(long, default_value_t = GpuModelOptions::default().fused_max_tokens)]
     fused_max_tokens: usize,
-    /// Launch the model's kernels with programmatic dependent launch (sm_90+).
+    /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
-    pdl: bool,
+    no_pdl: bool,
     /// Warps per attention block (positions split across them), 1..=8.
     #[arg(long, default_value_t = GpuModelOptions::default().attention_warps)]
     attention_warps: u32,
@@ -177,7 +177,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         use_graphs: !dev.no_graphs,
         batch_invariant_gemm: dev.invariant_gemm,
         fused_max_tokens: dev.fused_max_tokens,
-        programmatic_launch: dev.pdl,
+        programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         ..Default::default()
     }
@@ -506,7 +506,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "model": name, "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
-        "fused_max_tokens": a.dev.fused_max_tokens, "pdl": a.dev.pdl,
+        "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "attention_warps": a.dev.attention_warps,
         "pass": ok, "checks": results,
     });
@@ -747,7 +747,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "arch": a.arch.name(), "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
-        "fused_max_tokens": a.dev.fused_max_tokens, "pdl": a.dev.pdl,
+        "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "attention_warps": a.dev.attention_warps,
         "weight_bytes": m.weight_bytes(),
         "kv_bytes_per_position": m.kv_bytes_per_position(),
