@@ -20,9 +20,9 @@
  * requires identical frames. In short:
  *   - admission validates a generate request (statuses 20 bad param, 23 bad flags, 21 busy
  *     past the table, 22 for a stream id already live) and queues it FIFO;
- *   - each step, the policy (bgs_step_plan) picks the tokens of every sequence whose stream is
- *     ready (credit for BGS_GL_STEP_CREDIT frames, no token frame owed); blocks come from a
- *     LIFO free stack into per-sequence block tables;
+ *   - each step, the policy (bgs_step_plan) picks the tokens of every sequence that is ready
+ *     (waiting: always; running: credit for BGS_GL_STEP_CREDIT frames and no token frame
+ *     owed); blocks come from a LIFO free stack into per-sequence block tables;
  *   - after the model step, every item that sampled either ends (EOS: not sent, final
  *     [0, generated]; a token outside the vocabulary: final Internal) or owes a token frame,
  *     and ends with length (final [1, generated]) at its generation limit;
@@ -635,7 +635,12 @@ BGS_GEN_LOOP_API int bgs_gl_plan(bgs_u32 *state, const bgs_u32 *credit) {
         views[n].pos = s[BGS_GL_S_POS];
         views[n].blocks_held = s[BGS_GL_S_N_BLOCKS];
         views[n].reserve_tokens = p + s[BGS_GL_S_MAX_GEN] - 1u;
-        views[n].ready = s[BGS_GL_S_PENDING] == 0u && credit[order[k]] >= BGS_GL_STEP_CREDIT;
+        /* Waiting: always ready (it owes nothing until its prompt is done; gating admission on
+         * credit let one stream behind on acknowledgements hold up every admission behind it
+         * in FIFO order). Running: no token frame owed and credit for BGS_GL_STEP_CREDIT. */
+        views[n].ready = s[BGS_GL_S_PENDING] == 0u &&
+                         (views[n].state == BGS_SP_WAITING ||
+                          credit[order[k]] >= BGS_GL_STEP_CREDIT);
         view_of[n] = order[k];
         n++;
     }

@@ -411,7 +411,13 @@ impl<M: StepModel> GenerationEngine<M> {
             if s.end.is_some() {
                 continue;
             }
-            let ready = s.pending.is_none() && sink.credit(s.stream) >= STEP_CREDIT;
+            // A waiting sequence owes nothing until its prompt is done, so it is always ready:
+            // gating its admission on credit let one slow reader (or a stream id whose last
+            // request's frames were not yet acknowledged) hold up every admission behind it in
+            // FIFO order. Once running, it needs credit like any other (its first token frame
+            // waits as pending when the credit is short).
+            let ready = s.pending.is_none()
+                && (s.state() == SeqState::Waiting || sink.credit(s.stream) >= STEP_CREDIT);
             let prompt_left = s.prompt_len.saturating_sub(s.processed);
             self.views.push(SeqView::new(
                 s.state(),

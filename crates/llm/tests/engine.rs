@@ -492,15 +492,63 @@ fn idle_when_nothing_can_advance() {
     let mut e = engine(model(), 2, 2, 64);
     let mut sink = Sink::default();
     assert_eq!(e.step(&mut sink), Progress::Idle);
-    sink.credit.insert(StreamId(0), 1);
+    // A waiting request starts without credit (its prompt owes nothing): no stream behind on
+    // acknowledgements may hold up admission. Its first token frame then waits for credit.
+    sink.credit.insert(StreamId(0), 0);
     let p = prompt(0, 4);
     e.admit(generate(0, 1, &p, 3, 0)).unwrap();
+    assert_eq!(e.step(&mut sink), Progress::Working, "the prompt runs");
+    assert!(e.used_blocks() > 0);
+    assert!(sink.frames.is_empty(), "no credit: the token frame waits");
     assert_eq!(
         e.step(&mut sink),
         Progress::Idle,
-        "credit 1 < 2: cannot start"
+        "running with a frame owed and no credit: cannot advance"
     );
-    assert_eq!(e.used_blocks(), 0);
+    // Credit 1 < 2: the owed frame goes out, but the sequence may not take another step.
+    sink.credit.insert(StreamId(0), 1);
+    e.step(&mut sink);
+    assert_eq!(sink.frames.len(), 1);
+    assert_eq!(
+        e.step(&mut sink),
+        Progress::Idle,
+        "credit 0 < 2: cannot step"
+    );
     sink.credit.insert(StreamId(0), 2);
     assert_eq!(e.step(&mut sink), Progress::Working);
+    sink.credit.remove(&StreamId(0));
+    drain(&mut e, &mut sink);
+    assert_eq!(sink.stream(0), alone(model(), &p, 3, 0));
+}
+
+/// A stream behind on acknowledgements (credit 0, e.g. a reused stream id whose last
+/// request's frames are not yet acknowledged) at the head of the waiting queue does not hold
+/// up the admissions behind it: both start in the first step, the second streams at once.
+#[test]
+fn a_reader_behind_on_acknowledgements_does_not_hold_up_admission() {
+    let mut e = engine(model(), 2, 2, 64);
+    let mut sink = Sink::default();
+    sink.credit.insert(StreamId(0), 0);
+    let (p0, p1) = (prompt(0, 4), prompt(1, 5));
+    e.admit(generate(0, 1, &p0, 3, 0)).unwrap();
+    e.admit(generate(1, 2, &p1, 3, 0)).unwrap();
+    assert_eq!(e.step(&mut sink), Progress::Working);
+    let first: Vec<_> = sink.frames.iter().map(|f| f.0).collect();
+    assert_eq!(first, vec![StreamId(1)], "stream 1 admitted and streaming");
+    drain_while_working(&mut e, &mut sink);
+    assert_eq!(sink.frames.iter().filter(|f| f.0 == StreamId(0)).count(), 0);
+    sink.credit.remove(&StreamId(0));
+    drain(&mut e, &mut sink);
+    assert_eq!(sink.stream(0), alone(model(), &p0, 3, 0));
+    assert_eq!(sink.stream(1), alone(model(), &p1, 3, 0));
+}
+
+/// Steps until the engine reports idle.
+fn drain_while_working(e: &mut impl Engine, sink: &mut Sink) {
+    for _ in 0..1_000 {
+        if e.step(sink) == Progress::Idle {
+            return;
+        }
+    }
+    panic!("still working after 1,000 steps");
 }
