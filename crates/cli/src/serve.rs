@@ -773,9 +773,9 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
             eprintln!(
                 "bgs: GPU step loop: {} requests, {} admitted, {} refused, {} cancels, {} steps \
                  ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
-                 {} credit stalls, running sequences per step {:.1} (left out: {:.1} for credit, \
-                 {:.1} with a frame owed), {} completion-ring stalls, {} live, {} free KV blocks, \
-                 {} monitor looks",
+                 {} credit stalls, per step: {:.1} running (left out: {:.1} for credit, {:.1} with \
+                 a frame owed), {:.1} waiting, {:.1} ended with the final frame owed; \
+                 {} completion-ring stalls, {} live, {} free KV blocks, {} monitor looks",
                 st.requests,
                 st.admitted,
                 st.refused,
@@ -790,6 +790,8 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 per_step(st.running_seen),
                 per_step(st.credit_waits),
                 per_step(st.pending_waits),
+                per_step(st.waiting_seen),
+                per_step(st.ended_seen),
                 st.ring_full,
                 st.live,
                 st.free_blocks,

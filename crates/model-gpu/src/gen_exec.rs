@@ -185,6 +185,8 @@ pub mod layout {
         ("CREDIT_WAITS", C_CREDIT_WAITS),
         ("RUNNING_SEEN", C_RUNNING_SEEN),
         ("PENDING_WAITS", C_PENDING_WAITS),
+        ("WAITING_SEEN", C_WAITING_SEEN),
+        ("ENDED_SEEN", C_ENDED_SEEN),
     ];
     /// Host → device: nonzero asks the dispatcher to stop (read with acquire, low 32 bits).
     pub const C_STOP: usize = 0;
@@ -245,6 +247,11 @@ pub mod layout {
     /// Sum over launched steps of the running sequences the plan left out because a token
     /// frame of theirs was still owed (not yet published).
     pub const C_PENDING_WAITS: usize = 27;
+    /// Sum over launched steps of the sequences waiting for admission the plan saw.
+    pub const C_WAITING_SEEN: usize = 28;
+    /// Sum over launched steps of the ended sequences still in the table (final frame not
+    /// yet published) the plan saw.
+    pub const C_ENDED_SEEN: usize = 29;
     /// Control block words.
     pub const C_WORDS: usize = 32;
 
@@ -578,6 +585,11 @@ pub struct GenLoopStats {
     /// Running sequences left out of a step because a token frame was still owed, summed
     /// over steps.
     pub pending_waits: u64,
+    /// Sequences waiting for admission, summed over steps.
+    pub waiting_seen: u64,
+    /// Ended sequences still holding a table slot (final frame not yet out), summed over
+    /// steps.
+    pub ended_seen: u64,
     /// Looks of the host monitor at the control block (its host cost is about one wake-up
     /// each; `crate::pacer`). Not a device word: 0 from `from_ctl`, filled by the executor.
     pub monitor_looks: u64,
@@ -611,6 +623,8 @@ impl GenLoopStats {
             credit_waits: w[C_CREDIT_WAITS],
             running_seen: w[C_RUNNING_SEEN],
             pending_waits: w[C_PENDING_WAITS],
+            waiting_seen: w[C_WAITING_SEEN],
+            ended_seen: w[C_ENDED_SEEN],
             monitor_looks: 0,
         }
     }

@@ -297,23 +297,31 @@ __device__ void gld_credit(struct gld_ctx *c, bgs_u32 lane) {
     }
 }
 
-/* The running sequences bgs_gl_plan is about to see (all lanes, after the round's
- * publication): how many, how many the policy will skip because a token frame of theirs is
+/* The table as bgs_gl_plan is about to see it (all lanes, after the round's publication):
+ * sequences waiting for admission, sequences ended whose final frame is not yet out, and the
+ * running ones: how many, how many the policy will skip because a token frame of theirs is
  * still owed (not yet published), and how many because their credit is below
  * BGS_GL_STEP_CREDIT (readers behind on acknowledgements). Summed per launched step into
  * C_RUNNING_SEEN, C_PENDING_WAITS and C_CREDIT_WAITS: a served run whose steps carry fewer
  * tokens than it has running sequences says here which of the two held them back. */
 struct gld_census {
-    bgs_u32 running, pending, low_credit;
+    bgs_u32 running, pending, low_credit, waiting, ended;
 };
 __device__ struct gld_census gld_census_of(struct gld_ctx *c, bgs_u32 lane) {
     const bgs_u32 n = (bgs_u32)c->p[BGS_GLD_P_MAX_SEQS];
     const bgs_u32 *credit = (const bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
-    bgs_u32 running = 0u, pending = 0u, low = 0u;
+    bgs_u32 running = 0u, pending = 0u, low = 0u, waiting = 0u, ended = 0u;
     for (bgs_u32 k = lane; k < n; k += GLD_LANES) {
         if (bgs_gl_slot_stream(c->state, k) == BGS_GL_NO_STREAM) continue;
         const bgs_u32 *s = bgs_gl_cseq(c->state, k);
-        if (s[BGS_GL_S_RUNNING] == 0u || s[BGS_GL_S_END] != 0u) continue;
+        if (s[BGS_GL_S_END] != 0u) {
+            ended++; /* its final frame not yet published: it holds a table slot */
+            continue;
+        }
+        if (s[BGS_GL_S_RUNNING] == 0u) {
+            waiting++;
+            continue;
+        }
         running++;
         pending += s[BGS_GL_S_PENDING] != 0u;
         low += credit[k] < BGS_GL_STEP_CREDIT;
@@ -322,6 +330,8 @@ __device__ struct gld_census gld_census_of(struct gld_ctx *c, bgs_u32 lane) {
     r.running = gld_warp_sum(running);
     r.pending = gld_warp_sum(pending);
     r.low_credit = gld_warp_sum(low);
+    r.waiting = gld_warp_sum(waiting);
+    r.ended = gld_warp_sum(ended);
     return r;
 }
 
@@ -618,6 +628,8 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                     gld_add(&c, BGS_GLD_C_RUNNING_SEEN, census.running);
                     gld_add(&c, BGS_GLD_C_PENDING_WAITS, census.pending);
                     gld_add(&c, BGS_GLD_C_CREDIT_WAITS, census.low_credit);
+                    gld_add(&c, BGS_GLD_C_WAITING_SEEN, census.waiting);
+                    gld_add(&c, BGS_GLD_C_ENDED_SEEN, census.ended);
                     if (gld_launch_step(&c, &pk) == 0) {
                         sh_cmd = 1;
                     } else {
