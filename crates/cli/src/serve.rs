@@ -774,8 +774,9 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 "bgs: GPU step loop: {} requests, {} admitted, {} refused, {} cancels, {} steps \
                  ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
                  {} credit stalls, per step: {:.1} running (left out: {:.1} for credit, {:.1} with \
-                 a frame owed), {:.1} waiting, {:.1} ended with the final frame owed; \
-                 {} completion-ring stalls, {} live, {} free KV blocks, {} monitor looks",
+                 a frame owed), {:.1} waiting, {:.1} ended with the final frame owed, {:.1} in \
+                 the table; {} refused for want of a credit stream, {} steps with admission held \
+                 back; {} completion-ring stalls, {} live, {} free KV blocks, {} monitor looks",
                 st.requests,
                 st.admitted,
                 st.refused,
@@ -792,6 +793,9 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 per_step(st.pending_waits),
                 per_step(st.waiting_seen),
                 per_step(st.ended_seen),
+                per_step(st.live_seen),
+                st.refused_no_stream,
+                st.admit_held,
                 st.ring_full,
                 st.live,
                 st.free_blocks,

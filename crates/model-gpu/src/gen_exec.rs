@@ -187,6 +187,9 @@ pub mod layout {
         ("PENDING_WAITS", C_PENDING_WAITS),
         ("WAITING_SEEN", C_WAITING_SEEN),
         ("ENDED_SEEN", C_ENDED_SEEN),
+        ("LIVE_SEEN", C_LIVE_SEEN),
+        ("REFUSED_NO_STREAM", C_REFUSED_NO_STREAM),
+        ("ADMIT_HELD", C_ADMIT_HELD),
     ];
     /// Host → device: nonzero asks the dispatcher to stop (read with acquire, low 32 bits).
     pub const C_STOP: usize = 0;
@@ -252,8 +255,14 @@ pub mod layout {
     /// Sum over launched steps of the ended sequences still in the table (final frame not
     /// yet published) the plan saw.
     pub const C_ENDED_SEEN: usize = 29;
+    /// Sum over launched steps of the table's live count (`bgs_gl_live`) at plan time.
+    pub const C_LIVE_SEEN: usize = 30;
+    /// Generate requests refused busy because every credit stream was taken.
+    pub const C_REFUSED_NO_STREAM: usize = 31;
+    /// Launched steps after whose plan sequences still waited with slots and budget left.
+    pub const C_ADMIT_HELD: usize = 32;
     /// Control block words.
-    pub const C_WORDS: usize = 32;
+    pub const C_WORDS: usize = 40;
 
     /// Error codes of the loop itself (above every `cudaError_t`).
     pub const ERRORS: &[(&str, u64)] = &[
@@ -590,6 +599,12 @@ pub struct GenLoopStats {
     /// Ended sequences still holding a table slot (final frame not yet out), summed over
     /// steps.
     pub ended_seen: u64,
+    /// The table's live count at plan time, summed over steps.
+    pub live_seen: u64,
+    /// Requests refused busy because every credit stream was taken.
+    pub refused_no_stream: u64,
+    /// Steps after whose plan sequences still waited with slots and budget left.
+    pub admit_held: u64,
     /// Looks of the host monitor at the control block (its host cost is about one wake-up
     /// each; `crate::pacer`). Not a device word: 0 from `from_ctl`, filled by the executor.
     pub monitor_looks: u64,
@@ -625,6 +640,9 @@ impl GenLoopStats {
             pending_waits: w[C_PENDING_WAITS],
             waiting_seen: w[C_WAITING_SEEN],
             ended_seen: w[C_ENDED_SEEN],
+            live_seen: w[C_LIVE_SEEN],
+            refused_no_stream: w[C_REFUSED_NO_STREAM],
+            admit_held: w[C_ADMIT_HELD],
             monitor_looks: 0,
         }
     }

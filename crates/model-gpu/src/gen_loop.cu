@@ -472,6 +472,7 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
                     const bgs_u64 top = c->s[BGS_GLD_S_STREAM_TOP];
                     if (top == 0) {
                         status = BGS_STATUS_BUSY; /* every credit stream is live */
+                        gld_add(c, BGS_GLD_C_REFUSED_NO_STREAM, 1);
                     } else {
                         bgs_u32 *stream_free = (bgs_u32 *)c->p[BGS_GLD_P_STREAM_FREE];
                         const bgs_u32 stream = stream_free[top - 1];
@@ -630,6 +631,14 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                     gld_add(&c, BGS_GLD_C_CREDIT_WAITS, census.low_credit);
                     gld_add(&c, BGS_GLD_C_WAITING_SEEN, census.waiting);
                     gld_add(&c, BGS_GLD_C_ENDED_SEEN, census.ended);
+                    gld_add(&c, BGS_GLD_C_LIVE_SEEN, bgs_gl_live(c.state));
+                    /* Admission held back although slots and budget were left (the policy
+                     * stopped at blocks or at a sequence it could not admit). */
+                    const bgs_u32 running_now = bgs_gl_running(c.state);
+                    if (bgs_gl_live(c.state) > running_now + census.ended &&
+                        running_now < c.state[BGS_GL_H_MAX_RUNNING] &&
+                        pk.tokens < c.state[BGS_GL_H_MAX_BATCHED])
+                        gld_add(&c, BGS_GLD_C_ADMIT_HELD, 1);
                     if (gld_launch_step(&c, &pk) == 0) {
                         sh_cmd = 1;
                     } else {
