@@ -1285,6 +1285,9 @@ fn function(module: cu::CUmodule, name: &str) -> Result<cu::CUfunction, GpuError
 /// (a broken launch chain that recorded no error); the error word it reads on every look.
 const STREAM_QUERY_PERIOD: Duration = Duration::from_millis(100);
 
+/// How often the monitor logs the loop's counters at debug level.
+const TIMELINE_PERIOD: Duration = Duration::from_millis(100);
+
 fn monitor(sh: &Shared) {
     if let Err(e) = sh.dev.current() {
         tracing::error!(error = %e, "step loop monitor: no context");
@@ -1297,9 +1300,37 @@ fn monitor(sh: &Shared) {
     let mut pacer = crate::pacer::StepPacer::new(sh.poll, sh.idle_poll);
     let mut last_query = Instant::now();
     let mut sleep = sh.poll;
+    // A timeline of the loop's counters (debug level: how the table fills and drains under
+    // load, which the shutdown totals average away).
+    let timeline = tracing::enabled!(tracing::Level::DEBUG);
+    let mut last_line = (Instant::now(), [0u64; 6]);
     while !sh.stop.load(Ordering::Acquire) {
         std::thread::sleep(sleep);
         sh.looks.fetch_add(1, Ordering::Relaxed);
+        if timeline && last_line.0.elapsed() >= TIMELINE_PERIOD {
+            let w = |i| sh.dev.ctl(i).load(Ordering::Acquire);
+            let now = [
+                w(layout::C_STEPS),
+                w(layout::C_STEP_TOKENS),
+                w(layout::C_ADMITTED),
+                w(layout::C_REFUSED),
+                w(layout::C_REFUSED_NO_STREAM),
+                w(layout::C_FRAMES),
+            ];
+            let d: Vec<u64> = now.iter().zip(&last_line.1).map(|(a, b)| a - b).collect();
+            tracing::debug!(
+                steps = d[0],
+                tokens = d[1],
+                admitted = d[2],
+                refused = d[3],
+                refused_no_stream = d[4],
+                frames = d[5],
+                live = w(layout::C_LIVE),
+                free_blocks = w(layout::C_FREE_BLOCKS),
+                "step loop timeline"
+            );
+            last_line = (Instant::now(), now);
+        }
         let f = sh.dev.ctl(layout::C_FRAMES).load(Ordering::Acquire);
         let live = sh.dev.ctl(layout::C_LIVE).load(Ordering::Acquire) != 0;
         let now = Instant::now();

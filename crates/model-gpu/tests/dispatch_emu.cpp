@@ -317,6 +317,11 @@ int main(int argc, char **argv) {
             CHECK(emu_launches.size() == 1 && emu_launches[0] == SELF, "finish relaunches the dispatcher");
             steps++;
         }
+        // Every credit stream not on the free stack belongs to a sequence in the table.
+        CHECK(scratch[BGS_GLD_S_STREAM_TOP] + bgs_gl_live(state.data()) == MAX_SEQS,
+              "credit streams: %llu free, %u sequences live, %u in all (iteration %u)",
+              (unsigned long long)scratch[BGS_GLD_S_STREAM_TOP], bgs_gl_live(state.data()), MAX_SEQS,
+              iter);
         if (iter % 64 == 63) flush_acks(); /* never starve forever */
         bool all = next_req == reqs.size();
         for (const Req &r : reqs) all = all && r.done;
