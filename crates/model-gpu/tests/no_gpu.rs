@@ -1,7 +1,7 @@
 //! Error paths without a usable GPU (CI and the development machine have none): a clear
 //! error, never a panic; model and option errors come before any device work.
 
-use bgs_model::synth::{DType, SynthArch, synth_weights};
+use bgs_model::synth::{DType, SynthArch, synth_config, synth_weights, synth_weights_for};
 use bgs_model_gpu::{GpuModel, GpuModelError, GpuModelOptions};
 
 fn has_driver() -> bool {
@@ -90,6 +90,26 @@ fn bad_options_and_models_are_refused_before_the_device() {
         let e = bad(o);
         assert!(matches!(e, GpuModelError::Config(_)), "{e:?}");
         assert!(e.to_string().contains(want), "{e}");
+    }
+    // The invariant option runs every projection in the fused form, which needs whole
+    // 16-byte chunks per row: refused with the reason, before the device.
+    let mut odd = synth_config(SynthArch::TinyLlama);
+    odd.hidden_size = 60;
+    let (odd, ow) = synth_weights_for(odd, 1, DType::Bf16);
+    let inv = GpuModelOptions {
+        batch_invariant_gemm: true,
+        ..Default::default()
+    };
+    let e = GpuModel::new(odd.clone(), &ow, &inv).unwrap_err();
+    assert!(matches!(e, GpuModelError::Config(_)), "{e:?}");
+    assert!(e.to_string().contains("hidden_size 60"), "{e}");
+    // Without it the fused form is simply not used: no refusal on that account.
+    let fused = GpuModelOptions {
+        fused_max_tokens: 2,
+        ..Default::default()
+    };
+    if let Err(e) = GpuModel::new(odd, &ow, &fused) {
+        assert!(!matches!(e, GpuModelError::Config(_)), "{e:?}");
     }
     // A head dimension the attention kernel does not handle.
     let mut big = cfg.clone();
