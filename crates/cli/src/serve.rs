@@ -775,8 +775,8 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                  ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
                  {} credit stalls, per step: {:.1} running (left out: {:.1} for credit, {:.1} with \
                  a frame owed), {:.1} waiting, {:.1} ended with the final frame owed, {:.1} in \
-                 the table; {} refused for want of a credit stream, {} steps with admission held \
-                 back; {} completion-ring stalls, {} live, {} free KV blocks, {} monitor looks",
+                 the table; {} refused for want of a credit stream; {} completion-ring stalls, \
+                 {} live, {} free KV blocks, {} monitor looks",
                 st.requests,
                 st.admitted,
                 st.refused,
@@ -795,7 +795,6 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 per_step(st.ended_seen),
                 per_step(st.live_seen),
                 st.refused_no_stream,
-                st.admit_held,
                 st.ring_full,
                 st.live,
                 st.free_blocks,

@@ -189,7 +189,6 @@ pub mod layout {
         ("ENDED_SEEN", C_ENDED_SEEN),
         ("LIVE_SEEN", C_LIVE_SEEN),
         ("REFUSED_NO_STREAM", C_REFUSED_NO_STREAM),
-        ("ADMIT_HELD", C_ADMIT_HELD),
     ];
     /// Host → device: nonzero asks the dispatcher to stop (read with acquire, low 32 bits).
     pub const C_STOP: usize = 0;
@@ -259,10 +258,8 @@ pub mod layout {
     pub const C_LIVE_SEEN: usize = 30;
     /// Generate requests refused busy because every credit stream was taken.
     pub const C_REFUSED_NO_STREAM: usize = 31;
-    /// Launched steps after whose plan sequences still waited with slots and budget left.
-    pub const C_ADMIT_HELD: usize = 32;
     /// Control block words.
-    pub const C_WORDS: usize = 40;
+    pub const C_WORDS: usize = 32;
 
     /// Error codes of the loop itself (above every `cudaError_t`).
     pub const ERRORS: &[(&str, u64)] = &[
@@ -603,8 +600,6 @@ pub struct GenLoopStats {
     pub live_seen: u64,
     /// Requests refused busy because every credit stream was taken.
     pub refused_no_stream: u64,
-    /// Steps after whose plan sequences still waited with slots and budget left.
-    pub admit_held: u64,
     /// Looks of the host monitor at the control block (its host cost is about one wake-up
     /// each; `crate::pacer`). Not a device word: 0 from `from_ctl`, filled by the executor.
     pub monitor_looks: u64,
@@ -642,7 +637,6 @@ impl GenLoopStats {
             ended_seen: w[C_ENDED_SEEN],
             live_seen: w[C_LIVE_SEEN],
             refused_no_stream: w[C_REFUSED_NO_STREAM],
-            admit_held: w[C_ADMIT_HELD],
             monitor_looks: 0,
         }
     }

@@ -302,8 +302,8 @@ __device__ void gld_credit(struct gld_ctx *c, bgs_u32 lane) {
  * running ones: how many, how many the policy will skip because a token frame of theirs is
  * still owed (not yet published), and how many because their credit is below
  * BGS_GL_STEP_CREDIT (readers behind on acknowledgements). Summed per launched step into
- * C_RUNNING_SEEN, C_PENDING_WAITS and C_CREDIT_WAITS: a served run whose steps carry fewer
- * tokens than it has running sequences says here which of the two held them back. */
+ * C_WAITING_SEEN, C_ENDED_SEEN, C_RUNNING_SEEN, C_PENDING_WAITS and C_CREDIT_WAITS: a served
+ * run whose steps carry fewer tokens than it has sequences says here what held them back. */
 struct gld_census {
     bgs_u32 running, pending, low_credit, waiting, ended;
 };
@@ -632,13 +632,6 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                     gld_add(&c, BGS_GLD_C_WAITING_SEEN, census.waiting);
                     gld_add(&c, BGS_GLD_C_ENDED_SEEN, census.ended);
                     gld_add(&c, BGS_GLD_C_LIVE_SEEN, bgs_gl_live(c.state));
-                    /* Admission held back although slots and budget were left (the policy
-                     * stopped at blocks or at a sequence it could not admit). */
-                    const bgs_u32 running_now = bgs_gl_running(c.state);
-                    if (bgs_gl_live(c.state) > running_now + census.ended &&
-                        running_now < c.state[BGS_GL_H_MAX_RUNNING] &&
-                        pk.tokens < c.state[BGS_GL_H_MAX_BATCHED])
-                        gld_add(&c, BGS_GLD_C_ADMIT_HELD, 1);
                     if (gld_launch_step(&c, &pk) == 0) {
                         sh_cmd = 1;
                     } else {
