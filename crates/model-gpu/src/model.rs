@@ -62,7 +62,7 @@ pub struct GpuModelOptions {
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
-    /// On by default: 4-7% off the H200's decode step at every batch size, the same bits.
+    /// On by default: 4-8% off the H200's decode step at every batch size, the same bits.
     pub programmatic_launch: bool,
     /// Warps per attention block, 1..=8: the positions a token attends to are split across
     /// them in fixed groups of 32 (more memory requests in flight at small batch; the split
