@@ -308,10 +308,7 @@ impl Emu {
                             x1 += b[base + i];
                             x2 += b[base + i + half];
                         }
-                        let a = pp * inv[i];
-                        let (c, sn) = (a.cos(), a.sin());
-                        let r1 = x1 * c + (-x2) * sn;
-                        let r2 = x2 * c + x1 * sn;
+                        let (r1, r2) = rope_rotate(x1, x2, pp, inv[i]);
                         if h < nh {
                             row[base + i] = r1;
                             row[base + i + half] = r2;
@@ -476,11 +473,7 @@ impl Emu {
                 for t in 0..tokens {
                     let row = self.f32s(gu + (t * 2 * inter * 4) as u64, 2 * inter);
                     let o: Vec<f32> = (0..inter)
-                        .map(|i| {
-                            let (g, u) = (row[i], row[inter + i]);
-                            let s = g / (1.0 + (-g).exp());
-                            s * u
-                        })
+                        .map(|i| silu_times(row[i], row[inter + i]))
                         .collect();
                     self.put_wts(out + (t * inter) as u64 * es, &o);
                 }
@@ -520,9 +513,8 @@ impl Emu {
                     let wu = self.wts(w + ((inter + i) * inp) as u64 * es, inp);
                     for t in 0..n {
                         let xr = &xs[t * inp..(t + 1) * inp];
-                        let (g, u) = (self.proj_dot(&wg, xr), self.proj_dot(&wu, xr));
-                        let sg = g / (1.0 + (-g).exp());
-                        o[t * inter + i] = sg * u;
+                        o[t * inter + i] =
+                            silu_times(self.proj_dot(&wg, xr), self.proj_dot(&wu, xr));
                     }
                 }
                 self.put_wts(act, &o);
@@ -562,9 +554,7 @@ impl Emu {
                             x2 += b[base + i + half];
                         }
                         let (v1, v2) = if h < nh + nkv {
-                            let a = pp * inv[i];
-                            let (c, sn) = (a.cos(), a.sin());
-                            (x1 * c + (-x2) * sn, x2 * c + x1 * sn)
+                            rope_rotate(x1, x2, pp, inv[i])
                         } else {
                             (x1, x2)
                         };
@@ -614,6 +604,18 @@ impl Emu {
             }
         }
     }
+}
+
+/// The kernels' `rope_rotate`: the rotate-half pair (x1, x2) at position `p`, frequency `f`.
+fn rope_rotate(x1: f32, x2: f32, p: f32, f: f32) -> (f32, f32) {
+    let a = p * f;
+    let (c, sn) = (a.cos(), a.sin());
+    (x1 * c + (-x2) * sn, x2 * c + x1 * sn)
+}
+
+/// The kernels' `silu_times` before the store: silu(g) · u.
+fn silu_times(g: f32, u: f32) -> f32 {
+    g / (1.0 + (-g).exp()) * u
 }
 
 /// `bgs_add_rmsnorm`'s arithmetic over one row: `nt` threads' strided sums of squares in index

@@ -311,7 +311,9 @@ __device__ struct gld_census gld_census_of(struct gld_ctx *c, bgs_u32 lane) {
     const bgs_u32 n = (bgs_u32)c->p[BGS_GLD_P_MAX_SEQS];
     const bgs_u32 *credit = (const bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
     bgs_u32 running = 0u, pending = 0u, low = 0u, waiting = 0u, ended = 0u;
-    for (bgs_u32 k = lane; k < n; k += GLD_LANES) {
+    /* An empty table (the idle polling rounds): nothing to count, so no pass over it. */
+    const bgs_u32 slots = c->state[BGS_GL_H_N_LIVE] != 0u ? n : 0u;
+    for (bgs_u32 k = lane; k < slots; k += GLD_LANES) {
         if (bgs_gl_slot_stream(c->state, k) == BGS_GL_NO_STREAM) continue;
         const bgs_u32 *s = bgs_gl_cseq(c->state, k);
         if (s[BGS_GL_S_END] != 0u) {

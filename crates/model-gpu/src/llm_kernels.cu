@@ -180,6 +180,30 @@ __device__ __forceinline__ float block_sum(float v, float *sh) {
     return r;
 }
 
+// The RMS norm's scale from a row's sum of squares, and one normed value in `wt`: shared by
+// bgs_add_rmsnorm and the fused form's prologue (the same bits either way).
+__device__ __forceinline__ float rms_inv(float sum_sq, int hidden, float eps) {
+    const float mean = sum_sq / (float)hidden;
+    return 1.0f / sqrtf(mean + eps);
+}
+__device__ __forceinline__ wt rms_scale(float w, float x, float inv) { return st(w * (x * inv)); }
+
+// Rotate-half RoPE of the pair (x1, x2) at position p, frequency f: bgs_rope_kv's and the
+// fused QKV epilogue's arithmetic.
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float p, float f, float &r1,
+                                            float &r2) {
+    const float a = p * f;
+    const float c = cosf(a), sn = sinf(a);
+    r1 = x1 * c + (-x2) * sn;
+    r2 = x2 * c + x1 * sn;
+}
+
+// silu(g) * u in `wt`: bgs_silu_mul's and the fused gate/up epilogue's arithmetic.
+__device__ __forceinline__ wt silu_times(float g, float u) {
+    const float s = g / (1.0f + expf(-g));
+    return st(s * u);
+}
+
 // x[t] += delta[t] (when delta is not null), then out[t] = w * (x[t] / rms(x[t])), in `wt`.
 // One block of BGS_NORM_THREADS threads per token.
 extern "C" __global__ void bgs_add_rmsnorm(float *x, const float *delta, const float *w,
@@ -197,10 +221,9 @@ extern "C" __global__ void bgs_add_rmsnorm(float *x, const float *delta, const f
         }
         acc = acc + v * v;
     }
-    const float mean = block_sum(acc, sh) / (float)hidden;
-    const float inv = 1.0f / sqrtf(mean + eps);
+    const float inv = rms_inv(block_sum(acc, sh), hidden, eps);
     wt *o = out + (size_t)t * hidden;
-    for (int i = threadIdx.x; i < hidden; i += BGS_NORM_THREADS) o[i] = st(w[i] * (xr[i] * inv));
+    for (int i = threadIdx.x; i < hidden; i += BGS_NORM_THREADS) o[i] = rms_scale(w[i], xr[i], inv);
 }
 
 // After the fused QKV GEMM: add the fused bias (when not null), rotate q and k ("rotate
@@ -235,10 +258,8 @@ extern "C" __global__ void bgs_rope_kv(float *qkv, const float *bias, const int 
             x1 = x1 + bias[base + i];
             x2 = x2 + bias[base + i + half];
         }
-        const float a = p * inv_freq[i];
-        const float c = cosf(a), sn = sinf(a);
-        const float r1 = x1 * c + (-x2) * sn;
-        const float r2 = x2 * c + x1 * sn;
+        float r1, r2;
+        rope_rotate(x1, x2, p, inv_freq[i], r1, r2);
         if (h < num_heads) {
             row[base + i] = r1;
             row[base + i + half] = r2;
@@ -618,35 +639,18 @@ __device__ __forceinline__ void proj_norm_prologue(const float *x, const float *
         __syncthreads();
     }
     for (int t = 0; t < nt; t++) {
-        const float mean = sh[t][0] / (float)in;
-        const float inv = 1.0f / sqrtf(mean + eps);
+        const float inv = rms_inv(sh[t][0], in, eps);
         for (int i = tid; i < in; i += BGS_NORM_THREADS)
-            xs[(size_t)t * in + i] = st(nw[i] * (x[(size_t)t * in + i] * inv));
+            xs[(size_t)t * in + i] = rms_scale(nw[i], x[(size_t)t * in + i], inv);
     }
     __syncthreads();
 }
 
-// y[t][r] = w[r] · x[t] (f32 out): a projection without a fused step (the LM head with the
-// invariant option).
-extern "C" __global__ void bgs_proj(const wt *w, const wt *x, float *y, int out, int in, int n) {
-    BGS_PDL_BEGIN();
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
-    for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < out; u += gridDim.x * BGS_PROJ_WARPS) {
-        float acc[1][BGS_PROJ_TOKENS] = {};
-        const wt *wr[1] = {w + (size_t)u * in};
-        proj_dot<1, 4>(wr, x + (size_t)t0 * in, in, nt, acc);
-        float mine[1];
-        proj_reduce<1>(acc, mine, nt);
-        if (lane < nt) y[(size_t)(t0 + lane) * out + u] = mine[0];
-    }
-}
-
-// res[t][r] += w[r] · x[t]: o_proj and down_proj with the residual add (one writer per
-// element, the add bgs_add_rmsnorm does).
-extern "C" __global__ void bgs_proj_add(const wt *w, const wt *x, float *res, int out, int in,
-                                        int n) {
-    BGS_PDL_BEGIN();
+// y[t][r] = w[r] · x[t] (ADD: y[t][r] += it) for the block's token group: the fused form's
+// plain projection and its residual-add variant.
+template <bool ADD>
+__device__ __forceinline__ void proj_rows(const wt *w, const wt *x, float *y, int out, int in,
+                                          int n) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
     for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < out; u += gridDim.x * BGS_PROJ_WARPS) {
@@ -656,10 +660,25 @@ extern "C" __global__ void bgs_proj_add(const wt *w, const wt *x, float *res, in
         float mine[1];
         proj_reduce<1>(acc, mine, nt);
         if (lane < nt) {
-            float *o = res + (size_t)(t0 + lane) * out + u;
-            *o = *o + mine[0];
+            float *o = y + (size_t)(t0 + lane) * out + u;
+            *o = ADD ? *o + mine[0] : mine[0];
         }
     }
+}
+
+// y[t][r] = w[r] · x[t] (f32 out): a projection without a fused step (the LM head with the
+// invariant option).
+extern "C" __global__ void bgs_proj(const wt *w, const wt *x, float *y, int out, int in, int n) {
+    BGS_PDL_BEGIN();
+    proj_rows<false>(w, x, y, out, in, n);
+}
+
+// res[t][r] += w[r] · x[t]: o_proj and down_proj with the residual add (one writer per
+// element, the add bgs_add_rmsnorm does).
+extern "C" __global__ void bgs_proj_add(const wt *w, const wt *x, float *res, int out, int in,
+                                        int n) {
+    BGS_PDL_BEGIN();
+    proj_rows<true>(w, x, res, out, in, n);
 }
 
 // act[t][i] = silu(g) * u with g = w[i] · xn[t], u = w[inter + i] · xn[t], xn = the
@@ -680,11 +699,7 @@ extern "C" __global__ void bgs_proj_norm_silu(const wt *w, const float *res, con
         proj_dot<2, 4>(wr, xs, in, nt, acc);
         float mine[2];
         proj_reduce<2>(acc, mine, nt);
-        if (lane < nt) {
-            const float g = mine[0], up = mine[1];
-            const float s = g / (1.0f + expf(-g));
-            act[(size_t)(t0 + lane) * inter + u] = st(s * up);
-        }
+        if (lane < nt) act[(size_t)(t0 + lane) * inter + u] = silu_times(mine[0], mine[1]);
     }
 }
 
@@ -728,10 +743,8 @@ extern "C" __global__ void bgs_proj_norm_rope_kv(
             kc = cache + blk * block_stride + off * head_dim;
         }
         if (h < num_heads + num_kv_heads) {
-            const float a = (float)pos[t] * inv_freq[i];
-            const float c = cosf(a), sn = sinf(a);
-            const float r1 = x1 * c + (-x2) * sn;
-            const float r2 = x2 * c + x1 * sn;
+            float r1, r2;
+            rope_rotate(x1, x2, (float)pos[t], inv_freq[i], r1, r2);
             if (h < num_heads) {
                 float *row = qkv + (size_t)t * (qd + 2 * kvd);
                 row[base + i] = r1;
@@ -757,9 +770,7 @@ extern "C" __global__ void bgs_silu_mul(const float *gu, wt *out, int inter, int
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n;
          j += (long long)gridDim.x * blockDim.x) {
         const long long t = j / inter, i = j % inter;
-        const float g = gu[t * 2 * inter + i], u = gu[t * 2 * inter + inter + i];
-        const float s = g / (1.0f + expf(-g));
-        out[j] = st(s * u);
+        out[j] = silu_times(gu[t * 2 * inter + i], gu[t * 2 * inter + inter + i]);
     }
 }
 

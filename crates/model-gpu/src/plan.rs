@@ -455,6 +455,19 @@ impl Plan<'_> {
         let norm_blocks = PROJ_NORM_BLOCKS_PER_SM * self.sms as usize;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let cache_l = self.cache + (l * layer_elems) as u64 * es;
+            // bgs_rope_kv's parameters after `qkv`, which the fused QKV kernel shares.
+            let rope_kv = [
+                Arg::P(lw.qkv_bias),
+                Arg::P(pos),
+                Arg::P(slot),
+                Arg::P(b.inv_freq),
+                Arg::P(cache_l),
+                Arg::I(nh as i32),
+                Arg::I(nkv as i32),
+                Arg::I(hd as i32),
+                Arg::I(bs as i32),
+                Arg::L(block_stride),
+            ];
             if fused {
                 // The input norm, QKV, bias, RoPE and the K/V writes in one launch.
                 ops.push(proj_launch(
@@ -464,24 +477,17 @@ impl Plan<'_> {
                     norm_blocks,
                     xn_shared,
                     &[
-                        Arg::P(lw.qkv),
-                        Arg::P(b.x),
-                        Arg::P(lw.input_norm),
-                        Arg::F(eps),
-                        Arg::P(b.qkv),
-                        Arg::P(lw.qkv_bias),
-                        Arg::P(pos),
-                        Arg::P(slot),
-                        Arg::P(b.inv_freq),
-                        Arg::P(cache_l),
-                        Arg::I(nh as i32),
-                        Arg::I(nkv as i32),
-                        Arg::I(hd as i32),
-                        Arg::I(bs as i32),
-                        Arg::L(block_stride),
-                        Arg::I(h as i32),
-                        Arg::I(n as i32),
-                    ],
+                        &[
+                            Arg::P(lw.qkv),
+                            Arg::P(b.x),
+                            Arg::P(lw.input_norm),
+                            Arg::F(eps),
+                            Arg::P(b.qkv),
+                        ][..],
+                        &rope_kv,
+                        &[Arg::I(h as i32), Arg::I(n as i32)],
+                    ]
+                    .concat(),
                 ));
             } else {
                 if l == 0 {
@@ -492,19 +498,7 @@ impl Plan<'_> {
                     Kernel::RopeKv,
                     (nu, 1),
                     128,
-                    &[
-                        Arg::P(b.qkv),
-                        Arg::P(lw.qkv_bias),
-                        Arg::P(pos),
-                        Arg::P(slot),
-                        Arg::P(b.inv_freq),
-                        Arg::P(cache_l),
-                        Arg::I(nh as i32),
-                        Arg::I(nkv as i32),
-                        Arg::I(hd as i32),
-                        Arg::I(bs as i32),
-                        Arg::L(block_stride),
-                    ],
+                    &[&[Arg::P(b.qkv)][..], &rope_kv].concat(),
                 ));
             }
             ops.push(launch(
