@@ -337,7 +337,7 @@ impl Emu {
                     }
                 }
             }
-            Kernel::Attention => {
+            Kernel::Attention | Kernel::AttentionGroup => {
                 assert!(
                     block.is_multiple_of(32) && (32..=256).contains(&block),
                     "block {block}"
@@ -347,9 +347,28 @@ impl Emu {
                     (p(0), p(1), p(2), p(3), p(4), p(5), p(6));
                 let (nh, nkv, hd, bs, stride, scale) =
                     (int(7), int(8), int(9), int(10), ll(11), fl(12));
-                assert_eq!(gx, nh);
                 let (qd, kvd) = (nh * hd, nkv * hd);
                 let group = nh / nkv;
+                // Per-head blocks, or one block per kv head whose dynamic shared memory holds
+                // bgs_attention_group's layout (queries; per warp and head 32 scores, max and
+                // sum, 32 lanes' accumulators of BGS_PER16, the final accumulator). Either way
+                // every head's arithmetic is the same, as below.
+                if k == Kernel::Attention {
+                    assert_eq!((gx, shared), (nh, 0));
+                } else {
+                    assert_eq!(gx, nkv);
+                    let per16 = 16 / es as usize;
+                    let floats = group * hd + warps * group * (32 + 2 + 32 * per16 + hd);
+                    assert_eq!(
+                        shared as usize,
+                        4 * floats,
+                        "bgs_attention_group's shared memory"
+                    );
+                    assert!(
+                        shared as usize <= 48 * 1024,
+                        "shared {shared} without an opt-in"
+                    );
+                }
                 for t in 0..gy {
                     let last = self.i32s(pos + 4 * t as u64, 1)[0] as usize;
                     let sq = self.i32s(seq + 4 * t as u64, 1)[0] as u64;
@@ -363,7 +382,7 @@ impl Emu {
                         cache + e as u64 * es
                     };
                     let table = self.i32s(bt + 4 * off, last / bs + 1);
-                    for head in 0..gx {
+                    for head in 0..nh {
                         let kvh = head / group;
                         let q = self.f32s(qkv + ((t * (qd + 2 * kvd) + head * hd) * 4) as u64, hd);
                         // Each warp's (max, sum, accumulator) over its groups of 32 positions
@@ -677,6 +696,7 @@ pub(crate) struct EmuModel {
     invariant_gemm: bool,
     fused_max_tokens: usize,
     attention_warps: u32,
+    grouped_attention: bool,
 }
 
 impl EmuModel {
@@ -713,12 +733,21 @@ impl EmuModel {
             invariant_gemm,
             fused_max_tokens: 0,
             attention_warps: 1,
+            // As `GpuModelOptions`' default: every test runs the grouped plan where the model
+            // allows it.
+            grouped_attention: true,
         }
     }
 
     /// Split attention across `w` warps (as `GpuModelOptions::attention_warps`).
     pub(crate) fn with_attention_warps(mut self, w: u32) -> EmuModel {
         self.attention_warps = w;
+        self
+    }
+
+    /// Attention in blocks of one kv head (as `GpuModelOptions::grouped_attention`).
+    pub(crate) fn with_grouped_attention(mut self, on: bool) -> EmuModel {
+        self.grouped_attention = on;
         self
     }
 
@@ -744,6 +773,9 @@ impl EmuModel {
             // the plan's grid-stride sizing is exercised.
             sms: 2,
             attention_warps: self.attention_warps,
+            grouped_attention: self.grouped_attention
+                && plan::group_attention_shared(&self.cfg, self.dtype, self.attention_warps)
+                    .is_some(),
         }
     }
 
@@ -1121,6 +1153,90 @@ mod tests {
         }
     }
 
+    /// Grouped attention (a block per kv head) gives per-head blocks' logits bit for bit, in
+    /// f32 and bf16, with 1 and 4 warps and positions past 128 (several groups a warp); the
+    /// plan picks it only where grouping helps and the block's state fits.
+    #[test]
+    fn grouped_attention_gives_per_head_bits_and_is_planned_where_it_fits() {
+        let attention = |m: &EmuModel| -> Vec<(Kernel, (u32, u32), u32)> {
+            m.plan()
+                .body(8)
+                .into_iter()
+                .filter_map(|op| match op {
+                    Op::Launch {
+                        kernel: k @ (Kernel::Attention | Kernel::AttentionGroup),
+                        grid,
+                        shared,
+                        ..
+                    } => Some((k, grid, shared)),
+                    _ => None,
+                })
+                .collect()
+        };
+        for (dtype, dt) in [(GpuDtype::F32, DType::F32), (GpuDtype::Bf16, DType::Bf16)] {
+            let mut cfg = synth_config(SynthArch::TinyQwen2);
+            cfg.head_dim = 64;
+            let (cfg, w) = synth_weights_for(cfg, 5, dt);
+            let ps = prompts(cfg.vocab_size, &[3, 100, 1, 140]);
+            let per = 200usize.div_ceil(4);
+            let tables: Vec<Vec<u32>> = (0..4)
+                .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+                .collect();
+            let items: Vec<StepItem<'_>> = ps
+                .iter()
+                .zip(&tables)
+                .map(|(p, t)| StepItem {
+                    tokens: p,
+                    pos: 0,
+                    blocks: t,
+                    sample: true,
+                })
+                .collect();
+            for warps in [1, 4] {
+                let model = |grouped: bool| {
+                    EmuModel::new(cfg.clone(), &w, dtype, [4, 4 * per, 244, 4], false)
+                        .with_attention_warps(warps)
+                        .with_grouped_attention(grouped)
+                };
+                let (mut by_group, mut by_head) = (model(true), model(false));
+                let layers = cfg.num_layers;
+                let group = attention(&by_group);
+                assert_eq!(group.len(), layers);
+                assert!(
+                    group
+                        .iter()
+                        .all(|&(k, grid, shared)| k == Kernel::AttentionGroup
+                            && grid == (cfg.num_kv_heads as u32, 8)
+                            && shared > 0)
+                );
+                assert!(attention(&by_head).iter().all(|&(k, grid, shared)| {
+                    k == Kernel::Attention && grid == (cfg.num_heads as u32, 8) && shared == 0
+                }));
+                let (a, b) = (by_group.step_logits(&items), by_head.step_logits(&items));
+                assert!(a == b, "{dtype:?}, {warps} warps: grouped logits differ");
+            }
+        }
+        // One query head per kv head: nothing to share, per-head blocks.
+        let mut mha = synth_config(SynthArch::TinyQwen2);
+        mha.num_kv_heads = mha.num_heads;
+        assert_eq!(plan::group_attention_shared(&mha, GpuDtype::Bf16, 4), None);
+        // Qwen2.5-0.5B (7 query heads a kv head) fits with 4 warps in bf16 and f32, not with 8.
+        let qwen = synth_config(SynthArch::Qwen25_05b);
+        assert_eq!(
+            plan::group_attention_shared(&qwen, GpuDtype::Bf16, 4),
+            Some(4 * (7 * 64 + 4 * 7 * (32 + 2 + 32 * 8 + 64)))
+        );
+        assert!(plan::group_attention_shared(&qwen, GpuDtype::F32, 4).is_some());
+        assert_eq!(plan::group_attention_shared(&qwen, GpuDtype::Bf16, 8), None);
+        let (cfg, w) = synth_weights_for(mha, 5, DType::F32);
+        let m = EmuModel::new(cfg, &w, GpuDtype::F32, [4, 64, 32, 4], false);
+        assert!(
+            attention(&m)
+                .iter()
+                .all(|&(k, _, _)| k == Kernel::Attention)
+        );
+    }
+
     #[test]
     fn emulated_plan_stays_within_the_bf16_and_f16_tolerance() {
         check_arch(SynthArch::TinyQwen2, GpuDtype::Bf16, 5e-2, false, false);
@@ -1158,12 +1274,14 @@ mod tests {
     #[test]
     fn every_launch_matches_its_kernel_signature() {
         let mut seen = Vec::new();
-        for (arch, dtype, inv) in [
-            (SynthArch::TinyQwen2, GpuDtype::Bf16, false),
-            (SynthArch::TinyLlama, GpuDtype::F32, true),
+        for (arch, dtype, inv, grouped) in [
+            (SynthArch::TinyQwen2, GpuDtype::Bf16, false, true),
+            (SynthArch::TinyQwen2, GpuDtype::Bf16, false, false),
+            (SynthArch::TinyLlama, GpuDtype::F32, true, true),
         ] {
             let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
-            let m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv);
+            let m =
+                EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv).with_grouped_attention(grouped);
             for ops in [m.plan().body(64), m.plan().head(8)] {
                 for op in ops {
                     if let Op::Launch { kernel, args, .. } = op {

@@ -537,6 +537,208 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
     }
 }
 
+// ---- Grouped-query attention: one block per (kv head, token) ----
+//
+// bgs_attention_group computes exactly what bgs_attention computes for each of the `group`
+// query heads that share kv head blockIdx.x (the same splits, trees and order, so the same
+// bits), but a warp loads each group of 32 K and V rows once for all of them: per-head blocks
+// read every row `group` times (7 for Qwen2.5-0.5B, ~117 MB of L2 traffic a layer at 256
+// sequences of 128 positions), and their dependent chain of table, key and value loads runs
+// once per head. The per-head online-softmax state lives in dynamic shared memory, per warp
+// (floats, in this order; the host sizes it with the same formula, `plan::group_attention_
+// shared`):
+//   qs     [group][head_dim]               the group's queries
+//   sc     [warps][group][32]              a group of positions' scores, lane by lane
+//   ml     [warps][group][2]               running max and sum
+//   accs   [warps][group][32][BGS_PER16]   each lane's accumulator (the row-split form's)
+//   pacc   [warps][group][head_dim]        each warp's final accumulator, for the combine
+// The row-split form keeps a group's LR key rows (then its LR value rows) in registers; any
+// other head size (or an unaligned cache) runs attention_scalar head after head.
+template <int LR>
+__device__ __forceinline__ void attention_group_rows(const float *qs, const wt *cache,
+                                                     const int *table, int last,
+                                                     long long block_stride, long long head_off,
+                                                     long long v_off, int head_dim,
+                                                     int block_size, float scale, int group,
+                                                     float *sc_s, float *ml_s, float *st_s) {
+    constexpr int RP = 32 / LR;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int sub = lane / LR, part = lane % LR;
+    for (int h = 0; h < group; h++) {
+        float *sa = st_s + (h * 32 + lane) * BGS_PER16;
+#pragma unroll
+        for (int k = 0; k < BGS_PER16; k++) sa[k] = 0.0f;
+        if (lane == 0) {
+            ml_s[2 * h] = BGS_NEG_INF;
+            ml_s[2 * h + 1] = 0.0f;
+        }
+    }
+    __syncwarp();
+    for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
+        const int p = p0 + lane;
+        const int blk = p <= last ? table[p / block_size] : 0;
+        // The group's LR key rows at once (one memory latency), then every head's scores.
+        bgs_u4 rows[LR];
+#pragma unroll
+        for (int c = 0; c < LR; c += BGS_ATTN_CHUNK)
+            load_rows<LR>(rows + c, cache + head_off, blk, p0, c, sub, part, last, block_stride,
+                          block_size, head_dim);
+        for (int h = 0; h < group; h++) {
+            float q[BGS_PER16];
+#pragma unroll
+            for (int k = 0; k < BGS_PER16; k++) q[k] = qs[h * head_dim + part * BGS_PER16 + k];
+            float sc = BGS_NEG_INF;
+#pragma unroll
+            for (int i = 0; i < LR; i++) {
+                float dot = 0.0f;
+                if (p0 + i * RP + sub <= last) {
+                    float e[BGS_PER16];
+                    unpack16(rows[i], e);
+#pragma unroll
+                    for (int k = 0; k < BGS_PER16; k++) dot = dot + q[k] * e[k];
+                }
+#pragma unroll
+                for (int o = LR / 2; o > 0; o >>= 1)
+                    dot = dot + __shfl_xor_sync(0xffffffffu, dot, o);
+                const float s = __shfl_sync(0xffffffffu, dot, (lane % RP) * LR);
+                if (lane / RP == i && p <= last) sc = s * scale;
+            }
+            sc_s[h * 32 + lane] = sc;
+        }
+        // The value rows, then every head's softmax step and accumulation.
+#pragma unroll
+        for (int c = 0; c < LR; c += BGS_ATTN_CHUNK)
+            load_rows<LR>(rows + c, cache + head_off + v_off, blk, p0, c, sub, part, last,
+                          block_stride, block_size, head_dim);
+        for (int h = 0; h < group; h++) {
+            const float sc = sc_s[h * 32 + lane];
+            const float m = ml_s[2 * h], l = ml_s[2 * h + 1];
+            const float mn = fmaxf(m, warp_max(sc));
+            const float e = p <= last ? expf(sc - mn) : 0.0f;
+            const float corr = expf(m - mn);  // exp(-inf) = 0 for the first group
+            const float ln = l * corr + warp_sum(e);
+            float *sa = st_s + (h * 32 + lane) * BGS_PER16;
+            float acc[BGS_PER16];
+#pragma unroll
+            for (int k = 0; k < BGS_PER16; k++) acc[k] = sa[k] * corr;
+#pragma unroll
+            for (int i = 0; i < LR; i++) {
+                const float w = __shfl_sync(0xffffffffu, e, i * RP + sub);
+                if (p0 + i * RP + sub <= last) {
+                    float v[BGS_PER16];
+                    unpack16(rows[i], v);
+#pragma unroll
+                    for (int k = 0; k < BGS_PER16; k++) acc[k] = acc[k] + w * v[k];
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < BGS_PER16; k++) sa[k] = acc[k];
+            __syncwarp();  // every lane has read m and l before lane 0 replaces them
+            if (lane == 0) {
+                ml_s[2 * h] = mn;
+                ml_s[2 * h + 1] = ln;
+            }
+        }
+        __syncwarp();
+    }
+}
+
+extern "C" __global__ void bgs_attention_group(const float *qkv, const wt *cache, const int *pos,
+                                               const int *seq, const int *bt_off, const int *bt,
+                                               wt *out, int num_heads, int num_kv_heads,
+                                               int head_dim, int block_size,
+                                               long long block_stride, float scale) {
+    BGS_PDL_BEGIN();
+    extern __shared__ float smem[];
+    const int kvh = blockIdx.x, t = blockIdx.y;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int group = num_heads / num_kv_heads;
+    const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
+    float *qs = smem;
+    float *sc = qs + group * head_dim;
+    float *ml = sc + warps * group * 32;
+    float *accs = ml + warps * group * 2;
+    float *pacc = accs + warps * group * 32 * BGS_PER16;
+    const float *q = qkv + (size_t)t * (qd + 2 * kvd) + kvh * group * head_dim;
+    for (int d = threadIdx.x; d < group * head_dim; d += blockDim.x) qs[d] = q[d];
+    __syncthreads();
+    const int *table = bt + bt_off[seq[t]];
+    const int last = pos[t];
+    const long long head_off = (long long)kvh * block_size * head_dim;
+    const long long v_off = (long long)num_kv_heads * block_size * head_dim;
+    float *ml_w = ml + warp * group * 2;
+    float *pacc_w = pacc + warp * group * head_dim;
+#if BGS_ATTN_LR > 0
+    if (head_dim == BGS_HEAD_DIM && ((unsigned long long)cache & 15ull) == 0) {
+        constexpr int LR = BGS_ATTN_LR;
+        float *st_w = accs + warp * group * 32 * BGS_PER16;
+        attention_group_rows<LR>(qs, cache, table, last, block_stride, head_off, v_off,
+                                 head_dim, block_size, scale, group, sc + warp * group * 32,
+                                 ml_w, st_w);
+        // Each head's rows meet in attention_rows' closing butterfly.
+        const int sub = lane / LR, part = lane % LR;
+        for (int h = 0; h < group; h++) {
+            float acc[BGS_PER16];
+#pragma unroll
+            for (int k = 0; k < BGS_PER16; k++) acc[k] = st_w[(h * 32 + lane) * BGS_PER16 + k];
+#pragma unroll
+            for (int o = 16; o >= LR; o >>= 1) {
+#pragma unroll
+                for (int k = 0; k < BGS_PER16; k++)
+                    acc[k] = acc[k] + __shfl_xor_sync(0xffffffffu, acc[k], o);
+            }
+            if (sub == 0) {
+#pragma unroll
+                for (int k = 0; k < BGS_PER16; k++)
+                    pacc_w[h * head_dim + part * BGS_PER16 + k] = acc[k];
+            }
+        }
+    } else
+#endif
+    {
+        for (int h = 0; h < group; h++) {
+            float m, l;
+            attention_scalar(qs + h * head_dim, cache, table, last, block_stride, head_off, v_off,
+                             head_dim, block_size, scale, pacc_w + h * head_dim, m, l);
+            if (lane == 0) {
+                ml_w[2 * h] = m;
+                ml_w[2 * h + 1] = l;
+            }
+        }
+    }
+    __syncthreads();
+    // Head h's output from its warps' states (warp h % warps writes it), combined in warp
+    // order as bgs_attention combines them.
+    for (int h = warp; h < group; h += warps) {
+        wt *o = out + (size_t)t * qd + (kvh * group + h) * head_dim;
+        if (warps == 1) {
+            const float l = ml[2 * h + 1];
+            for (int d = lane; d < head_dim; d += 32) o[d] = st(pacc[h * head_dim + d] / l);
+            continue;
+        }
+        float mm = BGS_NEG_INF;
+        for (int w = 0; w < warps; w++) mm = fmaxf(mm, ml[(w * group + h) * 2]);
+        float ll = 0.0f, oo[BGS_MAX_HEAD_DIM / 32];
+#pragma unroll
+        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) oo[r] = 0.0f;
+        for (int w = 0; w < warps; w++) {
+            const float mw = ml[(w * group + h) * 2];
+            const float f = mw == BGS_NEG_INF ? 0.0f : expf(mw - mm);
+            ll = ll + ml[(w * group + h) * 2 + 1] * f;
+#pragma unroll
+            for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+                const int d = lane + 32 * r;
+                if (d < head_dim) oo[r] = oo[r] + pacc[(w * group + h) * head_dim + d] * f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
+            const int d = lane + 32 * r;
+            if (d < head_dim) o[d] = st(oo[r] / ll);
+        }
+    }
+}
+
 // ---- Projections of the fused form (small buckets; every bucket with the invariant option) --
 //
 // y[t][r] = sum_k x[t][k] * w[r][k] over the row's 16-byte chunks: lane l takes chunks l,

@@ -12,6 +12,7 @@ use cudarc::driver::sys as cu;
 use crate::host::{self, GpuDtype, Packed, StepGeometry};
 use crate::plan::{
     self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan, fused_form_fits,
+    group_attention_shared,
 };
 
 /// Bytes of the cuBLAS workspace set before capture (32 MiB: NVIDIA's recommendation for
@@ -68,6 +69,11 @@ pub struct GpuModelOptions {
     /// them in fixed groups of 32 (more memory requests in flight at small batch; the split
     /// depends only on the positions, so results stay batch-invariant).
     pub attention_warps: u32,
+    /// Attention in blocks of one kv head and token (`bgs_attention_group`: a warp loads each
+    /// K/V row once for every query head of the group) instead of one block per query head
+    /// (`bgs_attention`); the same bits either way. Ignored (per-head blocks) when a model has
+    /// one query head per kv head or the group's state does not fit a block's shared memory.
+    pub grouped_attention: bool,
     /// Instantiate the step graphs with `CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH` (and
     /// upload them) so that a graph running on the device (the resident step loop,
     /// `crate::gen_exec`) can launch them; [`GpuModel::device_handles`] exposes them. Requires
@@ -93,6 +99,7 @@ impl Default for GpuModelOptions {
             fused_max_tokens: 0,
             programmatic_launch: true,
             attention_warps: 4,
+            grouped_attention: true,
             device_launch: false,
         }
     }
@@ -230,6 +237,8 @@ pub struct GpuModel {
     /// The device's multiprocessors.
     sms: u32,
     attention_warps: u32,
+    /// `grouped_attention`, where the model allows it.
+    grouped_attention: bool,
     device_name: String,
     compute_capability: (i32, i32),
     cache_hit: bool,
@@ -351,6 +360,9 @@ impl GpuModel {
             }
         };
 
+        let grouped_attention = opts.grouped_attention
+            && group_attention_shared(&cfg, opts.dtype, opts.attention_warps).is_some();
+
         let env = init(opts.device, opts.cuda_home.as_deref())?;
         let mut m = GpuModel {
             cfg,
@@ -363,6 +375,7 @@ impl GpuModel {
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
+            grouped_attention,
             device_name: env.name.clone(),
             compute_capability: env.cc,
             cache_hit: false,
@@ -661,6 +674,7 @@ impl GpuModel {
             fused_max_tokens: self.fused_max_tokens,
             sms: self.sms,
             attention_warps: self.attention_warps,
+            grouped_attention: self.grouped_attention,
         }
     }
 
@@ -1177,6 +1191,21 @@ impl GpuModel {
         }
         self.use_graphs = on;
         Ok(())
+    }
+
+    /// Whether attention runs in blocks of one kv head (`bgs_attention_group`).
+    pub fn grouped_attention(&self) -> bool {
+        self.grouped_attention
+    }
+
+    /// Attention per kv head (`true`, where the model allows it: see
+    /// [`GpuModelOptions::grouped_attention`]) or per query head, for the launches that
+    /// follow; captured graphs keep the form they were captured with, so compare the forms
+    /// with `set_use_graphs(false)`. Returns whether grouped attention is now in effect.
+    pub fn set_grouped_attention(&mut self, on: bool) -> bool {
+        self.grouped_attention =
+            on && group_attention_shared(&self.cfg, self.dtype, self.attention_warps).is_some();
+        self.grouped_attention
     }
 
     /// The graph handles and device buffers a device-side step loop drives; an error unless

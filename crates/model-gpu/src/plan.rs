@@ -31,6 +31,7 @@ pub(crate) enum Kernel {
     AddRmsNorm,
     RopeKv,
     Attention,
+    AttentionGroup,
     SiluMul,
     GatherRows,
     Argmax,
@@ -41,11 +42,12 @@ pub(crate) enum Kernel {
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 11] = [
+    pub(crate) const ALL: [Kernel; 12] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
         Kernel::Attention,
+        Kernel::AttentionGroup,
         Kernel::SiluMul,
         Kernel::GatherRows,
         Kernel::Argmax,
@@ -62,6 +64,7 @@ impl Kernel {
             Kernel::AddRmsNorm => "bgs_add_rmsnorm",
             Kernel::RopeKv => "bgs_rope_kv",
             Kernel::Attention => "bgs_attention",
+            Kernel::AttentionGroup => "bgs_attention_group",
             Kernel::SiluMul => "bgs_silu_mul",
             Kernel::GatherRows => "bgs_gather_rows",
             Kernel::Argmax => "bgs_argmax",
@@ -297,6 +300,23 @@ pub(crate) fn fused_form_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), 
     Ok(())
 }
 
+/// Dynamic shared memory of a `bgs_attention_group` block of `warps` warps for this model
+/// (the kernel's layout: the group's queries, then per warp and query head the scores of 32
+/// positions, the running max and sum, 32 lanes' accumulators and the final accumulator; f32
+/// throughout), or `None` when grouping buys nothing (one query head per kv head) or the
+/// block would need more than [`MAX_BLOCK_SHARED`].
+pub(crate) fn group_attention_shared(
+    cfg: &ModelConfig,
+    dtype: GpuDtype,
+    warps: u32,
+) -> Option<u32> {
+    let group = cfg.num_heads / cfg.num_kv_heads;
+    let (hd, w, per16) = (cfg.head_dim, warps as usize, 16 / dtype.size());
+    let floats = group * hd + w * group * (32 + 2 + 32 * per16 + hd);
+    let bytes = 4 * floats;
+    (group > 1 && bytes <= MAX_BLOCK_SHARED).then_some(bytes as u32)
+}
+
 /// Blocks per multiprocessor of the fused norm kernels (see `Plan::sms`).
 pub(crate) const PROJ_NORM_BLOCKS_PER_SM: usize = 2;
 
@@ -345,6 +365,9 @@ pub(crate) struct Plan<'a> {
     pub sms: u32,
     /// Warps of one attention block (positions split across them), 1..=8.
     pub attention_warps: u32,
+    /// One attention block per (kv head, token) (`bgs_attention_group`) rather than per
+    /// (query head, token); the host sets it only where [`group_attention_shared`] allows.
+    pub grouped_attention: bool,
 }
 
 impl Plan<'_> {
@@ -501,11 +524,22 @@ impl Plan<'_> {
                     &[&[Arg::P(b.qkv)][..], &rope_kv].concat(),
                 ));
             }
-            ops.push(launch(
-                Kernel::Attention,
-                (nh as u32, nu),
-                32 * self.attention_warps,
-                &[
+            let (attention, heads, attention_shared) = if self.grouped_attention {
+                (
+                    Kernel::AttentionGroup,
+                    nkv,
+                    group_attention_shared(c, self.dtype, self.attention_warps)
+                        .expect("grouped attention is only planned where it fits"),
+                )
+            } else {
+                (Kernel::Attention, nh, 0)
+            };
+            ops.push(Op::Launch {
+                kernel: attention,
+                grid: (heads as u32, nu),
+                block: 32 * self.attention_warps,
+                shared: attention_shared,
+                args: vec![
                     Arg::P(b.qkv),
                     Arg::P(cache_l),
                     Arg::P(pos),
@@ -520,7 +554,7 @@ impl Plan<'_> {
                     Arg::L(block_stride),
                     Arg::F(scale),
                 ],
-            ));
+            });
             if fused {
                 let add = |w: u64, x: u64, inp: usize| {
                     proj_launch(

@@ -21,11 +21,12 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 11] = [
+const ENTRY_POINTS: [&str; 12] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
     "bgs_attention",
+    "bgs_attention_group",
     "bgs_silu_mul",
     "bgs_gather_rows",
     "bgs_argmax",

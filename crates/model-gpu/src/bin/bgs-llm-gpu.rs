@@ -83,6 +83,10 @@ struct DeviceArgs {
     /// Warps per attention block (positions split across them), 1..=8.
     #[arg(long, default_value_t = GpuModelOptions::default().attention_warps)]
     attention_warps: u32,
+    /// Attention in one block per query head (`bgs_attention`) instead of one per kv head
+    /// (`bgs_attention_group`, the default where the model allows it; the same bits).
+    #[arg(long)]
+    attention_per_head: bool,
 }
 
 #[derive(Args, Debug)]
@@ -179,6 +183,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         fused_max_tokens: dev.fused_max_tokens,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
+        grouped_attention: !dev.attention_per_head,
         ..Default::default()
     }
 }
@@ -422,6 +427,33 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             j["bitwise_equal"] = json!(bitwise);
             results.push(j);
         }
+
+        // (e) Grouped attention (a block per kv head) gives the bits of per-head blocks.
+        let grouped = gpu.set_grouped_attention(true);
+        if grouped {
+            let graphs = gpu.uses_graphs();
+            gpu.set_use_graphs(false).map_err(|e| e.to_string())?;
+            let by_group = gpu.step_logits(&items).map_err(|e| e.to_string());
+            gpu.set_grouped_attention(false);
+            let by_head = gpu.step_logits(&items).map_err(|e| e.to_string());
+            gpu.set_grouped_attention(!a.dev.attention_per_head);
+            gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
+            let (by_group, by_head) = (by_group?, by_head?);
+            let bitwise = by_group == by_head;
+            ok &= bitwise;
+            println!(
+                "[{}] attention per kv head vs per query head, same prefill: {}",
+                if bitwise { "PASS" } else { "FAIL" },
+                if bitwise {
+                    "bitwise equal".to_string()
+                } else {
+                    compare_logits(&by_head, &by_group, tol).describe(tol, "per head", "grouped")
+                },
+            );
+            results.push(json!({"check": "grouped_attention_bits", "pass": bitwise}));
+        } else {
+            gpu.set_grouped_attention(!a.dev.attention_per_head);
+        }
     }
 
     // (b) Greedy tokens, CPU vs GPU, 1 and 8 concurrent sequences (chunked prefill).
@@ -508,6 +540,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "attention_warps": a.dev.attention_warps,
+        "grouped_attention": gpu.grouped_attention(),
         "pass": ok, "checks": results,
     });
     write_json(&a.json, &v)?;
@@ -749,6 +782,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "attention_warps": a.dev.attention_warps,
+        "grouped_attention": m.grouped_attention(),
         "weight_bytes": m.weight_bytes(),
         "kv_bytes_per_position": m.kv_bytes_per_position(),
         "copy_bandwidth_bytes_per_s": bw, "decode": rows, "prefill": prefill,
