@@ -69,7 +69,7 @@ BGS_STATIC_ASSERT(sizeof(bgs_i32) == 4, "bgs_i32");
 #define BGS_LLM_STEP_PAD_ROW (0)                         /* sampled row */
 
 /* Token-count buckets: one captured step graph each (also the LM head's). */
-#define BGS_LLM_STEP_N_BUCKETS 10u
+#define BGS_LLM_STEP_N_BUCKETS 12u
 #define BGS_LLM_STEP_MAX_BUCKET 512u
 /* Bucket i (i < BGS_LLM_STEP_N_BUCKETS), ascending; 0 past the end. */
 BGS_LLM_STEP_FN bgs_u32 bgs_llm_step_bucket(bgs_u32 i) {
@@ -81,8 +81,10 @@ BGS_LLM_STEP_FN bgs_u32 bgs_llm_step_bucket(bgs_u32 i) {
     if (i == 5u) return 32u;
     if (i == 6u) return 64u;
     if (i == 7u) return 128u;
-    if (i == 8u) return 256u;
-    if (i == 9u) return 512u;
+    if (i == 8u) return 192u;
+    if (i == 9u) return 256u;
+    if (i == 10u) return 384u;
+    if (i == 11u) return 512u;
     return 0u;
 }
 

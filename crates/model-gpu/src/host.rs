@@ -5,8 +5,10 @@
 use bgs_model::{ModelConfig, StepItem, Tensor};
 
 /// Token-count buckets: one captured step graph each (the LM head uses the same list for the
-/// number of sampled rows).
-pub const BUCKETS: [usize; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
+/// number of sampled rows). 192 and 384 sit between the powers of two where full decode
+/// batches meet the prefill of new admissions: at 256 slots a step of 256 decodes and ~92
+/// prefill tokens ran the 512 bucket (docs/gpu-model.md, "Saturation, explained").
+pub const BUCKETS: [usize; 12] = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512];
 
 /// Largest head dimension the attention kernel handles (`BGS_MAX_HEAD_DIM`).
 pub const MAX_HEAD_DIM: usize = 128;
