@@ -76,18 +76,19 @@ done
 fi
 
 # 3. Step times against the memory floor: the defaults (cuBLAS, programmatic dependent
-#    launch), buckets of up to 2 tokens in the fused form (--fused-max-tokens 2), without
-#    programmatic launch (--no-pdl), and every bucket fused (--invariant-gemm). BENCH_FLAGS
-#    adds flags to all.
+#    launch, attention per kv head) at batch 1..512 (384 and 512 are the buckets of a full
+#    256-slot table with prefill riding along), buckets of up to 2 tokens in the fused form
+#    (--fused-max-tokens 2), attention per query head (--attention-per-head), and every
+#    bucket fused (--invariant-gemm). BENCH_FLAGS adds flags to all.
 if want bench; then
 bf=${BENCH_FLAGS:-}
 for m in qwen2.5-0.5b smollm2-135m; do
-  step "bench-$m" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
-    --batches 1,2,4,16,64,256 --context 128 --per-op --json "$work/bench-$m.json"
+  step "bench-$m" 300 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
+    --batches 1,2,4,16,64,256,384,512 --context 128 --per-op --json "$work/bench-$m.json"
   step "bench-$m-fused2" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
     --batches 1,2,4,16,64,256 --context 128 --fused-max-tokens 2 --json "$work/bench-$m-fused2.json"
-  step "bench-$m-nopdl" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
-    --batches 1,2,4,16,64,256 --context 128 --no-pdl --json "$work/bench-$m-nopdl.json"
+  step "bench-$m-perhead" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
+    --batches 1,2,4,16,64,256 --context 128 --attention-per-head --json "$work/bench-$m-perhead.json"
 done
 step "bench-qwen2.5-0.5b-invariant" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 $bf \
   --batches 1,16,64,256 --context 128 --iters 20 --warmup 3 --invariant-gemm --json "$work/bench-qwen2.5-0.5b-invariant.json"
