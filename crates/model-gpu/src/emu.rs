@@ -337,7 +337,7 @@ impl Emu {
                     }
                 }
             }
-            Kernel::Attention | Kernel::AttentionGroup => {
+            Kernel::Attention | Kernel::AttentionMma => {
                 assert!(
                     block.is_multiple_of(32) && (32..=256).contains(&block),
                     "block {block}"
@@ -349,20 +349,27 @@ impl Emu {
                     (int(7), int(8), int(9), int(10), ll(11), fl(12));
                 let (qd, kvd) = (nh * hd, nkv * hd);
                 let group = nh / nkv;
-                // Per-head blocks, or one block per kv head whose dynamic shared memory holds
-                // bgs_attention_group's layout (queries; per warp and head 32 scores, max and
-                // sum, 32 lanes' accumulators of BGS_PER16, the final accumulator). Either way
-                // every head's arithmetic is the same, as below.
+                // Per-head blocks, or bgs_attention_mma's block per kv head: built for 16-bit
+                // values and head sizes 16/32/64 (it traps elsewhere), at most 16 query heads
+                // a kv head (an MMA's rows), per warp a K and a V tile of 32 rows in dynamic
+                // shared memory. Its splits, softmax and combine are the per-head form's; its
+                // products are summed inside MMAs in an order the hardware does not specify,
+                // so the emulator computes every head as below (exact math in the per-head
+                // order) and the device check bounds the difference.
                 if k == Kernel::Attention {
                     assert_eq!((gx, shared), (nh, 0));
                 } else {
                     assert_eq!(gx, nkv);
-                    let per16 = 16 / es as usize;
-                    let floats = group * hd + warps * group * (32 + 2 + 32 * per16 + hd);
+                    assert!(es == 2, "bgs_attention_mma needs 16-bit values");
+                    assert!(
+                        [16, 32, 64].contains(&hd),
+                        "bgs_attention_mma at head_dim {hd}"
+                    );
+                    assert!((1..=16).contains(&group), "{group} query heads a kv head");
                     assert_eq!(
                         shared as usize,
-                        4 * floats,
-                        "bgs_attention_group's shared memory"
+                        warps * 128 * hd,
+                        "bgs_attention_mma's tiles"
                     );
                     assert!(
                         shared as usize <= 48 * 1024,
@@ -696,7 +703,7 @@ pub(crate) struct EmuModel {
     invariant_gemm: bool,
     fused_max_tokens: usize,
     attention_warps: u32,
-    grouped_attention: bool,
+    tensor_core_attention: bool,
 }
 
 impl EmuModel {
@@ -733,9 +740,9 @@ impl EmuModel {
             invariant_gemm,
             fused_max_tokens: 0,
             attention_warps: 1,
-            // As `GpuModelOptions`' default: every test runs the grouped plan where the model
-            // allows it.
-            grouped_attention: true,
+            // As `GpuModelOptions`' default: every test plans tensor-core attention where the
+            // model allows it.
+            tensor_core_attention: true,
         }
     }
 
@@ -745,9 +752,9 @@ impl EmuModel {
         self
     }
 
-    /// Attention in blocks of one kv head (as `GpuModelOptions::grouped_attention`).
-    pub(crate) fn with_grouped_attention(mut self, on: bool) -> EmuModel {
-        self.grouped_attention = on;
+    /// Attention on tensor cores (as `GpuModelOptions::tensor_core_attention`).
+    pub(crate) fn with_tensor_core_attention(mut self, on: bool) -> EmuModel {
+        self.tensor_core_attention = on;
         self
     }
 
@@ -773,8 +780,8 @@ impl EmuModel {
             // the plan's grid-stride sizing is exercised.
             sms: 2,
             attention_warps: self.attention_warps,
-            grouped_attention: self.grouped_attention
-                && plan::group_attention_shared(&self.cfg, self.dtype, self.attention_warps)
+            mma_attention: self.tensor_core_attention
+                && plan::mma_attention_shared(&self.cfg, self.dtype, self.attention_warps)
                     .is_some(),
         }
     }
@@ -1153,18 +1160,20 @@ mod tests {
         }
     }
 
-    /// Grouped attention (a block per kv head) gives per-head blocks' logits bit for bit, in
-    /// f32 and bf16, with 1 and 4 warps and positions past 128 (several groups a warp); the
-    /// plan picks it only where grouping helps and the block's state fits.
+    /// Tensor-core attention is planned where it applies (16-bit values, head sizes 16/32/64,
+    /// at most 16 query heads a kv head, tiles within 48 KB), a block per kv head with its
+    /// tiles' shared memory; elsewhere (f32, other head sizes, 8 warps of 64-wide heads) the
+    /// per-head blocks. Its logits through the emulator stay within the bf16 tolerance of the
+    /// CPU oracle (the other tests run it too: it is the emulator's default).
     #[test]
-    fn grouped_attention_gives_per_head_bits_and_is_planned_where_it_fits() {
+    fn tensor_core_attention_is_planned_where_it_applies() {
         let attention = |m: &EmuModel| -> Vec<(Kernel, (u32, u32), u32)> {
             m.plan()
                 .body(8)
                 .into_iter()
                 .filter_map(|op| match op {
                     Op::Launch {
-                        kernel: k @ (Kernel::Attention | Kernel::AttentionGroup),
+                        kernel: k @ (Kernel::Attention | Kernel::AttentionMma),
                         grid,
                         shared,
                         ..
@@ -1173,67 +1182,59 @@ mod tests {
                 })
                 .collect()
         };
-        for (dtype, dt) in [(GpuDtype::F32, DType::F32), (GpuDtype::Bf16, DType::Bf16)] {
+        for (dtype, dt, head_dim, warps, mma) in [
+            (GpuDtype::Bf16, DType::Bf16, 64, 4, true),
+            (GpuDtype::F16, DType::F16, 16, 1, true),
+            (GpuDtype::Bf16, DType::Bf16, 64, 8, false),
+            (GpuDtype::Bf16, DType::Bf16, 24, 4, false),
+            (GpuDtype::F32, DType::F32, 64, 4, false),
+        ] {
             let mut cfg = synth_config(SynthArch::TinyQwen2);
-            cfg.head_dim = 64;
+            cfg.head_dim = head_dim;
             let (cfg, w) = synth_weights_for(cfg, 5, dt);
-            let ps = prompts(cfg.vocab_size, &[3, 100, 1, 140]);
-            let per = 200usize.div_ceil(4);
-            let tables: Vec<Vec<u32>> = (0..4)
-                .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
-                .collect();
-            let items: Vec<StepItem<'_>> = ps
-                .iter()
-                .zip(&tables)
-                .map(|(p, t)| StepItem {
-                    tokens: p,
-                    pos: 0,
-                    blocks: t,
-                    sample: true,
-                })
-                .collect();
-            for warps in [1, 4] {
-                let model = |grouped: bool| {
-                    EmuModel::new(cfg.clone(), &w, dtype, [4, 4 * per, 244, 4], false)
-                        .with_attention_warps(warps)
-                        .with_grouped_attention(grouped)
-                };
-                let (mut by_group, mut by_head) = (model(true), model(false));
-                let layers = cfg.num_layers;
-                let group = attention(&by_group);
-                assert_eq!(group.len(), layers);
-                assert!(
-                    group
-                        .iter()
-                        .all(|&(k, grid, shared)| k == Kernel::AttentionGroup
-                            && grid == (cfg.num_kv_heads as u32, 8)
-                            && shared > 0)
-                );
-                assert!(attention(&by_head).iter().all(|&(k, grid, shared)| {
-                    k == Kernel::Attention && grid == (cfg.num_heads as u32, 8) && shared == 0
-                }));
-                let (a, b) = (by_group.step_logits(&items), by_head.step_logits(&items));
-                assert!(a == b, "{dtype:?}, {warps} warps: grouped logits differ");
+            let m = EmuModel::new(cfg.clone(), &w, dtype, [4, 64, 32, 4], false)
+                .with_attention_warps(warps);
+            let ops = attention(&m);
+            assert_eq!(ops.len(), cfg.num_layers);
+            for (k, grid, shared) in ops {
+                if mma {
+                    assert_eq!(k, Kernel::AttentionMma);
+                    assert_eq!(grid, (cfg.num_kv_heads as u32, 8));
+                    assert_eq!(shared as usize, warps as usize * 128 * head_dim);
+                } else {
+                    let per_head = (Kernel::Attention, (cfg.num_heads as u32, 8), 0);
+                    assert_eq!((k, grid, shared), per_head);
+                }
             }
+            let off = EmuModel::new(cfg, &w, dtype, [4, 64, 32, 4], false)
+                .with_attention_warps(warps)
+                .with_tensor_core_attention(false);
+            assert!(
+                attention(&off)
+                    .iter()
+                    .all(|&(k, _, _)| k == Kernel::Attention)
+            );
         }
-        // One query head per kv head: nothing to share, per-head blocks.
-        let mut mha = synth_config(SynthArch::TinyQwen2);
-        mha.num_kv_heads = mha.num_heads;
-        assert_eq!(plan::group_attention_shared(&mha, GpuDtype::Bf16, 4), None);
-        // Qwen2.5-0.5B (7 query heads a kv head) fits with 4 warps in bf16 and f32, not with 8.
+        // 17 query heads a kv head: more than an MMA's 16 rows.
+        let mut wide = synth_config(SynthArch::TinyQwen2);
+        (wide.num_heads, wide.num_kv_heads, wide.head_dim) = (17, 1, 16);
+        assert_eq!(plan::mma_attention_shared(&wide, GpuDtype::Bf16, 4), None);
         let qwen = synth_config(SynthArch::Qwen25_05b);
         assert_eq!(
-            plan::group_attention_shared(&qwen, GpuDtype::Bf16, 4),
-            Some(4 * (7 * 64 + 4 * 7 * (32 + 2 + 32 * 8 + 64)))
+            plan::mma_attention_shared(&qwen, GpuDtype::Bf16, 4),
+            Some(4 * 128 * 64)
         );
-        assert!(plan::group_attention_shared(&qwen, GpuDtype::F32, 4).is_some());
-        assert_eq!(plan::group_attention_shared(&qwen, GpuDtype::Bf16, 8), None);
-        let (cfg, w) = synth_weights_for(mha, 5, DType::F32);
-        let m = EmuModel::new(cfg, &w, GpuDtype::F32, [4, 64, 32, 4], false);
-        assert!(
-            attention(&m)
-                .iter()
-                .all(|&(k, _, _)| k == Kernel::Attention)
+        // Through the emulator with positions past 128 and 4 warps: within bf16's tolerance.
+        let mut cfg = synth_config(SynthArch::TinyQwen2);
+        cfg.head_dim = 64;
+        check_arch_with(
+            cfg,
+            GpuDtype::Bf16,
+            3e-2,
+            false,
+            false,
+            4,
+            &[3, 100, 1, 140],
         );
     }
 
@@ -1274,14 +1275,14 @@ mod tests {
     #[test]
     fn every_launch_matches_its_kernel_signature() {
         let mut seen = Vec::new();
-        for (arch, dtype, inv, grouped) in [
+        for (arch, dtype, inv, mma) in [
             (SynthArch::TinyQwen2, GpuDtype::Bf16, false, true),
             (SynthArch::TinyQwen2, GpuDtype::Bf16, false, false),
             (SynthArch::TinyLlama, GpuDtype::F32, true, true),
         ] {
             let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
             let m =
-                EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv).with_grouped_attention(grouped);
+                EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv).with_tensor_core_attention(mma);
             for ops in [m.plan().body(64), m.plan().head(8)] {
                 for op in ops {
                     if let Op::Launch { kernel, args, .. } = op {

@@ -537,206 +537,269 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
     }
 }
 
-// ---- Grouped-query attention: one block per (kv head, token) ----
+// ---- Attention on tensor cores: one block per (kv head, token) ----
 //
-// bgs_attention_group computes exactly what bgs_attention computes for each of the `group`
-// query heads that share kv head blockIdx.x (the same splits, trees and order, so the same
-// bits), but a warp loads each group of 32 K and V rows once for all of them: per-head blocks
-// read every row `group` times (7 for Qwen2.5-0.5B, ~117 MB of L2 traffic a layer at 256
-// sequences of 128 positions), and their dependent chain of table, key and value loads runs
-// once per head. The per-head online-softmax state lives in dynamic shared memory, per warp
-// (floats, in this order; the host sizes it with the same formula, `plan::group_attention_
-// shared`):
-//   qs     [group][head_dim]               the group's queries
-//   sc     [warps][group][32]              a group of positions' scores, lane by lane
-//   ml     [warps][group][2]               running max and sum
-//   accs   [warps][group][32][BGS_PER16]   each lane's accumulator (the row-split form's)
-//   pacc   [warps][group][head_dim]        each warp's final accumulator, for the combine
-// The row-split form keeps a group's LR key rows (then its LR value rows) in registers; any
-// other head size (or an unaligned cache) runs attention_scalar head after head.
-template <int LR>
-__device__ __forceinline__ void attention_group_rows(const float *qs, const wt *cache,
-                                                     const int *table, int last,
-                                                     long long block_stride, long long head_off,
-                                                     long long v_off, int head_dim,
-                                                     int block_size, float scale, int group,
-                                                     float *sc_s, float *ml_s, float *st_s) {
-    constexpr int RP = 32 / LR;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    const int sub = lane / LR, part = lane % LR;
-    for (int h = 0; h < group; h++) {
-        float *sa = st_s + (h * 32 + lane) * BGS_PER16;
-#pragma unroll
-        for (int k = 0; k < BGS_PER16; k++) sa[k] = 0.0f;
-        if (lane == 0) {
-            ml_s[2 * h] = BGS_NEG_INF;
-            ml_s[2 * h + 1] = 0.0f;
-        }
-    }
-    __syncwarp();
-    for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
-        const int p = p0 + lane;
-        const int blk = p <= last ? table[p / block_size] : 0;
-        // The group's LR key rows at once (one memory latency), then every head's scores.
-        bgs_u4 rows[LR];
-#pragma unroll
-        for (int c = 0; c < LR; c += BGS_ATTN_CHUNK)
-            load_rows<LR>(rows + c, cache + head_off, blk, p0, c, sub, part, last, block_stride,
-                          block_size, head_dim);
-        for (int h = 0; h < group; h++) {
-            float q[BGS_PER16];
-#pragma unroll
-            for (int k = 0; k < BGS_PER16; k++) q[k] = qs[h * head_dim + part * BGS_PER16 + k];
-            float sc = BGS_NEG_INF;
-#pragma unroll
-            for (int i = 0; i < LR; i++) {
-                float dot = 0.0f;
-                if (p0 + i * RP + sub <= last) {
-                    float e[BGS_PER16];
-                    unpack16(rows[i], e);
-#pragma unroll
-                    for (int k = 0; k < BGS_PER16; k++) dot = dot + q[k] * e[k];
-                }
-#pragma unroll
-                for (int o = LR / 2; o > 0; o >>= 1)
-                    dot = dot + __shfl_xor_sync(0xffffffffu, dot, o);
-                const float s = __shfl_sync(0xffffffffu, dot, (lane % RP) * LR);
-                if (lane / RP == i && p <= last) sc = s * scale;
-            }
-            sc_s[h * 32 + lane] = sc;
-        }
-        // The value rows, then every head's softmax step and accumulation.
-#pragma unroll
-        for (int c = 0; c < LR; c += BGS_ATTN_CHUNK)
-            load_rows<LR>(rows + c, cache + head_off + v_off, blk, p0, c, sub, part, last,
-                          block_stride, block_size, head_dim);
-        for (int h = 0; h < group; h++) {
-            const float sc = sc_s[h * 32 + lane];
-            const float m = ml_s[2 * h], l = ml_s[2 * h + 1];
-            const float mn = fmaxf(m, warp_max(sc));
-            const float e = p <= last ? expf(sc - mn) : 0.0f;
-            const float corr = expf(m - mn);  // exp(-inf) = 0 for the first group
-            const float ln = l * corr + warp_sum(e);
-            float *sa = st_s + (h * 32 + lane) * BGS_PER16;
-            float acc[BGS_PER16];
-#pragma unroll
-            for (int k = 0; k < BGS_PER16; k++) acc[k] = sa[k] * corr;
-#pragma unroll
-            for (int i = 0; i < LR; i++) {
-                const float w = __shfl_sync(0xffffffffu, e, i * RP + sub);
-                if (p0 + i * RP + sub <= last) {
-                    float v[BGS_PER16];
-                    unpack16(rows[i], v);
-#pragma unroll
-                    for (int k = 0; k < BGS_PER16; k++) acc[k] = acc[k] + w * v[k];
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < BGS_PER16; k++) sa[k] = acc[k];
-            __syncwarp();  // every lane has read m and l before lane 0 replaces them
-            if (lane == 0) {
-                ml_s[2 * h] = mn;
-                ml_s[2 * h + 1] = ln;
-            }
-        }
-        __syncwarp();
-    }
-}
+// bgs_attention_mma (bf16/f16 models with head_dim 16, 32 or 64, sm_80+; the host picks it
+// where it applies, `plan::mma_attention_shared`) computes, for the `group` query heads
+// (<= 16) that share kv head blockIdx.x, what bgs_attention computes per head: the same warps
+// (W = blockDim / 32), the same groups of 32 positions (group g to warp g % W), the same online
+// softmax in f32 per group and the same combine of the warps' states in warp order, so a
+// token's result still depends only on its own positions and W. What changes is how a group
+// is reduced: the group's 32 key and value rows are staged once in shared memory
+// (cp.async), and the products run as m16n8k16 MMAs with the group's query heads as the 16
+// rows, positions (scores) and dimensions (values) as the columns. Per-head blocks loaded
+// every row once per query head and spent ~300 dependent instructions per head per group
+// (shuffle trees); here a group costs 16-32 MMAs and a few shuffles for all heads together.
+// Precision: tensor cores multiply wt values, so q and the softmax weights (f32) are each
+// split into hi + lo in wt (lo = the rounding error of hi) and both halves are multiplied:
+// the products are those of f32 q and weights to ~2^-16, summed in f32 (the order inside an
+// MMA is the hardware's). K and V are wt already.
+// Shared memory (dynamic, 128 * head_dim bytes per warp): while the groups run, each warp's K
+// then V tile, 32 rows of head_dim wt each, 16-byte chunks swizzled (chunk c of row r at
+// c ^ (r % 8), so ldmatrix's 8 rows hit 8 bank groups); afterwards, per warp, its 16 rows'
+// f32 accumulators ([16][head_dim]) and running max and sum ([16][2]) for the combine.
+#if BGS_DT != 0 && (BGS_HEAD_DIM == 16 || BGS_HEAD_DIM == 32 || BGS_HEAD_DIM == 64) && \
+    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#define BGS_ATTN_MMA 1
+#else
+#define BGS_ATTN_MMA 0
+#endif
 
-extern "C" __global__ void bgs_attention_group(const float *qkv, const wt *cache, const int *pos,
-                                               const int *seq, const int *bt_off, const int *bt,
-                                               wt *out, int num_heads, int num_kv_heads,
-                                               int head_dim, int block_size,
-                                               long long block_stride, float scale) {
+#if BGS_ATTN_MMA
+#define MMA_HD BGS_HEAD_DIM
+#define MMA_KS (MMA_HD / 16)  // k-steps of Q K^T
+#define MMA_DT (MMA_HD / 8)   // 8-dimension tiles of P V
+#define MMA_LR (MMA_HD / 8)   // 16-byte chunks a row
+#define MMA_RP (32 / MMA_LR)  // rows a warp-wide staging step covers
+#define MMA_SWZ(r, c) ((c) ^ ((r) & ((MMA_LR < 8 ? MMA_LR : 8) - 1)))
+
+__device__ __forceinline__ unsigned pack_wt2(wt lo, wt hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
+// (x0, x1) as hi + lo pairs of wt: hi rounded to nearest, lo the rounded remainder.
+__device__ __forceinline__ void split_wt2(float x0, float x1, unsigned &hi, unsigned &lo) {
+    const wt h0 = st(x0), h1 = st(x1);
+    hi = pack_wt2(h0, h1);
+    lo = pack_wt2(st(x0 - ld(h0)), st(x1 - ld(h1)));
+}
+// c += a (16x16, row) * b (16x8, col), f32 accumulators.
+__device__ __forceinline__ void mma_16816(float *c, const unsigned *a, unsigned b0, unsigned b1) {
+#if BGS_DT == 2
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+__device__ __forceinline__ unsigned smem_u32(const void *p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+// Two 8x8 b16 matrices (lanes 0-7 and 8-15 give their rows' addresses).
+__device__ __forceinline__ void ldsm_x2(unsigned addr, unsigned &r0, unsigned &r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x2_trans(unsigned addr, unsigned &r0, unsigned &r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr)
+                 : "memory");
+}
+// 16 bytes global -> shared without registers; `bytes` 0 writes zeros (reads nothing).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+#endif
+
+extern "C" __global__ void bgs_attention_mma(const float *qkv, const wt *cache, const int *pos,
+                                             const int *seq, const int *bt_off, const int *bt,
+                                             wt *out, int num_heads, int num_kv_heads,
+                                             int head_dim, int block_size,
+                                             long long block_stride, float scale) {
     BGS_PDL_BEGIN();
-    extern __shared__ float smem[];
+#if BGS_ATTN_MMA
+    extern __shared__ __align__(16) unsigned char attn_smem[];
     const int kvh = blockIdx.x, t = blockIdx.y;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     const int group = num_heads / num_kv_heads;
-    const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
-    float *qs = smem;
-    float *sc = qs + group * head_dim;
-    float *ml = sc + warps * group * 32;
-    float *accs = ml + warps * group * 2;
-    float *pacc = accs + warps * group * 32 * BGS_PER16;
-    const float *q = qkv + (size_t)t * (qd + 2 * kvd) + kvh * group * head_dim;
-    for (int d = threadIdx.x; d < group * head_dim; d += blockDim.x) qs[d] = q[d];
-    __syncthreads();
+    const int qd = num_heads * MMA_HD, kvd = num_kv_heads * MMA_HD;
+    // Fragment coordinates: rows g and g + 8 (query heads), columns 2 * tq, 2 * tq + 1.
+    const int g = lane / 4, tq = lane % 4;
+    wt *ktile = (wt *)attn_smem + warp * 64 * MMA_HD;
+    wt *vtile = ktile + 32 * MMA_HD;
+
+    // The group's queries as A fragments (16 x 16 per k-step; heads past the group are 0).
+    unsigned qhi[MMA_KS][4], qlo[MMA_KS][4];
+    const float *qb = qkv + (size_t)t * (qd + 2 * kvd) + (size_t)kvh * group * MMA_HD;
+#pragma unroll
+    for (int ks = 0; ks < MMA_KS; ks++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int row = g + 8 * (r & 1), col = ks * 16 + 2 * tq + 8 * (r >> 1);
+            const float x0 = row < group ? qb[row * MMA_HD + col] : 0.0f;
+            const float x1 = row < group ? qb[row * MMA_HD + col + 1] : 0.0f;
+            split_wt2(x0, x1, qhi[ks][r], qlo[ks][r]);
+        }
+    }
     const int *table = bt + bt_off[seq[t]];
     const int last = pos[t];
-    const long long head_off = (long long)kvh * block_size * head_dim;
-    const long long v_off = (long long)num_kv_heads * block_size * head_dim;
-    float *ml_w = ml + warp * group * 2;
-    float *pacc_w = pacc + warp * group * head_dim;
-#if BGS_ATTN_LR > 0
-    if (head_dim == BGS_HEAD_DIM && ((unsigned long long)cache & 15ull) == 0) {
-        constexpr int LR = BGS_ATTN_LR;
-        float *st_w = accs + warp * group * 32 * BGS_PER16;
-        attention_group_rows<LR>(qs, cache, table, last, block_stride, head_off, v_off,
-                                 head_dim, block_size, scale, group, sc + warp * group * 32,
-                                 ml_w, st_w);
-        // Each head's rows meet in attention_rows' closing butterfly.
-        const int sub = lane / LR, part = lane % LR;
-        for (int h = 0; h < group; h++) {
-            float acc[BGS_PER16];
+    const long long head_off = (long long)kvh * block_size * MMA_HD;
+    const long long v_off = (long long)num_kv_heads * block_size * MMA_HD;
+    float o[MMA_DT][4];
 #pragma unroll
-            for (int k = 0; k < BGS_PER16; k++) acc[k] = st_w[(h * 32 + lane) * BGS_PER16 + k];
+    for (int d = 0; d < MMA_DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    float m0 = BGS_NEG_INF, m1 = BGS_NEG_INF, l0 = 0.0f, l1 = 0.0f;  // rows g, g + 8
+    for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
+        const int p = p0 + lane;
+        const int blk = p <= last ? table[p / block_size] : 0;
+        // Stage the group's K and V rows (zeros past `last`: weights 0 must not meet NaN).
 #pragma unroll
-            for (int o = 16; o >= LR; o >>= 1) {
+        for (int i = 0; i < MMA_LR; i++) {
+            const int r = i * MMA_RP + lane / MMA_LR, c = lane % MMA_LR;
+            const int pr = p0 + r;
+            const int br = __shfl_sync(0xffffffffu, blk, r);
+            const int bytes = pr <= last ? 16 : 0;
+            const wt *src = bytes ? cache + (long long)br * block_stride + head_off +
+                                        (long long)(pr % block_size) * MMA_HD + c * 8
+                                  : cache;
+            const int at = r * MMA_HD + MMA_SWZ(r, c) * 8;
+            cp_async16(smem_u32(ktile + at), src, bytes);
+            cp_async16(smem_u32(vtile + at), bytes ? src + v_off : cache, bytes);
+        }
+        cp_async_wait_all();
+        __syncwarp();
+        // Scores S = Q K^T: 4 tiles of 8 positions.
+        float s[4][4];
 #pragma unroll
-                for (int k = 0; k < BGS_PER16; k++)
-                    acc[k] = acc[k] + __shfl_xor_sync(0xffffffffu, acc[k], o);
-            }
-            if (sub == 0) {
+        for (int nt = 0; nt < 4; nt++) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-                for (int k = 0; k < BGS_PER16; k++)
-                    pacc_w[h * head_dim + part * BGS_PER16 + k] = acc[k];
+            for (int ks = 0; ks < MMA_KS; ks++) {
+                const int r = nt * 8 + (lane & 7), c = 2 * ks + ((lane >> 3) & 1);
+                unsigned b0, b1;
+                ldsm_x2(smem_u32(ktile + r * MMA_HD + MMA_SWZ(r, c) * 8), b0, b1);
+                mma_16816(s[nt], qhi[ks], b0, b1);
+                mma_16816(s[nt], qlo[ks], b0, b1);
             }
         }
-    } else
-#endif
-    {
-        for (int h = 0; h < group; h++) {
-            float m, l;
-            attention_scalar(qs + h * head_dim, cache, table, last, block_stride, head_off, v_off,
-                             head_dim, block_size, scale, pacc_w + h * head_dim, m, l);
-            if (lane == 0) {
-                ml_w[2 * h] = m;
-                ml_w[2 * h + 1] = l;
+        // Online softmax over the group, rows g (s[.][0..1]) and g + 8 (s[.][2..3]); a row's
+        // 32 scores sit in the 4 lanes of its quad.
+        float x0 = BGS_NEG_INF, x1 = BGS_NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const bool ok = p0 + nt * 8 + 2 * tq + j <= last;
+                s[nt][j] = ok ? s[nt][j] * scale : BGS_NEG_INF;
+                s[nt][2 + j] = ok ? s[nt][2 + j] * scale : BGS_NEG_INF;
+                x0 = fmaxf(x0, s[nt][j]);
+                x1 = fmaxf(x1, s[nt][2 + j]);
             }
         }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+            x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+        }
+        const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: position p0 <= last
+        const float c0 = expf(m0 - n0), c1 = expf(m1 - n1);  // 0 on the first group
+        float e0 = 0.0f, e1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                s[nt][j] = expf(s[nt][j] - n0);  // exp(-inf) = 0 past `last`
+                s[nt][2 + j] = expf(s[nt][2 + j] - n1);
+                e0 = e0 + s[nt][j];
+                e1 = e1 + s[nt][2 + j];
+            }
+        }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            e0 = e0 + __shfl_xor_sync(0xffffffffu, e0, off);
+            e1 = e1 + __shfl_xor_sync(0xffffffffu, e1, off);
+        }
+        l0 = l0 * c0 + e0;
+        l1 = l1 * c1 + e1;
+        m0 = n0;
+        m1 = n1;
+#pragma unroll
+        for (int d = 0; d < MMA_DT; d++) {
+            o[d][0] = o[d][0] * c0;
+            o[d][1] = o[d][1] * c0;
+            o[d][2] = o[d][2] * c1;
+            o[d][3] = o[d][3] * c1;
+        }
+        // O += P V: the weights' C fragments are the A fragments of 2 k-steps of 16
+        // positions; V's B fragments come transposed from the tile.
+#pragma unroll
+        for (int k2 = 0; k2 < 2; k2++) {
+            unsigned ph[4], pl[4];
+            split_wt2(s[2 * k2][0], s[2 * k2][1], ph[0], pl[0]);
+            split_wt2(s[2 * k2][2], s[2 * k2][3], ph[1], pl[1]);
+            split_wt2(s[2 * k2 + 1][0], s[2 * k2 + 1][1], ph[2], pl[2]);
+            split_wt2(s[2 * k2 + 1][2], s[2 * k2 + 1][3], ph[3], pl[3]);
+            const int r = 16 * k2 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+            for (int d = 0; d < MMA_DT; d++) {
+                unsigned b0, b1;
+                ldsm_x2_trans(smem_u32(vtile + r * MMA_HD + MMA_SWZ(r, d) * 8), b0, b1);
+                mma_16816(o[d], ph, b0, b1);
+                mma_16816(o[d], pl, b0, b1);
+            }
+        }
+        __syncwarp();  // every lane's ldmatrix is done before the next group's copies land
+    }
+    __syncthreads();  // the tiles' space becomes the combine's
+    float *pacc = (float *)attn_smem + warp * 16 * (MMA_HD + 2);
+    float *pml = pacc + 16 * MMA_HD;
+#pragma unroll
+    for (int d = 0; d < MMA_DT; d++) {
+        pacc[g * MMA_HD + d * 8 + 2 * tq] = o[d][0];
+        pacc[g * MMA_HD + d * 8 + 2 * tq + 1] = o[d][1];
+        pacc[(g + 8) * MMA_HD + d * 8 + 2 * tq] = o[d][2];
+        pacc[(g + 8) * MMA_HD + d * 8 + 2 * tq + 1] = o[d][3];
+    }
+    if (tq == 0) {
+        pml[2 * g] = m0;
+        pml[2 * g + 1] = l0;
+        pml[2 * (g + 8)] = m1;
+        pml[2 * (g + 8) + 1] = l1;
     }
     __syncthreads();
-    // Head h's output from its warps' states (warp h % warps writes it), combined in warp
-    // order as bgs_attention combines them.
-    for (int h = warp; h < group; h += warps) {
-        wt *o = out + (size_t)t * qd + (kvh * group + h) * head_dim;
-        if (warps == 1) {
-            const float l = ml[2 * h + 1];
-            for (int d = lane; d < head_dim; d += 32) o[d] = st(pacc[h * head_dim + d] / l);
-            continue;
-        }
+    // Each output value: the warps' states combined in warp order (as bgs_attention does).
+    for (int i = threadIdx.x; i < group * MMA_HD; i += blockDim.x) {
+        const int h = i / MMA_HD, d = i % MMA_HD;
         float mm = BGS_NEG_INF;
-        for (int w = 0; w < warps; w++) mm = fmaxf(mm, ml[(w * group + h) * 2]);
-        float ll = 0.0f, oo[BGS_MAX_HEAD_DIM / 32];
-#pragma unroll
-        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) oo[r] = 0.0f;
+        for (int w = 0; w < warps; w++)
+            mm = fmaxf(mm, ((float *)attn_smem)[w * 16 * (MMA_HD + 2) + 16 * MMA_HD + 2 * h]);
+        float ll = 0.0f, oo = 0.0f;
         for (int w = 0; w < warps; w++) {
-            const float mw = ml[(w * group + h) * 2];
+            const float *wb = (float *)attn_smem + w * 16 * (MMA_HD + 2);
+            const float mw = wb[16 * MMA_HD + 2 * h];
+            // A warp without positions (m = -inf) weighs nothing.
             const float f = mw == BGS_NEG_INF ? 0.0f : expf(mw - mm);
-            ll = ll + ml[(w * group + h) * 2 + 1] * f;
-#pragma unroll
-            for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-                const int d = lane + 32 * r;
-                if (d < head_dim) oo[r] = oo[r] + pacc[(w * group + h) * head_dim + d] * f;
-            }
+            ll = ll + wb[16 * MMA_HD + 2 * h + 1] * f;
+            oo = oo + wb[h * MMA_HD + d] * f;
         }
-#pragma unroll
-        for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) {
-            const int d = lane + 32 * r;
-            if (d < head_dim) o[d] = st(oo[r] / ll);
-        }
+        out[(size_t)t * qd + (size_t)(kvh * group + h) * MMA_HD + d] = st(oo / ll);
     }
+#else
+    // Not built for this dtype, head size or device: the host never launches it here.
+    __trap();
+#endif
 }
 
 // ---- Projections of the fused form (small buckets; every bucket with the invariant option) --

@@ -12,7 +12,7 @@ use cudarc::driver::sys as cu;
 use crate::host::{self, GpuDtype, Packed, StepGeometry};
 use crate::plan::{
     self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan, fused_form_fits,
-    group_attention_shared,
+    mma_attention_shared,
 };
 
 /// Bytes of the cuBLAS workspace set before capture (32 MiB: NVIDIA's recommendation for
@@ -69,11 +69,14 @@ pub struct GpuModelOptions {
     /// them in fixed groups of 32 (more memory requests in flight at small batch; the split
     /// depends only on the positions, so results stay batch-invariant).
     pub attention_warps: u32,
-    /// Attention in blocks of one kv head and token (`bgs_attention_group`: a warp loads each
-    /// K/V row once for every query head of the group) instead of one block per query head
-    /// (`bgs_attention`); the same bits either way. Ignored (per-head blocks) when a model has
-    /// one query head per kv head or the group's state does not fit a block's shared memory.
-    pub grouped_attention: bool,
+    /// Attention on tensor cores (`bgs_attention_mma`): a block per kv head and token stages
+    /// each group of 32 K/V rows once in shared memory and reduces it for all the query heads
+    /// of the group with MMAs, instead of a block per query head (`bgs_attention`, shuffle
+    /// trees, every row read once per head). The same splits and softmax either way; the
+    /// products' sums differ in rounding only (docs/gpu-model.md). Ignored (per-head blocks)
+    /// for f32, head sizes other than 16/32/64, more than 16 query heads a kv head, or a
+    /// device older than sm_80.
+    pub tensor_core_attention: bool,
     /// Instantiate the step graphs with `CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH` (and
     /// upload them) so that a graph running on the device (the resident step loop,
     /// `crate::gen_exec`) can launch them; [`GpuModel::device_handles`] exposes them. Requires
@@ -99,7 +102,7 @@ impl Default for GpuModelOptions {
             fused_max_tokens: 0,
             programmatic_launch: true,
             attention_warps: 4,
-            grouped_attention: true,
+            tensor_core_attention: true,
             device_launch: false,
         }
     }
@@ -237,8 +240,8 @@ pub struct GpuModel {
     /// The device's multiprocessors.
     sms: u32,
     attention_warps: u32,
-    /// `grouped_attention`, where the model allows it.
-    grouped_attention: bool,
+    /// `tensor_core_attention`, where the model and device allow it.
+    mma_attention: bool,
     device_name: String,
     compute_capability: (i32, i32),
     cache_hit: bool,
@@ -360,9 +363,6 @@ impl GpuModel {
             }
         };
 
-        let grouped_attention = opts.grouped_attention
-            && group_attention_shared(&cfg, opts.dtype, opts.attention_warps).is_some();
-
         let env = init(opts.device, opts.cuda_home.as_deref())?;
         let mut m = GpuModel {
             cfg,
@@ -375,7 +375,7 @@ impl GpuModel {
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
-            grouped_attention,
+            mma_attention: false,
             device_name: env.name.clone(),
             compute_capability: env.cc,
             cache_hit: false,
@@ -400,6 +400,8 @@ impl GpuModel {
             head_graphs: Vec::new(),
             graphs: Vec::new(),
         };
+        // Before the build: the step graphs are captured with the attention form chosen here.
+        m.set_tensor_core_attention(opts.tensor_core_attention);
         m.build(&env, weights, opts)?;
         Ok(m)
     }
@@ -674,7 +676,7 @@ impl GpuModel {
             fused_max_tokens: self.fused_max_tokens,
             sms: self.sms,
             attention_warps: self.attention_warps,
-            grouped_attention: self.grouped_attention,
+            mma_attention: self.mma_attention,
         }
     }
 
@@ -1193,19 +1195,20 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Whether attention runs in blocks of one kv head (`bgs_attention_group`).
-    pub fn grouped_attention(&self) -> bool {
-        self.grouped_attention
+    /// Whether attention runs on tensor cores (`bgs_attention_mma`).
+    pub fn tensor_core_attention(&self) -> bool {
+        self.mma_attention
     }
 
-    /// Attention per kv head (`true`, where the model allows it: see
-    /// [`GpuModelOptions::grouped_attention`]) or per query head, for the launches that
+    /// Attention on tensor cores (`true`, where the model and device allow it: see
+    /// [`GpuModelOptions::tensor_core_attention`]) or per query head, for the launches that
     /// follow; captured graphs keep the form they were captured with, so compare the forms
-    /// with `set_use_graphs(false)`. Returns whether grouped attention is now in effect.
-    pub fn set_grouped_attention(&mut self, on: bool) -> bool {
-        self.grouped_attention =
-            on && group_attention_shared(&self.cfg, self.dtype, self.attention_warps).is_some();
-        self.grouped_attention
+    /// with `set_use_graphs(false)`. Returns whether tensor-core attention is now in effect.
+    pub fn set_tensor_core_attention(&mut self, on: bool) -> bool {
+        self.mma_attention = on
+            && self.compute_capability.0 >= 8
+            && mma_attention_shared(&self.cfg, self.dtype, self.attention_warps).is_some();
+        self.mma_attention
     }
 
     /// The graph handles and device buffers a device-side step loop drives; an error unless

@@ -31,7 +31,7 @@ pub(crate) enum Kernel {
     AddRmsNorm,
     RopeKv,
     Attention,
-    AttentionGroup,
+    AttentionMma,
     SiluMul,
     GatherRows,
     Argmax,
@@ -47,7 +47,7 @@ impl Kernel {
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
         Kernel::Attention,
-        Kernel::AttentionGroup,
+        Kernel::AttentionMma,
         Kernel::SiluMul,
         Kernel::GatherRows,
         Kernel::Argmax,
@@ -64,7 +64,7 @@ impl Kernel {
             Kernel::AddRmsNorm => "bgs_add_rmsnorm",
             Kernel::RopeKv => "bgs_rope_kv",
             Kernel::Attention => "bgs_attention",
-            Kernel::AttentionGroup => "bgs_attention_group",
+            Kernel::AttentionMma => "bgs_attention_mma",
             Kernel::SiluMul => "bgs_silu_mul",
             Kernel::GatherRows => "bgs_gather_rows",
             Kernel::Argmax => "bgs_argmax",
@@ -300,21 +300,22 @@ pub(crate) fn fused_form_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), 
     Ok(())
 }
 
-/// Dynamic shared memory of a `bgs_attention_group` block of `warps` warps for this model
-/// (the kernel's layout: the group's queries, then per warp and query head the scores of 32
-/// positions, the running max and sum, 32 lanes' accumulators and the final accumulator; f32
-/// throughout), or `None` when grouping buys nothing (one query head per kv head) or the
-/// block would need more than [`MAX_BLOCK_SHARED`].
-pub(crate) fn group_attention_shared(
-    cfg: &ModelConfig,
-    dtype: GpuDtype,
-    warps: u32,
-) -> Option<u32> {
+/// Head sizes `bgs_attention_mma` is built for (`BGS_ATTN_MMA` in the kernels).
+pub(crate) const MMA_HEAD_DIMS: [usize; 3] = [16, 32, 64];
+
+/// Dynamic shared memory of a `bgs_attention_mma` block of `warps` warps for this model (per
+/// warp a K and a V tile of 32 rows, `128 * head_dim` bytes, which the combine reuses), or
+/// `None` where the kernel does not apply: f32 (tensor cores multiply 16-bit values), a head
+/// size it is not built for, more than 16 query heads a kv head (an MMA's rows), or more than
+/// [`MAX_BLOCK_SHARED`]. The device must be sm_80 or later (the host checks).
+pub(crate) fn mma_attention_shared(cfg: &ModelConfig, dtype: GpuDtype, warps: u32) -> Option<u32> {
     let group = cfg.num_heads / cfg.num_kv_heads;
-    let (hd, w, per16) = (cfg.head_dim, warps as usize, 16 / dtype.size());
-    let floats = group * hd + w * group * (32 + 2 + 32 * per16 + hd);
-    let bytes = 4 * floats;
-    (group > 1 && bytes <= MAX_BLOCK_SHARED).then_some(bytes as u32)
+    let bytes = warps as usize * 128 * cfg.head_dim;
+    (dtype != GpuDtype::F32
+        && MMA_HEAD_DIMS.contains(&cfg.head_dim)
+        && (1..=16).contains(&group)
+        && bytes <= MAX_BLOCK_SHARED)
+        .then_some(bytes as u32)
 }
 
 /// Blocks per multiprocessor of the fused norm kernels (see `Plan::sms`).
@@ -365,9 +366,10 @@ pub(crate) struct Plan<'a> {
     pub sms: u32,
     /// Warps of one attention block (positions split across them), 1..=8.
     pub attention_warps: u32,
-    /// One attention block per (kv head, token) (`bgs_attention_group`) rather than per
-    /// (query head, token); the host sets it only where [`group_attention_shared`] allows.
-    pub grouped_attention: bool,
+    /// Attention on tensor cores, a block per (kv head, token) (`bgs_attention_mma`), rather
+    /// than a block per (query head, token); the host sets it only where
+    /// [`mma_attention_shared`] allows.
+    pub mma_attention: bool,
 }
 
 impl Plan<'_> {
@@ -524,12 +526,12 @@ impl Plan<'_> {
                     &[&[Arg::P(b.qkv)][..], &rope_kv].concat(),
                 ));
             }
-            let (attention, heads, attention_shared) = if self.grouped_attention {
+            let (attention, heads, attention_shared) = if self.mma_attention {
                 (
-                    Kernel::AttentionGroup,
+                    Kernel::AttentionMma,
                     nkv,
-                    group_attention_shared(c, self.dtype, self.attention_warps)
-                        .expect("grouped attention is only planned where it fits"),
+                    mma_attention_shared(c, self.dtype, self.attention_warps)
+                        .expect("tensor-core attention is only planned where it applies"),
                 )
             } else {
                 (Kernel::Attention, nh, 0)

@@ -26,7 +26,7 @@ const ENTRY_POINTS: [&str; 12] = [
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
     "bgs_attention",
-    "bgs_attention_group",
+    "bgs_attention_mma",
     "bgs_silu_mul",
     "bgs_gather_rows",
     "bgs_argmax",
@@ -94,6 +94,7 @@ const STUB_PRELUDE: &str = r#"
 #define __device__ __attribute__((device))
 #define __shared__ __attribute__((shared))
 #define __forceinline__ __attribute__((always_inline)) inline
+#define __align__(n) __attribute__((aligned(n)))
 struct bgs_stub_dim3 { unsigned x, y, z; };
 extern __device__ const bgs_stub_dim3 bgs_stub_tid, bgs_stub_bid, bgs_stub_bdim, bgs_stub_gdim;
 #define threadIdx bgs_stub_tid
@@ -114,6 +115,8 @@ __device__ float expf(float);
 __device__ float cosf(float);
 __device__ float sinf(float);
 __device__ float fmaxf(float, float);
+__device__ size_t __cvta_generic_to_shared(const void *);
+__device__ void __trap();
 "#;
 
 fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Output> {
