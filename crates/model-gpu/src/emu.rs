@@ -496,6 +496,11 @@ impl Emu {
             }
             Kernel::SiluMul => {
                 let (gu, out, inter, tokens) = (p(0), p(1), int(2), int(3));
+                assert_eq!(gy, tokens, "bgs_silu_mul: a row of blocks per token");
+                assert!(
+                    gx * block as usize >= inter,
+                    "bgs_silu_mul: the grid covers a row"
+                );
                 for t in 0..tokens {
                     let row = self.f32s(gu + (t * 2 * inter * 4) as u64, 2 * inter);
                     let o: Vec<f32> = (0..inter)

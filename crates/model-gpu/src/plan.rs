@@ -599,10 +599,9 @@ impl Plan<'_> {
             ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));
             ops.push(norm(b.tmp, lw.post_norm));
             ops.push(self.gemm(lw.gate_up, b.xn, b.gu, [2 * inter, h, n], "gate/up"));
-            let blocks = (n * inter).div_ceil(256).min(65_535) as u32;
             ops.push(launch(
                 Kernel::SiluMul,
-                (blocks, 1),
+                (inter.div_ceil(256) as u32, nu),
                 256,
                 &[
                     Arg::P(b.gu),

@@ -105,6 +105,7 @@ typedef unsigned long size_t;
 __device__ void __syncthreads();
 __device__ float __shfl_xor_sync(unsigned, float, int);
 __device__ float __shfl_sync(unsigned, float, int);
+__device__ float __shfl_down_sync(unsigned, float, unsigned);
 __device__ void __syncwarp(unsigned = 0xffffffffu);
 __device__ int min(int, int);
 __device__ float __uint_as_float(unsigned);
