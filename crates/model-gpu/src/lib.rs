@@ -37,6 +37,10 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         "-fmad=false".into(),
         format!("-DBGS_DT={}", dtype.kernel_id()),
         format!("-DBGS_HEAD_DIM={head_dim}"),
+        format!(
+            "-DBGS_ATTN_MMA={}",
+            u8::from(attention_mma_built(major, dtype, head_dim))
+        ),
     ];
     // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`); part of the
     // cache key like every option.
@@ -44,6 +48,15 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         o.extend(extra.split_whitespace().map(|d| format!("-D{d}")));
     }
     o
+}
+
+/// Whether the kernels are built with `bgs_attention_mma` (`-DBGS_ATTN_MMA=1`) for compute
+/// capability `major`, `dtype` and `head_dim`: tensor cores multiply 16-bit values, its tiles
+/// are written for head sizes 16, 32 and 64, and it needs sm_80's `cp.async`, `ldmatrix` and
+/// bf16 MMA. The one place this is decided; the kernel source only refuses a definition it
+/// cannot honour.
+pub fn attention_mma_built(major: i32, dtype: GpuDtype, head_dim: usize) -> bool {
+    major >= 8 && dtype != GpuDtype::F32 && plan::MMA_HEAD_DIMS.contains(&head_dim)
 }
 
 /// The kernel cache key: a 128-bit hash of the source, options, device name and the driver
@@ -75,6 +88,22 @@ mod tests {
         assert!(o.contains(&"-arch=sm_90".to_string()));
         assert!(o.contains(&"-DBGS_DT=2".to_string()));
         assert!(o.contains(&"-DBGS_HEAD_DIM=64".to_string()));
+        assert!(o.contains(&"-DBGS_ATTN_MMA=1".to_string()));
+        // Tensor-core attention: 16-bit values, head sizes 16/32/64, sm_80 and later.
+        for (major, dtype, hd, built) in [
+            (9, GpuDtype::F16, 16, true),
+            (8, GpuDtype::Bf16, 32, true),
+            (9, GpuDtype::F32, 64, false),
+            (9, GpuDtype::Bf16, 128, false),
+            (9, GpuDtype::Bf16, 24, false),
+            (7, GpuDtype::F16, 64, false),
+        ] {
+            assert_eq!(
+                attention_mma_built(major, dtype, hd),
+                built,
+                "{major} {dtype:?} {hd}"
+            );
+        }
         assert!(o.contains(&"-fmad=false".to_string()));
         assert!(!o.iter().any(|x| x.contains("rdc")));
         let k = cache_key(&o, "NVIDIA H200", "driver 13000 nvrtc 13.0");

@@ -548,8 +548,9 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 
 // ---- Attention on tensor cores: one block per (kv head, token) ----
 //
-// bgs_attention_mma (bf16/f16 models with head_dim 16, 32 or 64, sm_80+; the host picks it
-// where it applies, `plan::mma_attention_shared`) computes, for the `group` query heads
+// bgs_attention_mma (bf16/f16 models with head_dim 16, 32 or 64, sm_80+: built with
+// -DBGS_ATTN_MMA=1 where the host's `attention_mma_built` says so, launched where
+// `plan::mma_attention_shared` allows) computes, for the `group` query heads
 // (<= 16) that share kv head blockIdx.x, what bgs_attention computes per head: the same warps
 // (W = blockDim / 32), the same groups of 32 positions (group g to warp g % W), the same online
 // softmax in f32 per group and the same combine of the warps' states in warp order, so a
@@ -567,11 +568,17 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 // then V tile, 32 rows of head_dim wt each, 16-byte chunks swizzled (chunk c of row r at
 // c ^ (r % 8), so ldmatrix's 8 rows hit 8 bank groups); afterwards, per warp, its 16 rows'
 // f32 accumulators ([16][head_dim]) and running max and sum ([16][2]) for the combine.
-#if BGS_DT != 0 && (BGS_HEAD_DIM == 16 || BGS_HEAD_DIM == 32 || BGS_HEAD_DIM == 64) && \
-    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-#define BGS_ATTN_MMA 1
-#else
+// `-DBGS_ATTN_MMA=1` comes from the host (`attention_mma_built`), which alone decides where
+// the kernel applies; the checks below only refuse a definition the code cannot honour.
+#ifndef BGS_ATTN_MMA
 #define BGS_ATTN_MMA 0
+#endif
+#if BGS_ATTN_MMA && (BGS_DT == 0 || BGS_HEAD_DIM <= 0 || BGS_HEAD_DIM % 16 != 0 || \
+                     BGS_HEAD_DIM > 64 || 32 % (BGS_HEAD_DIM / 8) != 0)
+#error "BGS_ATTN_MMA needs 16-bit values and a head size of 16, 32 or 64"
+#endif
+#if BGS_ATTN_MMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "BGS_ATTN_MMA needs sm_80 or later (cp.async, ldmatrix, bf16 MMA)"
 #endif
 
 #if BGS_ATTN_MMA

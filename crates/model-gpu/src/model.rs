@@ -1206,7 +1206,7 @@ impl GpuModel {
     /// with `set_use_graphs(false)`. Returns whether tensor-core attention is now in effect.
     pub fn set_tensor_core_attention(&mut self, on: bool) -> bool {
         self.mma_attention = on
-            && self.compute_capability.0 >= 8
+            && crate::attention_mma_built(self.compute_capability.0, self.dtype, self.cfg.head_dim)
             && mma_attention_shared(&self.cfg, self.dtype, self.attention_warps).is_some();
         self.mma_attention
     }

@@ -13,7 +13,7 @@ use std::process::Command;
 
 use bgs_executor_gpu::tool_checks::{clang, missing, wheel_lib_dir};
 use bgs_executor_gpu::{compile, libs};
-use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, nvrtc_options};
+use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, attention_mma_built, nvrtc_options};
 
 const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 
@@ -122,6 +122,12 @@ __device__ void __trap();
 
 fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Output> {
     let cc = clang()?;
+    // The tensor-core attention as NVRTC builds it for sm_90 (`attention_mma_built`).
+    let dtype = DTYPES
+        .into_iter()
+        .find(|d| d.kernel_id() == dt)
+        .unwrap_or(GpuDtype::F32);
+    let mma = attention_mma_built(9, dtype, head_dim);
     let tmp = std::env::temp_dir().join(format!(
         "bgs-llm-kernels-{}-{dt}-{head_dim}-{}",
         std::process::id(),
@@ -145,6 +151,7 @@ fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Ou
         ])
         .arg(format!("-DBGS_DT={dt}"))
         .arg(format!("-DBGS_HEAD_DIM={head_dim}"))
+        .arg(format!("-DBGS_ATTN_MMA={}", u8::from(mma)))
         .arg("-include")
         .arg(tmp.join("stub.h"))
         .arg(tmp.join("k.cu"))
