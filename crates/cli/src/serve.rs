@@ -772,7 +772,8 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
             let per_step = |v: u64| v as f64 / st.steps.max(1) as f64;
             eprintln!(
                 "bgs: GPU step loop: {} requests, {} admitted, {} refused, {} cancels, {} steps \
-                 ({} tokens; per step: graphs {} us, planning {} us, finishing {} us), {} frames, \
+                 ({} tokens; per step: round {} us, planning {} us, packing {} us, graphs {} us, \
+                 finishing {} us, publishing {} us), {} frames, \
                  {} credit stalls, per step: {:.1} running (left out: {:.1} for credit, {:.1} with \
                  a frame owed), {:.1} waiting, {:.1} ended with the final frame owed, {:.1} in \
                  the table; {} refused for want of a credit stream; {} completion-ring stalls, \
@@ -783,9 +784,12 @@ fn stop_executor(executor: Option<Executor>) -> Result<()> {
                 st.cancels,
                 st.steps,
                 st.step_tokens,
-                st.mean_step_ns / 1000,
+                st.mean_round_ns / 1000,
                 st.mean_plan_ns / 1000,
+                st.mean_pack_ns / 1000,
+                st.mean_step_ns / 1000,
                 st.mean_finish_ns / 1000,
+                st.mean_publish_ns / 1000,
                 st.frames,
                 st.credit_stalls,
                 per_step(st.running_seen),

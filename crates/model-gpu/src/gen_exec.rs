@@ -189,6 +189,9 @@ pub mod layout {
         ("ENDED_SEEN", C_ENDED_SEEN),
         ("LIVE_SEEN", C_LIVE_SEEN),
         ("REFUSED_NO_STREAM", C_REFUSED_NO_STREAM),
+        ("ROUND_NS", C_ROUND_NS),
+        ("PACK_NS", C_PACK_NS),
+        ("PUBLISH_NS", C_PUBLISH_NS),
     ];
     /// Host → device: nonzero asks the dispatcher to stop (read with acquire, low 32 bits).
     pub const C_STOP: usize = 0;
@@ -237,9 +240,9 @@ pub mod layout {
     pub const C_REQUESTS: usize = 21;
     /// Sum over steps of launch-to-finish time, ns (globaltimer).
     pub const C_STEP_NS: usize = 22;
-    /// Sum over steps of D's plan + pack time, ns.
+    /// Sum over steps of D's `bgs_gl_plan` time, ns.
     pub const C_PLAN_NS: usize = 23;
-    /// Sum over steps of F's finish + publish time, ns.
+    /// Sum over steps of F's `bgs_gl_finish` (and check) time, ns.
     pub const C_FINISH_NS: usize = 24;
     /// Sum over launched steps of the running sequences the plan left out for want of credit
     /// (their readers had not acknowledged enough frames; `gld_census_of`).
@@ -258,8 +261,15 @@ pub mod layout {
     pub const C_LIVE_SEEN: usize = 30;
     /// Generate requests refused busy because every credit stream was taken.
     pub const C_REFUSED_NO_STREAM: usize = 31;
+    /// Sum over launched steps of D's round before planning (intake, credit, publishing
+    /// what was owed, the census), ns.
+    pub const C_ROUND_NS: usize = 32;
+    /// Sum over steps of D's `bgs_gl_pack` time, ns.
+    pub const C_PACK_NS: usize = 33;
+    /// Sum over steps of F's publication of the step's frames, ns.
+    pub const C_PUBLISH_NS: usize = 34;
     /// Control block words.
-    pub const C_WORDS: usize = 32;
+    pub const C_WORDS: usize = 35;
 
     /// Error codes of the loop itself (above every `cudaError_t`).
     pub const ERRORS: &[(&str, u64)] = &[
@@ -583,6 +593,13 @@ pub struct GenLoopStats {
     pub mean_plan_ns: u64,
     /// Mean time F spent advancing the sequences and publishing a step's frames, ns.
     pub mean_finish_ns: u64,
+    /// Mean of D's round before planning over launched steps (intake, credit, owed frames,
+    /// census), ns.
+    pub mean_round_ns: u64,
+    /// Mean `bgs_gl_pack` time per step, ns.
+    pub mean_pack_ns: u64,
+    /// Mean time F spends publishing a step's frames, ns.
+    pub mean_publish_ns: u64,
     /// Running sequences left out of a step for want of credit, summed over steps.
     pub credit_waits: u64,
     /// Running sequences the plans saw, summed over steps (over `steps`: the mean a step
@@ -630,6 +647,9 @@ impl GenLoopStats {
             mean_step_ns: w[C_STEP_NS].checked_div(steps).unwrap_or(0),
             mean_plan_ns: w[C_PLAN_NS].checked_div(steps).unwrap_or(0),
             mean_finish_ns: w[C_FINISH_NS].checked_div(steps).unwrap_or(0),
+            mean_round_ns: w[C_ROUND_NS].checked_div(steps).unwrap_or(0),
+            mean_pack_ns: w[C_PACK_NS].checked_div(steps).unwrap_or(0),
+            mean_publish_ns: w[C_PUBLISH_NS].checked_div(steps).unwrap_or(0),
             credit_waits: w[C_CREDIT_WAITS],
             running_seen: w[C_RUNNING_SEEN],
             pending_waits: w[C_PENDING_WAITS],
@@ -1297,7 +1317,7 @@ fn monitor(sh: &Shared) {
     // A timeline of the loop's counters (debug level: how the table fills and drains under
     // load, which the shutdown totals average away).
     let timeline = tracing::enabled!(tracing::Level::DEBUG);
-    let mut last_line = (Instant::now(), [0u64; 6]);
+    let mut last_line = (Instant::now(), [0u64; 12]);
     while !sh.stop.load(Ordering::Acquire) {
         std::thread::sleep(sleep);
         sh.looks.fetch_add(1, Ordering::Relaxed);
@@ -1310,8 +1330,16 @@ fn monitor(sh: &Shared) {
                 w(layout::C_REFUSED),
                 w(layout::C_REFUSED_NO_STREAM),
                 w(layout::C_FRAMES),
+                w(layout::C_ROUND_NS),
+                w(layout::C_PLAN_NS),
+                w(layout::C_PACK_NS),
+                w(layout::C_STEP_NS),
+                w(layout::C_FINISH_NS),
+                w(layout::C_PUBLISH_NS),
             ];
             let d: Vec<u64> = now.iter().zip(&last_line.1).map(|(a, b)| a - b).collect();
+            // Each phase's mean over the period's steps, in microseconds.
+            let us = |i: usize| d[i].checked_div(d[0] * 1000).unwrap_or(0);
             tracing::debug!(
                 steps = d[0],
                 tokens = d[1],
@@ -1319,6 +1347,12 @@ fn monitor(sh: &Shared) {
                 refused = d[3],
                 refused_no_stream = d[4],
                 frames = d[5],
+                round_us = us(6),
+                plan_us = us(7),
+                pack_us = us(8),
+                graphs_us = us(9),
+                finish_us = us(10),
+                publish_us = us(11),
                 live = w(layout::C_LIVE),
                 free_blocks = w(layout::C_FREE_BLOCKS),
                 "step loop timeline"

@@ -579,6 +579,7 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
         gld_set(&c, BGS_GLD_C_HEARTBEAT_NS, gld_now_ns());
     }
     for (;;) {
+        const bgs_u64 t_round = lane == 0 ? gld_now_ns() : 0;
         if (lane == 0) {
             sh_cmd = 0;
             if (c.state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC) {
@@ -614,6 +615,7 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                  * error stops the loop: the host then answers in its place). */
                 gld_add(&c, BGS_GLD_C_POLICY_FAILED, 1);
             } else if (planned > 0) {
+                const bgs_u64 t_pack = gld_now_ns();
                 struct bgs_gl_packed pk;
                 const int r = bgs_gl_pack(c.state,
                                           (const struct bgs_llm_step_geometry *)params[BGS_GLD_P_GEO],
@@ -624,9 +626,11 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
                 } else {
                     c.s[BGS_GLD_S_STEP_SAMPLES] = pk.samples;
                     c.s[BGS_GLD_S_STEP_T0] = gld_now_ns();
-                    /* Planning and packing on one thread: the part of a step the GPU's
-                     * model work does not hide. */
-                    gld_add(&c, BGS_GLD_C_PLAN_NS, c.s[BGS_GLD_S_STEP_T0] - t_plan);
+                    /* The round, planning and packing: the part of a step the GPU's model
+                     * work does not hide. */
+                    gld_add(&c, BGS_GLD_C_ROUND_NS, t_plan - t_round);
+                    gld_add(&c, BGS_GLD_C_PLAN_NS, t_pack - t_plan);
+                    gld_add(&c, BGS_GLD_C_PACK_NS, c.s[BGS_GLD_S_STEP_T0] - t_pack);
                     gld_add(&c, BGS_GLD_C_STEP_TOKENS, pk.tokens);
                     gld_add(&c, BGS_GLD_C_RUNNING_SEEN, census.running);
                     gld_add(&c, BGS_GLD_C_PENDING_WAITS, census.pending);
@@ -711,8 +715,10 @@ extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
     }
     /* Frames go out now, with the credit D computed before the step (the step used at most
      * BGS_GL_STEP_CREDIT of it per stream); D refreshes credit and retries what is left. */
+    const bgs_u64 t_publish = gld_now_ns();
+    gld_add(&c, BGS_GLD_C_FINISH_NS, t_publish - t_finish);
     if (n > 0) gld_publish_frames(&c, frames, (bgs_u32)n);
-    gld_add(&c, BGS_GLD_C_FINISH_NS, gld_now_ns() - t_finish);
+    gld_add(&c, BGS_GLD_C_PUBLISH_NS, gld_now_ns() - t_publish);
     cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)params[BGS_GLD_P_SELF],
                                       cudaStreamGraphTailLaunch);
     if (err != cudaSuccess) gld_error(c.ctl, (bgs_u64)err, BGS_GLD_W_RELAUNCH);
