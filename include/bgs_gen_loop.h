@@ -268,6 +268,10 @@ BGS_GEN_LOOP_API int bgs_gl_item(const bgs_u32 *state, bgs_u32 k, struct bgs_gl_
 BGS_GEN_LOOP_API int bgs_gl_finish(bgs_u32 *state, const bgs_u32 *next,
                                    struct bgs_gl_frame *frames);
 
+/* bgs_gl_finish without the owed frames (the device loop collects them lane-parallel): 0, or
+ * BGS_GL_ERR_STEP when no step was planned. */
+BGS_GEN_LOOP_API int bgs_gl_advance(bgs_u32 *state, const bgs_u32 *next);
+
 /* The model step failed: every item's sequence ends with a final Internal frame. */
 BGS_GEN_LOOP_API void bgs_gl_fail_step(bgs_u32 *state);
 
@@ -730,6 +734,11 @@ BGS_GEN_LOOP_API int bgs_gl_item(const bgs_u32 *state, bgs_u32 k, struct bgs_gl_
 
 BGS_GEN_LOOP_API int bgs_gl_finish(bgs_u32 *state, const bgs_u32 *next,
                                    struct bgs_gl_frame *frames) {
+    const int r = bgs_gl_advance(state, next);
+    return r != 0 ? r : (int)bgs_gl_owed(state, frames);
+}
+
+BGS_GEN_LOOP_API int bgs_gl_advance(bgs_u32 *state, const bgs_u32 *next) {
     const bgs_u32 *items = state + state[BGS_GL_H_ITEMS_AT];
     const bgs_u32 *eos = state + state[BGS_GL_H_EOS_AT];
     bgs_u32 n_items = state[BGS_GL_H_N_ITEMS];
@@ -770,7 +779,7 @@ BGS_GEN_LOOP_API int bgs_gl_finish(bgs_u32 *state, const bgs_u32 *next,
                        s[BGS_GL_S_GENERATED], 1);
         }
     }
-    return (int)bgs_gl_owed(state, frames);
+    return 0;
 }
 
 BGS_GEN_LOOP_API void bgs_gl_fail_step(bgs_u32 *state) {

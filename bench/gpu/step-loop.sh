@@ -111,10 +111,11 @@ if start_server tiny-host --model "$work/tiny-qwen2" --dtype f32 --slots 8 --gpu
   stop_server tiny-host
 fi
 
-# 1 + 2. Tiny model, f32: correctness through the rings.
+# 1 + 2. Tiny model, f32: correctness through the rings, with the loop's own checks on (its
+# bookkeeping after every step, its lane-parallel walks against the plain C functions).
 device_ok=1
 port=$((port + 2))
-if start_server tiny-device --model "$work/tiny-qwen2" --dtype f32 --slots 8 --gpu-step-loop device; then
+if start_server tiny-device --model "$work/tiny-qwen2" --dtype f32 --slots 8 --gpu-step-loop device --gpu-step-loop-check; then
   if ! step tiny-client 60 python3 "$work/client.py" $port 8 -1 24; then
     # Fail fast: a device loop that cannot answer 8 requests would only burn the call's
     # time in the runs below (each waits for its timeout).

@@ -104,6 +104,9 @@ pub enum ModelDevice {
         /// The step loop resident on the GPU (`--gpu-step-loop device`): the model is built
         /// with device-launchable graphs and handed over unwrapped ([`LoadedEngine::Device`]).
         step_loop_on_device: bool,
+        /// The resident loop checks its bookkeeping after every step and its lane-parallel
+        /// walks against the C functions (`GenLoopConfig::check`; tests, slower).
+        step_loop_check: bool,
     },
 }
 
@@ -227,6 +230,7 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
             device,
             cuda_home,
             step_loop_on_device,
+            step_loop_check,
         } => {
             // Every slot can hold the longest request (a full slot of prompt and 4,096 new
             // tokens): admission waits for blocks only when --kv-blocks says so.
@@ -271,6 +275,7 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                     max_waiting: ecfg.max_waiting,
                     max_batched_tokens: ecfg.max_batched_tokens,
                     ignore_eos: ecfg.ignore_eos,
+                    check: *step_loop_check,
                     cuda_home: cuda_home.clone(),
                     ..bgs_model_gpu::GenLoopConfig::default()
                 };
@@ -396,6 +401,7 @@ pub fn generate(args: &GenerateArgs, m: &clap::ArgMatches) -> Result<()> {
             device: 0,
             cuda_home: None,
             step_loop_on_device: false,
+            step_loop_check: false,
         },
     };
     for (flags, on) in [

@@ -131,6 +131,11 @@ pub struct ServeArgs {
     /// generation engine on a host thread) or `device` (resident on the GPU).
     #[arg(long, value_enum, default_value = "host")]
     pub gpu_step_loop: StepLoopKind,
+    /// With `--gpu-step-loop device`: check the loop's bookkeeping after every step and its
+    /// lane-parallel walks against the plain C functions, stopping the loop on a difference
+    /// (tests and diagnosis; each step pays a serial pass over the table).
+    #[arg(long)]
+    pub gpu_step_loop_check: bool,
     /// GPU dispatcher kind (GPU executor only: `--executor gpu` or `auto`).
     #[arg(long, value_enum, default_value = "device")]
     pub dispatcher: DispatcherKind,
@@ -322,6 +327,9 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
     }
     if a.generation.model.is_none() && args::given(m, "gpu_step_loop") {
         bail!("--gpu-step-loop applies to generation; it does nothing without --model");
+    }
+    if a.gpu_step_loop_check && a.gpu_step_loop != StepLoopKind::Device {
+        bail!("--gpu-step-loop-check checks the resident loop; it needs --gpu-step-loop device");
     }
     if a.executor == ExecutorKind::Cpu
         && let Some(f) = any(&[
@@ -717,6 +725,7 @@ fn model_device(args: &ServeArgs, kind: ExecutorKind) -> crate::llm::ModelDevice
             device: 0,
             cuda_home: args.cuda_home.clone(),
             step_loop_on_device: args.gpu_step_loop == StepLoopKind::Device,
+            step_loop_check: args.gpu_step_loop_check,
         },
         ExecutorKind::Cpu | ExecutorKind::Auto => crate::llm::ModelDevice::Cpu,
     }

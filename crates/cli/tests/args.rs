@@ -141,6 +141,17 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         &["--reply", "--transport native"],
     );
     refused(
+        &[
+            "serve",
+            "--executor",
+            "gpu",
+            "--model",
+            "/nonexistent",
+            "--gpu-step-loop-check",
+        ],
+        &["--gpu-step-loop-check", "--gpu-step-loop device"],
+    );
+    refused(
         &["serve", "--executor", "gpu", "--gpu-step-loop", "device"],
         &["--gpu-step-loop", "--model"],
     );

@@ -54,6 +54,7 @@ pub mod layout {
         ("INTAKE", P_INTAKE),
         ("CHECK", P_CHECK),
         ("CTL_SHADOW", P_CTL_SHADOW),
+        ("CHECK_SCRATCH", P_CHECK_SCRATCH),
     ];
     /// Mapped ring region (device address).
     pub const P_RING: usize = 0;
@@ -104,8 +105,11 @@ pub mod layout {
     /// `u64[C_WORDS]` device-memory copy of the control block's counters (the dispatcher
     /// never reads mapped host memory to count).
     pub const P_CTL_SHADOW: usize = 23;
+    /// `u32[check_scratch_words]`: with `P_CHECK`, where the C functions' answers go to be
+    /// compared with the lane-parallel ones (`gld_check_owed`, `gld_check_pack`).
+    pub const P_CHECK_SCRATCH: usize = 24;
     /// Parameter words.
-    pub const P_WORDS: usize = 24;
+    pub const P_WORDS: usize = 25;
 
     /// Dispatcher words (device memory).
     pub const SCRATCH: &[(&str, usize)] = &[
@@ -300,6 +304,8 @@ pub mod layout {
         ("PLAN", W_PLAN),
         ("FINISH_STEP", W_FINISH_STEP),
         ("CHECK", W_CHECK),
+        ("CHECK_OWED", W_CHECK_OWED),
+        ("CHECK_PACK", W_CHECK_PACK),
     ];
     /// The dispatcher's idle self-relaunch.
     pub const W_SELF: u64 = 1;
@@ -321,6 +327,10 @@ pub mod layout {
     pub const W_FINISH_STEP: u64 = 9;
     /// `bgs_gl_check`.
     pub const W_CHECK: u64 = 10;
+    /// `P_CHECK`: the lane-parallel owed frames differ from `bgs_gl_owed`'s.
+    pub const W_CHECK_OWED: u64 = 11;
+    /// `P_CHECK`: the lane-parallel step inputs differ from `bgs_gl_pack`'s.
+    pub const W_CHECK_PACK: u64 = 12;
 
     /// Name of a `W_*` code.
     pub fn where_name(w: u64) -> &'static str {
@@ -1130,6 +1140,10 @@ impl GpuGenExecutor {
         let next_by_item = d.alloc(max_seqs * 4, "cuMemAlloc(next by item)")?;
         let payload = d.alloc(bgs_ring::SLOT_WORDS * 4, "cuMemAlloc(payload)")?;
         let shadow = d.alloc(C_WORDS * 8, "cuMemAlloc(control shadow)")?;
+        // The larger of the owed frames and the step-input words.
+        let check_words =
+            (2 * max_seqs * size_of::<bgs_llm::gen_loop::GlFrame>() / 4).max(h.geometry.words());
+        let check_scratch = d.alloc(check_words * 4, "cuMemAlloc(check scratch)")?;
 
         d.upload(d.state_dev, core.state(), "cuMemcpyHtoD(step loop state)")?;
         d.upload(
@@ -1194,8 +1208,9 @@ impl GpuGenExecutor {
         p[P_INTAKE] = u64::from(cfg.intake);
         p[P_CHECK] = u64::from(cfg.check);
         p[P_CTL_SHADOW] = shadow;
+        p[P_CHECK_SCRATCH] = check_scratch;
         let e_dispatch = d.kernel_graph(f_dispatch, 32, params, "step loop dispatcher")?;
-        let e_finish = d.kernel_graph(f_finish, 1, params, "step loop finish")?;
+        let e_finish = d.kernel_graph(f_finish, 32, params, "step loop finish")?;
         p[P_SELF] = e_dispatch as u64;
         p[P_FINISH] = e_finish as u64;
         d.upload(params, &p, "cuMemcpyHtoD(step loop params)")?;

@@ -19,9 +19,11 @@
  * runs (each runs only after the one before it ended), and no execution makes more than three
  * launches (far below the 120 fire-and-forget / tail limits of docs/gpu.md).
  *
- * One warp per kernel: lane 0 owns the loop state (every bgs_gl_* call); the other lanes only
- * help with host-memory traffic (the prompt copy, the per-stream credit reads), where 32
- * independent PCIe reads in flight beat 32 in a row.
+ * One warp per kernel: lane 0 owns the loop state (every bgs_gl_* call that changes it); the
+ * other lanes help with host-memory traffic (the prompt copy, the per-stream credit reads),
+ * where 32 independent PCIe reads in flight beat 32 in a row, and with the walks over the
+ * table that only read it (the census, gld_owed, gld_pack), where one thread's dependent
+ * loads cost ~1 us a sequence.
  *
  * Shared words: P_* (parameters, device memory, written by the host before the first launch),
  * S_* (the dispatcher's own words, device memory), C_* (the control block in mapped host
@@ -63,8 +65,15 @@ __device__ __forceinline__ bgs_u64 gld_ld_relaxed_sys(const bgs_u64 *p) {
 __device__ __forceinline__ void gld_st_relaxed_sys(bgs_u64 *p, bgs_u64 v) {
     *(volatile bgs_u64 *)p = v;
 }
-/* The one thread is the whole warp. */
-__device__ __forceinline__ bgs_u32 gld_warp_sum(bgs_u32 v) { return v; }
+/* The warp's lanes are host threads (tests/dispatch_emu.cpp). */
+__device__ __forceinline__ bgs_u32 gld_warp_scan(bgs_u32 v, bgs_u32 *total) {
+    return bgs_emu_warp_scan(v, total);
+}
+__device__ __forceinline__ bgs_u32 gld_warp_sum(bgs_u32 v) {
+    bgs_u32 total;
+    bgs_emu_warp_scan(v, &total);
+    return total;
+}
 __device__ __forceinline__ bgs_u64 gld_now_ns() { return bgs_emu_now_ns(); }
 #else
 
@@ -94,6 +103,18 @@ __device__ __forceinline__ void gld_st_relaxed_sys(bgs_u64 *p, bgs_u64 v) {
 /* Sum over the dispatcher's warp (every lane calls it and gets the sum). */
 __device__ __forceinline__ bgs_u32 gld_warp_sum(bgs_u32 v) {
     return __reduce_add_sync(0xffffffffu, v);
+}
+/* Exclusive prefix sum of `v` over the warp in lane order; `*total` = the warp's sum (every
+ * lane calls it). */
+__device__ __forceinline__ bgs_u32 gld_warp_scan(bgs_u32 v, bgs_u32 *total) {
+    const bgs_u32 lane = threadIdx.x % 32u;
+    bgs_u32 x = v;
+    for (bgs_u32 o = 1u; o < 32u; o <<= 1) {
+        const bgs_u32 y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    *total = __shfl_sync(0xffffffffu, x, 31);
+    return x - v;
 }
 __device__ __forceinline__ bgs_u64 gld_now_ns() {
     bgs_u64 t;
@@ -386,6 +407,170 @@ __device__ int gld_publish_frames(struct gld_ctx *c, const struct bgs_gl_frame *
     return room;
 }
 
+/* ---- lane-parallel forms of bgs_gl_owed and bgs_gl_pack (all lanes call them) ----
+ * The same words as the C functions, which one thread spent ~0.5 ms (owed, twice a step) and
+ * ~0.3 ms (pack) on at 512 live sequences on the H200: each walks the table with dependent
+ * loads. Here lane l takes entries l, l + GLD_LANES, ..., in chunks of GLD_LANES whose
+ * output positions come from a warp prefix sum, so the output order is the C functions'. With
+ * P_CHECK the dispatcher compares both against the C functions after every use. */
+
+/* bgs_gl_owed: the frames owed now, in FIFO order. Returns their count (every lane). */
+__device__ bgs_u32 gld_owed(const bgs_u32 *state, struct bgs_gl_frame *out, bgs_u32 lane) {
+    const bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
+    const bgs_u32 live = state[BGS_GL_H_N_LIVE];
+    bgs_u32 n = 0u;
+    for (bgs_u32 k0 = 0u; k0 < live; k0 += GLD_LANES) {
+        const bgs_u32 k = k0 + lane;
+        const bgs_u32 *s = k < live ? bgs_gl_cseq(state, order[k]) : 0;
+        const bgs_u32 pend = s != 0 && s[BGS_GL_S_PENDING] != 0u;
+        const bgs_u32 end = s != 0 && s[BGS_GL_S_END] != 0u;
+        bgs_u32 total;
+        bgs_u32 at = n + gld_warp_scan(pend + end, &total);
+        if (s != 0) {
+            bgs_u32 seq = s[BGS_GL_S_EMITTED];
+            if (pend) {
+                out[at].slot = order[k];
+                out[at].stream = s[BGS_GL_S_STREAM];
+                out[at].status = BGS_STATUS_TOKEN;
+                out[at].final_ = 0u;
+                out[at].seq = seq;
+                out[at].words = 1u;
+                out[at].word[0] = s[BGS_GL_S_LAST];
+                out[at].word[1] = 0u;
+                at++;
+                seq++;
+            }
+            if (end) {
+                out[at].slot = order[k];
+                out[at].stream = s[BGS_GL_S_STREAM];
+                out[at].status = s[BGS_GL_S_END];
+                out[at].final_ = 1u;
+                out[at].seq = seq;
+                out[at].words = s[BGS_GL_S_END_WORDS];
+                out[at].word[0] = s[BGS_GL_S_END_W0];
+                out[at].word[1] = s[BGS_GL_S_END_W1];
+            }
+        }
+        n += total;
+    }
+    return n;
+}
+
+/* bgs_gl_pack: the planned step into the step-input buffer. Returns 0 or the C function's
+ * error (every lane); `out` is filled on every lane. */
+__device__ int gld_pack(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo,
+                        bgs_i32 *buf, struct bgs_gl_packed *out, bgs_u32 lane) {
+    const bgs_u32 *items = state + state[BGS_GL_H_ITEMS_AT];
+    const bgs_u32 n_items = state[BGS_GL_H_N_ITEMS];
+    const bgs_u32 bs = geo->block_size;
+    const bgs_u32 tok_o = bgs_llm_step_tok(geo), pos_o = bgs_llm_step_pos(geo);
+    const bgs_u32 seq_o = bgs_llm_step_seq(geo), slot_o = bgs_llm_step_slot(geo);
+    const bgs_u32 rows_o = bgs_llm_step_rows(geo), off_o = bgs_llm_step_bt_off(geo);
+    const bgs_u32 bt_o = bgs_llm_step_bt(geo);
+    const bgs_u32 tokens_at = state[BGS_GL_H_TOKENS_AT];
+    if (state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC || n_items == 0u) return BGS_GL_ERR_STEP;
+    if (bs != state[BGS_GL_H_BLOCK_SIZE] || n_items > geo->max_seqs ||
+        state[BGS_GL_H_STEP_TOKENS] > geo->max_tokens || bs == 0u)
+        return BGS_GL_ERR_GEOMETRY;
+    /* Check first (nothing is written for a step that does not fit). */
+    bgs_u32 bad = 0u, samples = 0u;
+    for (bgs_u32 k = lane; k < n_items; k += GLD_LANES) {
+        const bgs_u32 *item = items + k * BGS_GL_ITEM_WORDS;
+        const bgs_u32 need =
+            bgs_sp_blocks_for((bgs_u64)item[BGS_GL_I_POS] + item[BGS_GL_I_TOKENS], bs);
+        const bgs_u32 *s = bgs_gl_cseq(state, item[BGS_GL_I_SLOT]);
+        const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
+        if (need > geo->max_blocks_per_seq || need > s[BGS_GL_S_N_BLOCKS]) {
+            bad = 1u;
+        } else {
+            for (bgs_u32 j = 0u; j < need; j++) bad |= table[j] >= geo->num_blocks;
+        }
+        samples += item[BGS_GL_I_SAMPLE] != 0u;
+    }
+    if (gld_warp_sum(bad) != 0u) return BGS_GL_ERR_GEOMETRY;
+    samples = gld_warp_sum(samples);
+    if (samples > geo->max_samples) return BGS_GL_ERR_GEOMETRY;
+    out->tokens = state[BGS_GL_H_STEP_TOKENS];
+    out->bucket = bgs_gl_bucket(out->tokens);
+    out->samples = samples;
+    out->sample_bucket = samples == 0u ? 0u : bgs_gl_bucket(samples);
+    out->reserved = 0u;
+    if (out->bucket == 0u || (samples != 0u && out->sample_bucket == 0u))
+        return BGS_GL_ERR_GEOMETRY;
+    /* Item k's tokens start at its I_TOK_AT (bgs_gl_plan hands them out in item order, so
+     * that is the running token count the C function keeps); its table offset and sampled
+     * row come from prefix sums. */
+    bgs_u32 bt_at = 0u, rows = 0u;
+    for (bgs_u32 k0 = 0u; k0 < n_items; k0 += GLD_LANES) {
+        const bgs_u32 k = k0 + lane;
+        const bgs_u32 *item = k < n_items ? items + k * BGS_GL_ITEM_WORDS : 0;
+        const bgs_u32 need =
+            item != 0 ? bgs_sp_blocks_for((bgs_u64)item[BGS_GL_I_POS] + item[BGS_GL_I_TOKENS], bs)
+                      : 0u;
+        const bgs_u32 sample = item != 0 && item[BGS_GL_I_SAMPLE] != 0u;
+        bgs_u32 bt_total, rows_total;
+        const bgs_u32 my_bt = bt_at + gld_warp_scan(need, &bt_total);
+        const bgs_u32 my_row = rows + gld_warp_scan(sample, &rows_total);
+        if (item != 0) {
+            const bgs_u32 *s = bgs_gl_cseq(state, item[BGS_GL_I_SLOT]);
+            const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
+            const bgs_u32 *tok = state + item[BGS_GL_I_TOK_AT];
+            const bgs_u32 t0 = item[BGS_GL_I_TOK_AT] - tokens_at;
+            buf[off_o + k] = (bgs_i32)my_bt;
+            for (bgs_u32 j = 0u; j < need; j++) buf[bt_o + my_bt + j] = (bgs_i32)table[j];
+            for (bgs_u32 j = 0u; j < item[BGS_GL_I_TOKENS]; j++) {
+                const bgs_u32 p = item[BGS_GL_I_POS] + j, t = t0 + j;
+                buf[tok_o + t] = (bgs_i32)tok[j];
+                buf[pos_o + t] = (bgs_i32)p;
+                buf[seq_o + t] = (bgs_i32)k;
+                buf[slot_o + t] = (bgs_i32)(table[p / bs] * bs + p % bs);
+            }
+            if (sample) buf[rows_o + my_row] = (bgs_i32)(t0 + item[BGS_GL_I_TOKENS] - 1u);
+        }
+        bt_at += bt_total;
+        rows += rows_total;
+    }
+    for (bgs_u32 k = out->tokens + lane; k < geo->max_tokens; k += GLD_LANES) {
+        buf[tok_o + k] = BGS_LLM_STEP_PAD_TOKEN;
+        buf[pos_o + k] = BGS_LLM_STEP_PAD_POS;
+        buf[seq_o + k] = BGS_LLM_STEP_PAD_SEQ;
+        buf[slot_o + k] = BGS_LLM_STEP_PAD_SLOT;
+    }
+    for (bgs_u32 k = rows + lane; k < geo->max_samples; k += GLD_LANES)
+        buf[rows_o + k] = BGS_LLM_STEP_PAD_ROW;
+    for (bgs_u32 k = n_items + lane; k < geo->max_seqs; k += GLD_LANES) buf[off_o + k] = 0;
+    out->words = bt_o + bt_at;
+    return 0;
+}
+
+/* P_CHECK (lane 0, after the lane-parallel call and a __syncwarp): the C function's answer
+ * in the check scratch equals the lane-parallel one. 0 when equal. */
+__device__ int gld_check_owed(struct gld_ctx *c, const struct bgs_gl_frame *got, bgs_u32 n) {
+    struct bgs_gl_frame *want = (struct bgs_gl_frame *)c->p[BGS_GLD_P_CHECK_SCRATCH];
+    const bgs_u32 m = bgs_gl_owed(c->state, want);
+    if (m != n) return 1;
+    for (bgs_u32 i = 0u; i < n; i++) {
+        const bgs_u32 *a = (const bgs_u32 *)&got[i], *b = (const bgs_u32 *)&want[i];
+        for (bgs_u32 w = 0u; w < sizeof(struct bgs_gl_frame) / 4u; w++)
+            if (a[w] != b[w]) return 1;
+    }
+    return 0;
+}
+__device__ int gld_check_pack(struct gld_ctx *c, const struct bgs_llm_step_geometry *geo,
+                              const bgs_i32 *got, int r, const struct bgs_gl_packed *pk) {
+    bgs_i32 *want = (bgs_i32 *)c->p[BGS_GLD_P_CHECK_SCRATCH];
+    struct bgs_gl_packed wpk;
+    const int wr = bgs_gl_pack(c->state, geo, want, &wpk);
+    if (wr != r) return 1;
+    if (r != 0) return 0;
+    if (wpk.tokens != pk->tokens || wpk.bucket != pk->bucket || wpk.samples != pk->samples ||
+        wpk.sample_bucket != pk->sample_bucket || wpk.words != pk->words)
+        return 1;
+    for (bgs_u32 i = 0u; i < pk->words; i++)
+        if (want[i] != got[i]) return 1;
+    return 0;
+}
+
 /* A one-shot answer (refusal, echo, rejection, unknown op) waiting for room in the ring. */
 __device__ int gld_flush_oneshot(struct gld_ctx *c) {
     bgs_u64 *s = c->s;
@@ -569,6 +754,7 @@ __device__ int gld_launch_step(struct gld_ctx *c, const struct bgs_gl_packed *pk
 extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
     if (blockIdx.x != 0 || blockDim.x != GLD_LANES) return;
     __shared__ bgs_u32 sh_cmd; /* 0: keep polling, 1: step launched, 2: stop, 3: relaunch */
+    __shared__ int sh_planned; /* bgs_gl_plan's answer, for every lane */
     const bgs_u32 lane = threadIdx.x;
     struct gld_ctx c = gld_ctx_of(params);
     const bgs_u32 idle_rounds = (bgs_u32)params[BGS_GLD_P_IDLE_ROUNDS];
@@ -595,32 +781,52 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
         gld_credit(&c, lane);
         __syncwarp();
         bool moved = took != 0; /* lane 0's is the one used */
+        /* What is owed (lane-parallel), then lane 0 publishes it. */
+        struct bgs_gl_frame *frames = (struct bgs_gl_frame *)params[BGS_GLD_P_FRAMES];
+        const bgs_u32 n_owed = gld_owed(c.state, frames, lane);
+        __syncwarp();
         if (lane == 0) {
-            struct bgs_gl_frame *frames = (struct bgs_gl_frame *)params[BGS_GLD_P_FRAMES];
-            const bgs_u32 n = bgs_gl_owed(c.state, frames);
-            if (n != 0u) {
+            if (c.p[BGS_GLD_P_CHECK] != 0 && gld_check_owed(&c, frames, n_owed) != 0) {
+                gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_OWED);
+                sh_cmd = 2;
+            } else if (n_owed != 0u) {
                 const bgs_u64 before = c.shadow[BGS_GLD_C_FRAMES];
-                gld_publish_frames(&c, frames, n);
+                gld_publish_frames(&c, frames, n_owed);
                 moved |= c.shadow[BGS_GLD_C_FRAMES] != before;
             }
         }
         __syncwarp();
+        if (sh_cmd == 2) break;
         const struct gld_census census = gld_census_of(&c, lane);
+        bgs_u64 t_plan = 0, t_pack = 0;
         if (lane == 0) {
-            const bgs_u64 t_plan = gld_now_ns();
-            const int planned = bgs_gl_plan(c.state, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]);
+            t_plan = gld_now_ns();
+            sh_planned = bgs_gl_plan(c.state, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]);
+            t_pack = gld_now_ns();
+        }
+        __syncwarp();
+        const int planned = sh_planned;
+        const struct bgs_llm_step_geometry *geo =
+            (const struct bgs_llm_step_geometry *)params[BGS_GLD_P_GEO];
+        bgs_i32 *inputs = (bgs_i32 *)params[BGS_GLD_P_INPUTS];
+        struct bgs_gl_packed pk = {0u, 0u, 0u, 0u, 0u, 0u};
+        int packed = 0;
+        if (planned > 0) {
+            packed = gld_pack(c.state, geo, inputs, &pk, lane);
+            __syncwarp(); /* every lane's words are in before lane 0 checks and launches */
+        }
+        if (lane == 0) {
             if (planned < 0) {
                 /* A policy bug: every live stream now owes Internal (published next round)
                  * and the loop goes on, as the host engine does; counted, not an error (an
                  * error stops the loop: the host then answers in its place). */
                 gld_add(&c, BGS_GLD_C_POLICY_FAILED, 1);
             } else if (planned > 0) {
-                const bgs_u64 t_pack = gld_now_ns();
-                struct bgs_gl_packed pk;
-                const int r = bgs_gl_pack(c.state,
-                                          (const struct bgs_llm_step_geometry *)params[BGS_GLD_P_GEO],
-                                          (bgs_i32 *)params[BGS_GLD_P_INPUTS], &pk);
-                if (r != 0) {
+                if (c.p[BGS_GLD_P_CHECK] != 0 && gld_check_pack(&c, geo, inputs, packed, &pk) != 0) {
+                    gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_PACK);
+                    bgs_gl_fail_step(c.state);
+                    sh_cmd = 2;
+                } else if (packed != 0) {
                     gld_add(&c, BGS_GLD_C_PACK_FAILED, 1);
                     bgs_gl_fail_step(c.state);
                 } else {
@@ -680,32 +886,52 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
     }
 }
 
-/* ---- F: after the step's graphs: advance the sequences, publish, relaunch D ---- */
+/* ---- F: after the step's graphs: advance the sequences, publish, relaunch D ----
+ * One warp, as D: the lanes spread the sampled tokens over the items and collect the owed
+ * frames (gld_owed); lane 0 advances the sequences (bgs_gl_advance) and publishes. */
 extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    if (blockIdx.x != 0 || blockDim.x != GLD_LANES) return;
+    __shared__ int sh_advanced;
+    const bgs_u32 lane = threadIdx.x;
     struct gld_ctx c = gld_ctx_of(params);
     const bgs_u32 *st = c.state;
     const bgs_u32 *model_next = (const bgs_u32 *)params[BGS_GLD_P_NEXT];
     bgs_u32 *next = (bgs_u32 *)params[BGS_GLD_P_NEXT_BY_ITEM];
     struct bgs_gl_frame *frames = (struct bgs_gl_frame *)params[BGS_GLD_P_FRAMES];
-    /* The head graph wrote one row per sampling item, in item order; bgs_gl_finish reads
+    /* The head graph wrote one row per sampling item, in item order; bgs_gl_advance reads
      * next[k] for item k. */
     const bgs_u32 n_items = st[BGS_GL_H_N_ITEMS];
     const bgs_u32 *items = st + st[BGS_GL_H_ITEMS_AT];
     bgs_u32 r = 0;
-    for (bgs_u32 k = 0; k < n_items; k++) {
-        next[k] = items[k * BGS_GL_ITEM_WORDS + BGS_GL_I_SAMPLE] != 0u ? model_next[r++] : 0u;
+    for (bgs_u32 k0 = 0; k0 < n_items; k0 += GLD_LANES) {
+        const bgs_u32 k = k0 + lane;
+        const bgs_u32 sample =
+            k < n_items && items[k * BGS_GL_ITEM_WORDS + BGS_GL_I_SAMPLE] != 0u;
+        bgs_u32 total;
+        const bgs_u32 row = r + gld_warp_scan(sample, &total);
+        if (k < n_items) next[k] = sample ? model_next[row] : 0u;
+        r += total;
     }
-    gld_add(&c, BGS_GLD_C_STEPS, 1);
-    gld_add(&c, BGS_GLD_C_SAMPLED, r);
-    gld_add(&c, BGS_GLD_C_STEP_NS, gld_now_ns() - c.s[BGS_GLD_S_STEP_T0]);
-    const bgs_u64 t_finish = gld_now_ns();
-    const int n = bgs_gl_finish(c.state, next, frames);
-    if (n < 0) {
-        gld_error(c.ctl, BGS_GLD_E_STATE, BGS_GLD_W_FINISH_STEP);
-        return;
+    __syncwarp(); /* every item's token is in before lane 0 advances */
+    bgs_u64 t_finish = 0;
+    if (lane == 0) {
+        gld_add(&c, BGS_GLD_C_STEPS, 1);
+        gld_add(&c, BGS_GLD_C_SAMPLED, r);
+        gld_add(&c, BGS_GLD_C_STEP_NS, gld_now_ns() - c.s[BGS_GLD_S_STEP_T0]);
+        t_finish = gld_now_ns();
+        sh_advanced = bgs_gl_advance(c.state, next);
+        if (sh_advanced < 0) gld_error(c.ctl, BGS_GLD_E_STATE, BGS_GLD_W_FINISH_STEP);
     }
+    __syncwarp();
+    if (sh_advanced < 0) return;
+    const bgs_u32 n = gld_owed(c.state, frames, lane);
+    __syncwarp(); /* every lane's frames are in before lane 0 checks and publishes them */
+    if (lane != 0) return;
     if (c.p[BGS_GLD_P_CHECK] != 0) {
+        if (gld_check_owed(&c, frames, n) != 0) {
+            gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_OWED);
+            return;
+        }
         const bgs_u32 bad = bgs_gl_check(c.state);
         if (bad != 0u) {
             gld_set(&c, BGS_GLD_C_CHECK, bad);
@@ -717,7 +943,7 @@ extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
      * BGS_GL_STEP_CREDIT of it per stream); D refreshes credit and retries what is left. */
     const bgs_u64 t_publish = gld_now_ns();
     gld_add(&c, BGS_GLD_C_FINISH_NS, t_publish - t_finish);
-    if (n > 0) gld_publish_frames(&c, frames, (bgs_u32)n);
+    if (n > 0) gld_publish_frames(&c, frames, n);
     gld_add(&c, BGS_GLD_C_PUBLISH_NS, gld_now_ns() - t_publish);
     cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)params[BGS_GLD_P_SELF],
                                       cudaStreamGraphTailLaunch);

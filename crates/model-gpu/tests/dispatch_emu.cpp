@@ -1,7 +1,9 @@
 // Host emulation of the resident step loop's dispatcher (src/gen_loop.cu), built and run by
 // tests/gen_loop_dispatch.rs with clang++: the real dispatcher source, compiled as plain C++
-// (GLD_HOST_EMU: one thread plays the warp, device graph launches are recorded), driven
-// through a real ring layout by an emulated transport and an emulated model.
+// (GLD_HOST_EMU; device graph launches are recorded), driven through a real ring layout by an
+// emulated transport and an emulated model. The dispatcher's warp is EMU_LANES host threads
+// (1, or several: `__syncwarp` is a barrier of them and the warp sums and scans exchange
+// through a shared array between two barriers), so the lane-parallel code runs as lanes.
 //
 // The emulated model's next token depends on the whole history it reads through the step's
 // block table and KV slots (not just the last token), so a wrong position, slot, block table
@@ -12,9 +14,18 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <vector>
+
+#ifndef EMU_LANES
+#define EMU_LANES 1u
+#endif
 
 #define __device__
 #define __global__
@@ -23,7 +34,8 @@
 struct emu_dim3 {
     unsigned x, y, z;
 };
-static emu_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1};
+static thread_local emu_dim3 threadIdx = {0, 0, 0};
+static emu_dim3 blockIdx = {0, 0, 0}, blockDim = {1, 1, 1};
 typedef struct emu_graph *cudaGraphExec_t;
 typedef struct emu_stream *cudaStream_t;
 typedef enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1 } cudaError_t;
@@ -37,7 +49,59 @@ static cudaError_t cudaGraphLaunch(cudaGraphExec_t g, cudaStream_t s) {
     emu_launches.push_back((unsigned long long)g);
     return cudaSuccess;
 }
-static void __syncwarp(unsigned = 0xffffffffu) {}
+/* The warp's lanes meet here: every lane of a kernel running on EMU_LANES threads. */
+static std::mutex emu_mu;
+static std::condition_variable emu_cv;
+static unsigned emu_arrived = 0;
+static unsigned long long emu_generation = 0;
+static unsigned emu_warp = 1; /* lanes of the kernel running now */
+static void __syncwarp(unsigned = 0xffffffffu) {
+    if (emu_warp == 1) return;
+    std::unique_lock<std::mutex> l(emu_mu);
+    const unsigned long long g = emu_generation;
+    if (++emu_arrived == emu_warp) {
+        emu_arrived = 0;
+        emu_generation++;
+        emu_cv.notify_all();
+    } else {
+        emu_cv.wait(l, [&] { return emu_generation != g; });
+    }
+}
+/* Exclusive prefix sum of `v` over the lanes (lane order) and their total. */
+static unsigned emu_slots[EMU_LANES];
+static unsigned bgs_emu_warp_scan(unsigned v, unsigned *total) {
+    if (emu_warp == 1) {
+        *total = v;
+        return 0;
+    }
+    emu_slots[threadIdx.x] = v;
+    __syncwarp();
+    unsigned before = 0, all = 0;
+    for (unsigned i = 0; i < emu_warp; i++) {
+        if (i < threadIdx.x) before += emu_slots[i];
+        all += emu_slots[i];
+    }
+    __syncwarp(); /* nobody overwrites a slot before every lane has read them all */
+    *total = all;
+    return before;
+}
+/* Run a kernel with `lanes` threads as its warp (threadIdx.x = the lane). */
+template <class F>
+static void emu_run(unsigned lanes, F f) {
+    blockDim.x = lanes;
+    emu_warp = lanes;
+    if (lanes == 1) {
+        threadIdx.x = 0;
+        f();
+        return;
+    }
+    std::vector<std::thread> t;
+    for (unsigned i = 0; i < lanes; i++) t.emplace_back([&f, i] {
+        threadIdx.x = i;
+        f();
+    });
+    for (std::thread &x : t) x.join();
+}
 static void __threadfence_system() {}
 static void __nanosleep(unsigned) {}
 static unsigned long long atomicCAS_system(unsigned long long *p, unsigned long long e,
@@ -51,10 +115,10 @@ static unsigned long long atomicMax_system(unsigned long long *p, unsigned long 
     if (v > o) *p = v;
     return o;
 }
-static unsigned long long emu_clock = 0;
+static std::atomic<unsigned long long> emu_clock{0};
 static unsigned long long bgs_emu_now_ns() { return emu_clock += 1000; }
 #define GLD_HOST_EMU
-#define GLD_LANES 1u
+#define GLD_LANES EMU_LANES
 #include "gen_loop.cu"
 
 static const unsigned VOCAB = 100, EOS = 0, NBLOCKS = 64, MAX_POS = 128, WINDOW = 4;
@@ -164,6 +228,8 @@ int main(int argc, char **argv) {
     p[BGS_GLD_P_INTAKE] = 5;
     p[BGS_GLD_P_CHECK] = 1;
     p[BGS_GLD_P_CTL_SHADOW] = (bgs_u64)shadow.data();
+    std::vector<bgs_u32> check_scratch(std::max<size_t>(2 * MAX_SEQS * sizeof(bgs_gl_frame) / 4, inputs.size()));
+    p[BGS_GLD_P_CHECK_SCRATCH] = (bgs_u64)check_scratch.data();
     std::vector<unsigned> kv(NBLOCKS * BS, 0xffffffffu);
 
     // The schedule: generate requests (random prompts, lengths, flags, some cancelled
@@ -275,8 +341,7 @@ int main(int argc, char **argv) {
 
         // The device: D, and the graphs it tail-launched.
         emu_launches.clear();
-        blockDim.x = 1;
-        bgs_gld_dispatch(p.data());
+        emu_run(EMU_LANES, [&] { bgs_gld_dispatch(p.data()); });
         CHECK(ctl[BGS_GLD_C_ERROR] == 0, "dispatcher error %llu at %llu",
               (unsigned long long)ctl[BGS_GLD_C_ERROR], (unsigned long long)ctl[BGS_GLD_C_ERROR_WHERE]);
         if (emu_launches.size() == 1) {
@@ -299,6 +364,25 @@ int main(int argc, char **argv) {
                 ntok++;
             }
             CHECK(emu_launches[0] - 0x1000 >= ntok, "the body bucket holds the step's tokens");
+            if (steps == 10) {
+                // The P_CHECK comparisons see a difference: the C functions' answers pass,
+                // the same answers with one word changed do not.
+                gld_ctx c = gld_ctx_of(p.data());
+                std::vector<bgs_i32> buf(inputs.size());
+                bgs_gl_packed pk;
+                CHECK(bgs_gl_pack(state.data(), &geo, buf.data(), &pk) == 0, "pack for the check test");
+                CHECK(gld_check_pack(&c, &geo, buf.data(), 0, &pk) == 0, "the pack check passes its own answer");
+                buf[bgs_llm_step_pos(&geo)] += 1;
+                CHECK(gld_check_pack(&c, &geo, buf.data(), 0, &pk) != 0, "the pack check misses a changed position");
+                std::vector<bgs_gl_frame> owed(2 * MAX_SEQS);
+                const bgs_u32 n_owed = bgs_gl_owed(state.data(), owed.data());
+                CHECK(gld_check_owed(&c, owed.data(), n_owed) == 0, "the owed check passes its own answer");
+                CHECK(gld_check_owed(&c, owed.data(), n_owed + 1) != 0, "the owed check misses a count");
+                if (n_owed > 0) {
+                    owed[0].seq += 1;
+                    CHECK(gld_check_owed(&c, owed.data(), n_owed) != 0, "the owed check misses a frame");
+                }
+            }
             unsigned rows = emu_launches.size() == 3 ? (unsigned)(emu_launches[1] - 0x2000) : 0;
             for (unsigned r = 0; r < rows; r++) {
                 const int t = inputs[rows_o + r];
@@ -310,7 +394,7 @@ int main(int argc, char **argv) {
                 next[r] = model_next(hist);
             }
             emu_launches.clear();
-            bgs_gld_finish(p.data());
+            emu_run(EMU_LANES, [&] { bgs_gld_finish(p.data()); });
             CHECK(ctl[BGS_GLD_C_ERROR] == 0, "finish error %llu at %llu (check %llu)",
                   (unsigned long long)ctl[BGS_GLD_C_ERROR], (unsigned long long)ctl[BGS_GLD_C_ERROR_WHERE],
                   (unsigned long long)ctl[BGS_GLD_C_CHECK]);
@@ -406,7 +490,7 @@ int main(int argc, char **argv) {
     // Stop: the dispatcher returns without relaunching and says so.
     ctl[BGS_GLD_C_STOP] = 1;
     emu_launches.clear();
-    bgs_gld_dispatch(p.data());
+    emu_run(EMU_LANES, [&] { bgs_gld_dispatch(p.data()); });
     CHECK(emu_launches.empty() && ctl[BGS_GLD_C_STOPPED] == 1, "stop");
     // The plans' census: the running sequences seen are at most MAX_RUNNING a step, and those
     // left out (for credit, for a frame still owed) are among them.

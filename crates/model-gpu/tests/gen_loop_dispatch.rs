@@ -146,6 +146,8 @@ __device__ void __threadfence_system();
 __device__ void __nanosleep(unsigned);
 __device__ void __syncwarp(unsigned = 0xffffffffu);
 __device__ unsigned __reduce_add_sync(unsigned, unsigned);
+__device__ unsigned __shfl_up_sync(unsigned, unsigned, unsigned);
+__device__ unsigned __shfl_sync(unsigned, unsigned, int);
 __device__ unsigned long long atomicCAS_system(unsigned long long *, unsigned long long, unsigned long long);
 __device__ unsigned long long atomicMax_system(unsigned long long *, unsigned long long);
 "#;
@@ -165,56 +167,64 @@ fn dispatcher_logic_runs_exactly_in_the_host_emulation() {
     std::fs::create_dir_all(&tmp).unwrap();
     std::fs::write(tmp.join("bgs_gen_dispatch.h"), gen_exec::dispatch_header()).unwrap();
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let exe = tmp.join("emu");
     let mask = format!(
         "-DBGS_VALID_STATUS_MASK={:#x}u",
         bgs_executor_gpu::plan::valid_status_mask()
     );
-    let build = Command::new(cc)
-        .args([
-            "-x",
-            "c++",
-            "-std=c++17",
-            "-O1",
-            "-g",
-            "-Wall",
-            "-Werror",
-            "-Wno-unused-function",
-            "-fsanitize=address,undefined",
-            "-fno-sanitize-recover=all",
-        ])
-        .arg(&mask)
-        .arg("-I")
-        .arg(&tmp)
-        .arg("-I")
-        .arg(manifest.join("src"))
-        .arg("-I")
-        .arg(manifest.join("../../include"))
-        .arg(manifest.join("tests/dispatch_emu.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .arg("-lstdc++")
-        .output()
-        .unwrap();
-    assert!(
-        build.status.success(),
-        "building the emulation:\n{}",
-        String::from_utf8_lossy(&build.stderr)
-    );
-    // Seeds and two shapes (slots, step budget, block size).
-    for (seed, shape) in [(1, 0), (2, 0), (3, 1), (4, 1), (5, 0), (6, 1)] {
-        let run = Command::new(&exe)
-            .args([seed.to_string(), shape.to_string()])
+    // The warp as one thread, and as 4 threads (the lane-parallel code with real lanes).
+    for lanes in [1, 4] {
+        let exe = tmp.join(format!("emu-{lanes}"));
+        let build = Command::new(&cc)
+            .args([
+                "-x",
+                "c++",
+                "-std=c++17",
+                "-O1",
+                "-g",
+                "-Wall",
+                "-Werror",
+                "-Wno-unused-function",
+                "-fsanitize=address,undefined",
+                "-fno-sanitize-recover=all",
+                // The vptr check needs the C++ UBSan runtime, which linking as C does not
+                // pull in (std::thread's state is polymorphic).
+                "-fno-sanitize=vptr",
+                "-pthread",
+            ])
+            .arg(&mask)
+            .arg(format!("-DEMU_LANES={lanes}u"))
+            .arg("-I")
+            .arg(&tmp)
+            .arg("-I")
+            .arg(manifest.join("src"))
+            .arg("-I")
+            .arg(manifest.join("../../include"))
+            .arg(manifest.join("tests/dispatch_emu.cpp"))
+            .arg("-o")
+            .arg(&exe)
+            .arg("-lstdc++")
             .output()
             .unwrap();
-        let out = String::from_utf8_lossy(&run.stdout);
-        let err = String::from_utf8_lossy(&run.stderr);
-        println!("seed {seed} shape {shape}: {out}{err}");
         assert!(
-            run.status.success(),
-            "the emulation failed (seed {seed}, shape {shape}):\n{out}{err}"
+            build.status.success(),
+            "building the emulation ({lanes} lanes):\n{}",
+            String::from_utf8_lossy(&build.stderr)
         );
-        assert!(out.contains("emu: ok"), "{out}");
+        // Seeds and two shapes (slots, step budget, block size).
+        for (seed, shape) in [(1, 0), (2, 0), (3, 1), (4, 1), (5, 0), (6, 1)] {
+            let run = Command::new(&exe)
+                .args([seed.to_string(), shape.to_string()])
+                .output()
+                .unwrap();
+            let out = String::from_utf8_lossy(&run.stdout);
+            let err = String::from_utf8_lossy(&run.stderr);
+            println!("{lanes} lanes, seed {seed} shape {shape}: {out}{err}");
+            assert!(
+                run.status.success(),
+                "the emulation failed ({lanes} lanes, seed {seed}, shape {shape}):\n{out}{err}"
+            );
+            assert!(out.contains("emu: ok"), "{out}");
+        }
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
