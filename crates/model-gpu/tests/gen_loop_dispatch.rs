@@ -174,7 +174,7 @@ fn dispatcher_logic_runs_exactly_in_the_host_emulation() {
     // The warp as one thread, and as 4 threads (the lane-parallel code with real lanes).
     for lanes in [1, 4] {
         let exe = tmp.join(format!("emu-{lanes}"));
-        let build = Command::new(&cc)
+        let build = Command::new(cc)
             .args([
                 "-x",
                 "c++",
