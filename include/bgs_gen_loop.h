@@ -242,6 +242,13 @@ BGS_GEN_LOOP_API int bgs_gl_init(bgs_u32 *state, const struct bgs_gl_limits *lim
 /* Validate and queue a generate request: 0 (admitted) or the BGS_STATUS_* to answer it with. */
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_admit(bgs_u32 *state, const struct bgs_gl_request *request);
 
+/* bgs_gl_admit with its two passes over the table done by the caller (the device loop does
+ * them lane-parallel): `stream_live` nonzero when a live sequence holds request->stream,
+ * `free_slot` the lowest table slot not live (max_seqs when none). The same checks in the same
+ * order, the same result. */
+BGS_GEN_LOOP_API bgs_u32 bgs_gl_admit_scanned(bgs_u32 *state, const struct bgs_gl_request *request,
+                                              bgs_u32 stream_live, bgs_u32 free_slot);
+
 /* Connection `conn` ended: each of its sequences frees its blocks, drops an unpublished token
  * frame and owes one final Cancelled frame. Returns how many sequences it touched. */
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_cancel(bgs_u32 *state, bgs_u64 conn);
@@ -258,6 +265,16 @@ BGS_GEN_LOOP_API void bgs_gl_delivered(bgs_u32 *state, bgs_u32 slot, bgs_u32 pub
  * step) or a negative BGS_GL_*. Read the items with bgs_gl_item; then call bgs_gl_finish
  * with the sampled tokens, or bgs_gl_fail_step when the model step failed. */
 BGS_GEN_LOOP_API int bgs_gl_plan(bgs_u32 *state, const bgs_u32 *credit);
+
+/* bgs_gl_plan in two halves, for a caller that builds the policy's views itself (the device
+ * loop, lane-parallel): bgs_gl_view writes live slot `slot`'s view (0: an ended sequence the
+ * plan skips, 1: written); the caller stores the views of the live slots in FIFO order, ended
+ * ones left out, at the state's views and view -> slot arrays (bgs_gl_views), then calls
+ * bgs_gl_plan_viewed with their count. */
+BGS_GEN_LOOP_API bgs_u32 bgs_gl_view(const bgs_u32 *state, bgs_u32 slot, const bgs_u32 *credit,
+                                     struct bgs_sp_seq *view);
+BGS_GEN_LOOP_API void bgs_gl_views(bgs_u32 *state, struct bgs_sp_seq **views, bgs_u32 **view_of);
+BGS_GEN_LOOP_API int bgs_gl_plan_viewed(bgs_u32 *state, bgs_u32 n);
 
 /* Item k (< the count bgs_gl_plan returned) of the planned step: 0, or -1 when out of range. */
 BGS_GEN_LOOP_API int bgs_gl_item(const bgs_u32 *state, bgs_u32 k, struct bgs_gl_item *out);
@@ -425,7 +442,28 @@ BGS_GL_FN bgs_u32 bgs_gl_find_stream(const bgs_u32 *st, bgs_u32 stream) {
     return BGS_GL_NO_STREAM;
 }
 
+/* The lowest table slot not live, or max_seqs. */
+BGS_GL_FN bgs_u32 bgs_gl_first_free(const bgs_u32 *st) {
+    bgs_u32 slot;
+    for (slot = 0u; slot < st[BGS_GL_H_MAX_SEQS]; slot++) {
+        if (bgs_gl_cseq(st, slot)[BGS_GL_S_LIVE] == 0u) {
+            break;
+        }
+    }
+    return slot;
+}
+
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_admit(bgs_u32 *state, const struct bgs_gl_request *r) {
+    if (state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC) {
+        return BGS_STATUS_INTERNAL;
+    }
+    return bgs_gl_admit_scanned(state, r,
+                                bgs_gl_find_stream(state, r->stream) != BGS_GL_NO_STREAM,
+                                bgs_gl_first_free(state));
+}
+
+BGS_GEN_LOOP_API bgs_u32 bgs_gl_admit_scanned(bgs_u32 *state, const struct bgs_gl_request *r,
+                                              bgs_u32 stream_live, bgs_u32 free_slot) {
     bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
     bgs_u32 *s;
     bgs_u32 status;
@@ -441,7 +479,7 @@ BGS_GEN_LOOP_API bgs_u32 bgs_gl_admit(bgs_u32 *state, const struct bgs_gl_reques
     if (state[BGS_GL_H_N_LIVE] >= state[BGS_GL_H_MAX_SEQS]) {
         return BGS_STATUS_BUSY;
     }
-    if (bgs_gl_find_stream(state, r->stream) != BGS_GL_NO_STREAM) {
+    if (stream_live != 0u) {
         return BGS_STATUS_INTERNAL; /* the executor reused a live stream id: its bug */
     }
     /* The Rust engine's order: payload words and param, flags, vocabulary, context, pool. */
@@ -475,12 +513,8 @@ BGS_GEN_LOOP_API bgs_u32 bgs_gl_admit(bgs_u32 *state, const struct bgs_gl_reques
     if (max_gen > pool - p + 1u) {
         max_gen = pool - p + 1u;
     }
-    for (slot = 0u; slot < state[BGS_GL_H_MAX_SEQS]; slot++) {
-        if (bgs_gl_seq(state, slot)[BGS_GL_S_LIVE] == 0u) {
-            break;
-        }
-    }
-    if (slot == state[BGS_GL_H_MAX_SEQS]) {
+    slot = free_slot;
+    if (slot >= state[BGS_GL_H_MAX_SEQS]) {
         return BGS_STATUS_INTERNAL; /* the live count and the table disagree */
     }
     s = bgs_gl_seq(state, slot);
@@ -606,8 +640,53 @@ BGS_GEN_LOOP_API void bgs_gl_delivered(bgs_u32 *state, bgs_u32 slot, bgs_u32 pub
     state[BGS_GL_H_N_LIVE] = j;
 }
 
+BGS_GEN_LOOP_API bgs_u32 bgs_gl_view(const bgs_u32 *state, bgs_u32 slot, const bgs_u32 *credit,
+                                     struct bgs_sp_seq *view) {
+    const bgs_u32 *s = bgs_gl_cseq(state, slot);
+    bgs_u32 p = s[BGS_GL_S_PROMPT_LEN];
+    if (s[BGS_GL_S_END] != 0u) {
+        return 0u;
+    }
+    view->state = s[BGS_GL_S_RUNNING] == 0u ? BGS_SP_WAITING
+                  : s[BGS_GL_S_POS] < p    ? BGS_SP_PREFILL
+                                           : BGS_SP_DECODE;
+    view->prompt_left = s[BGS_GL_S_POS] < p ? p - s[BGS_GL_S_POS] : 0u;
+    view->pos = s[BGS_GL_S_POS];
+    view->blocks_held = s[BGS_GL_S_N_BLOCKS];
+    view->reserve_tokens = p + s[BGS_GL_S_MAX_GEN] - 1u;
+    /* Waiting: always ready (it owes nothing until its prompt is done; gating admission on
+     * credit let one stream behind on acknowledgements hold up every admission behind it in
+     * FIFO order). Running: no token frame owed and credit for BGS_GL_STEP_CREDIT. */
+    view->ready = s[BGS_GL_S_PENDING] == 0u &&
+                  (view->state == BGS_SP_WAITING || credit[slot] >= BGS_GL_STEP_CREDIT);
+    return 1u;
+}
+
+BGS_GEN_LOOP_API void bgs_gl_views(bgs_u32 *state, struct bgs_sp_seq **views, bgs_u32 **view_of) {
+    *views = (struct bgs_sp_seq *)(state + state[BGS_GL_H_VIEWS_AT]);
+    *view_of = state + state[BGS_GL_H_VIEW_OF_AT];
+}
+
 BGS_GEN_LOOP_API int bgs_gl_plan(bgs_u32 *state, const bgs_u32 *credit) {
     const bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
+    struct bgs_sp_seq *views;
+    bgs_u32 *view_of;
+    bgs_u32 n = 0u;
+    bgs_u32 k;
+    if (state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC) {
+        return BGS_GL_ERR_STATE;
+    }
+    bgs_gl_views(state, &views, &view_of);
+    for (k = 0u; k < state[BGS_GL_H_N_LIVE]; k++) {
+        if (bgs_gl_view(state, order[k], credit, &views[n]) != 0u) {
+            view_of[n] = order[k];
+            n++;
+        }
+    }
+    return bgs_gl_plan_viewed(state, n);
+}
+
+BGS_GEN_LOOP_API int bgs_gl_plan_viewed(bgs_u32 *state, bgs_u32 n) {
     struct bgs_sp_seq *views = (struct bgs_sp_seq *)(state + state[BGS_GL_H_VIEWS_AT]);
     struct bgs_sp_out *outs = (struct bgs_sp_out *)(state + state[BGS_GL_H_OUTS_AT]);
     bgs_u32 *view_of = state + state[BGS_GL_H_VIEW_OF_AT];
@@ -616,7 +695,6 @@ BGS_GEN_LOOP_API int bgs_gl_plan(bgs_u32 *state, const bgs_u32 *credit) {
     bgs_u32 *free_stack = state + state[BGS_GL_H_FREE_AT];
     const bgs_u32 bs = state[BGS_GL_H_BLOCK_SIZE];
     struct bgs_sp_limits lim;
-    bgs_u32 n = 0u;
     bgs_u32 n_items = 0u;
     bgs_u32 n_tokens = 0u;
     bgs_u32 k;
@@ -626,28 +704,6 @@ BGS_GEN_LOOP_API int bgs_gl_plan(bgs_u32 *state, const bgs_u32 *credit) {
     }
     state[BGS_GL_H_N_ITEMS] = 0u;
     state[BGS_GL_H_STEP_TOKENS] = 0u;
-    for (k = 0u; k < state[BGS_GL_H_N_LIVE]; k++) {
-        const bgs_u32 *s = bgs_gl_cseq(state, order[k]);
-        bgs_u32 p = s[BGS_GL_S_PROMPT_LEN];
-        if (s[BGS_GL_S_END] != 0u) {
-            continue;
-        }
-        views[n].state = s[BGS_GL_S_RUNNING] == 0u   ? BGS_SP_WAITING
-                         : s[BGS_GL_S_POS] < p       ? BGS_SP_PREFILL
-                                                     : BGS_SP_DECODE;
-        views[n].prompt_left = s[BGS_GL_S_POS] < p ? p - s[BGS_GL_S_POS] : 0u;
-        views[n].pos = s[BGS_GL_S_POS];
-        views[n].blocks_held = s[BGS_GL_S_N_BLOCKS];
-        views[n].reserve_tokens = p + s[BGS_GL_S_MAX_GEN] - 1u;
-        /* Waiting: always ready (it owes nothing until its prompt is done; gating admission on
-         * credit let one stream behind on acknowledgements hold up every admission behind it
-         * in FIFO order). Running: no token frame owed and credit for BGS_GL_STEP_CREDIT. */
-        views[n].ready = s[BGS_GL_S_PENDING] == 0u &&
-                         (views[n].state == BGS_SP_WAITING ||
-                          credit[order[k]] >= BGS_GL_STEP_CREDIT);
-        view_of[n] = order[k];
-        n++;
-    }
     if (n == 0u) {
         return 0;
     }

@@ -306,6 +306,8 @@ pub mod layout {
         ("CHECK", W_CHECK),
         ("CHECK_OWED", W_CHECK_OWED),
         ("CHECK_PACK", W_CHECK_PACK),
+        ("CHECK_ADMIT", W_CHECK_ADMIT),
+        ("CHECK_VIEWS", W_CHECK_VIEWS),
     ];
     /// The dispatcher's idle self-relaunch.
     pub const W_SELF: u64 = 1;
@@ -331,6 +333,10 @@ pub mod layout {
     pub const W_CHECK_OWED: u64 = 11;
     /// `P_CHECK`: the lane-parallel step inputs differ from `bgs_gl_pack`'s.
     pub const W_CHECK_PACK: u64 = 12;
+    /// `P_CHECK`: the lane-parallel admission passes differ from `bgs_gl_admit`'s.
+    pub const W_CHECK_ADMIT: u64 = 13;
+    /// `P_CHECK`: the lane-parallel plan views differ from `bgs_gl_plan`'s.
+    pub const W_CHECK_VIEWS: u64 = 14;
 
     /// Name of a `W_*` code.
     pub fn where_name(w: u64) -> &'static str {

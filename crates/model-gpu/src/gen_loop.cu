@@ -543,6 +543,75 @@ __device__ int gld_pack(const bgs_u32 *state, const struct bgs_llm_step_geometry
     return 0;
 }
 
+/* bgs_gl_admit's passes over the table for a request on `stream`: whether a live sequence
+ * holds it, and the lowest slot not live (max_seqs when none). Every lane gets both. */
+__device__ void gld_admit_scans(const bgs_u32 *state, bgs_u32 stream, bgs_u32 lane,
+                                bgs_u32 *stream_live, bgs_u32 *free_slot) {
+    const bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
+    const bgs_u32 live = state[BGS_GL_H_N_LIVE], max_seqs = state[BGS_GL_H_MAX_SEQS];
+    bgs_u32 hit = 0u;
+    for (bgs_u32 k = lane; k < live; k += GLD_LANES)
+        hit |= bgs_gl_cseq(state, order[k])[BGS_GL_S_STREAM] == stream;
+    *stream_live = gld_warp_sum(hit) != 0u;
+    *free_slot = max_seqs;
+    for (bgs_u32 s0 = 0u; s0 < max_seqs; s0 += GLD_LANES) {
+        const bgs_u32 slot = s0 + lane;
+        const bgs_u32 f = slot < max_seqs && bgs_gl_cseq(state, slot)[BGS_GL_S_LIVE] == 0u;
+        bgs_u32 total;
+        const bgs_u32 before = gld_warp_scan(f, &total);
+        if (total != 0u) {
+            /* The first free lane's slot: the only lane with a free slot and none before. */
+            *free_slot = gld_warp_sum(f && before == 0u ? slot : 0u);
+            break;
+        }
+    }
+}
+
+/* bgs_gl_plan's views, lane-parallel: live sequences in FIFO order, ended ones left out
+ * (bgs_gl_view decides each), packed by a warp prefix sum. Returns their count (every lane). */
+__device__ bgs_u32 gld_plan_views(bgs_u32 *state, const bgs_u32 *credit, bgs_u32 lane) {
+    const bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
+    const bgs_u32 live = state[BGS_GL_H_N_LIVE];
+    struct bgs_sp_seq *views;
+    bgs_u32 *view_of;
+    bgs_gl_views(state, &views, &view_of);
+    bgs_u32 n = 0u;
+    for (bgs_u32 k0 = 0u; k0 < live; k0 += GLD_LANES) {
+        const bgs_u32 k = k0 + lane;
+        struct bgs_sp_seq v;
+        const bgs_u32 in = k < live ? bgs_gl_view(state, order[k], credit, &v) : 0u;
+        bgs_u32 total;
+        const bgs_u32 at = n + gld_warp_scan(in, &total);
+        if (in) {
+            views[at] = v;
+            view_of[at] = order[k];
+        }
+        n += total;
+    }
+    return n;
+}
+
+/* P_CHECK (lane 0): the views the C loop builds equal gld_plan_views' (0 when equal). */
+__device__ int gld_check_views(struct gld_ctx *c, const bgs_u32 *credit, bgs_u32 n) {
+    const bgs_u32 *st = c->state;
+    const bgs_u32 *order = st + st[BGS_GL_H_ORDER_AT];
+    struct bgs_sp_seq *views;
+    bgs_u32 *view_of;
+    bgs_gl_views((bgs_u32 *)st, &views, &view_of);
+    bgs_u32 m = 0u;
+    for (bgs_u32 k = 0u; k < st[BGS_GL_H_N_LIVE]; k++) {
+        struct bgs_sp_seq v;
+        if (bgs_gl_view(st, order[k], credit, &v) == 0u) continue;
+        if (m >= n || view_of[m] != order[k] || views[m].state != v.state ||
+            views[m].prompt_left != v.prompt_left || views[m].pos != v.pos ||
+            views[m].blocks_held != v.blocks_held || views[m].reserve_tokens != v.reserve_tokens ||
+            views[m].ready != v.ready)
+            return 1;
+        m++;
+    }
+    return m != n;
+}
+
 /* P_CHECK (lane 0, after the lane-parallel call and a __syncwarp): the C function's answer
  * in the check scratch equals the lane-parallel one. 0 when equal. */
 __device__ int gld_check_owed(struct gld_ctx *c, const struct bgs_gl_frame *got, bgs_u32 n) {
@@ -635,6 +704,15 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
         /* The claimed entry's payload, 32 reads in flight at a time. */
         for (bgs_u32 i = lane; i < sh_words; i += GLD_LANES)
             payload[i] = ((const volatile bgs_u32 *)sh_src)[i];
+        /* A generate request with a credit stream to take: bgs_gl_admit's passes over the
+         * table, lane-parallel (lane 0 alone spent ~1 us a sequence on them). */
+        bgs_u32 stream_live = 0u, free_slot = c->state[BGS_GL_H_MAX_SEQS];
+        const bgs_u64 stream_top = c->s[BGS_GLD_S_STREAM_TOP];
+        const volatile struct bgs_request_entry *ce = &gld_request_slot(c->ring, sh_pos)->entry;
+        if (ce->op == BGS_OP_GENERATE && stream_top != 0) {
+            const bgs_u32 stream = ((const bgs_u32 *)c->p[BGS_GLD_P_STREAM_FREE])[stream_top - 1];
+            gld_admit_scans(c->state, stream, lane, &stream_live, &free_slot);
+        }
         __syncwarp();
         if (lane == 0) {
             const bgs_u64 pos = sh_pos;
@@ -674,7 +752,15 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
                         r.words = words;
                         r.reserved = 0;
                         r.payload = payload;
-                        status = bgs_gl_admit(c->state, &r);
+                        if (c->p[BGS_GLD_P_CHECK] != 0 &&
+                            ((bgs_gl_find_stream(c->state, stream) != BGS_GL_NO_STREAM) !=
+                                 (stream_live != 0u) ||
+                             bgs_gl_first_free(c->state) != free_slot)) {
+                            gld_error(c->ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_ADMIT);
+                            status = BGS_STATUS_INTERNAL;
+                        } else {
+                            status = bgs_gl_admit_scanned(c->state, &r, stream_live, free_slot);
+                        }
                         if (status == 0u) {
                             c->s[BGS_GLD_S_STREAM_TOP] = top - 1;
                             ((bgs_u64 *)c->p[BGS_GLD_P_STREAM_NS])[stream] = publish_ns;
@@ -798,13 +884,23 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
         __syncwarp();
         if (sh_cmd == 2) break;
         const struct gld_census census = gld_census_of(&c, lane);
-        bgs_u64 t_plan = 0, t_pack = 0;
+        const bgs_u32 *credit = (const bgs_u32 *)params[BGS_GLD_P_CREDIT];
+        const bgs_u64 t_plan = lane == 0 ? gld_now_ns() : 0;
+        const bgs_u32 n_views = gld_plan_views(c.state, credit, lane);
+        __syncwarp(); /* every lane's views are in before lane 0 plans on them */
+        bgs_u64 t_pack = 0;
         if (lane == 0) {
-            t_plan = gld_now_ns();
-            sh_planned = bgs_gl_plan(c.state, (const bgs_u32 *)params[BGS_GLD_P_CREDIT]);
+            if (c.p[BGS_GLD_P_CHECK] != 0 && gld_check_views(&c, credit, n_views) != 0) {
+                gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_VIEWS);
+                sh_cmd = 2;
+                sh_planned = 0;
+            } else {
+                sh_planned = bgs_gl_plan_viewed(c.state, n_views);
+            }
             t_pack = gld_now_ns();
         }
         __syncwarp();
+        if (sh_cmd == 2) break;
         const int planned = sh_planned;
         const struct bgs_llm_step_geometry *geo =
             (const struct bgs_llm_step_geometry *)params[BGS_GLD_P_GEO];
