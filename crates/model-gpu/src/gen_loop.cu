@@ -22,8 +22,8 @@
  * One warp per kernel: lane 0 owns the loop state (every bgs_gl_* call that changes it); the
  * other lanes help with host-memory traffic (the prompt copy, the per-stream credit reads),
  * where 32 independent PCIe reads in flight beat 32 in a row, and with the walks over the
- * table that only read it (the census, gld_owed, gld_pack), where one thread's dependent
- * loads cost ~1 us a sequence.
+ * table that only read it (the census, gld_owed, gld_pack, gld_admit_scans, gld_plan_views),
+ * where one thread's dependent loads cost ~1 us a sequence.
  *
  * Shared words: P_* (parameters, device memory, written by the host before the first launch),
  * S_* (the dispatcher's own words, device memory), C_* (the control block in mapped host
@@ -407,12 +407,13 @@ __device__ int gld_publish_frames(struct gld_ctx *c, const struct bgs_gl_frame *
     return room;
 }
 
-/* ---- lane-parallel forms of bgs_gl_owed and bgs_gl_pack (all lanes call them) ----
- * The same words as the C functions, which one thread spent ~0.5 ms (owed, twice a step) and
- * ~0.3 ms (pack) on at 512 live sequences on the H200: each walks the table with dependent
- * loads. Here lane l takes entries l, l + GLD_LANES, ..., in chunks of GLD_LANES whose
- * output positions come from a warp prefix sum, so the output order is the C functions'. With
- * P_CHECK the dispatcher compares both against the C functions after every use. */
+/* ---- lane-parallel forms of the C functions' table walks (all lanes call them) ----
+ * The same words as bgs_gl_owed, bgs_gl_pack, bgs_gl_admit's passes and bgs_gl_plan's views,
+ * which one thread spent 0.3-0.9 ms each on at 512 live sequences on the H200 (dependent
+ * loads; bench/results/20261201-gpu-step-loop-lanes). Here lane l takes entries l,
+ * l + GLD_LANES, ..., in chunks of GLD_LANES whose output positions come from a warp prefix
+ * sum, so the output order is the C functions'. With P_CHECK the dispatcher compares each
+ * against the C function after every use (gld_check_*). */
 
 /* bgs_gl_owed: the frames owed now, in FIFO order. Returns their count (every lane). */
 __device__ bgs_u32 gld_owed(const bgs_u32 *state, struct bgs_gl_frame *out, bgs_u32 lane) {
