@@ -576,36 +576,47 @@ BGS_GEN_LOOP_API bgs_u32 bgs_gl_cancel(bgs_u32 *state, bgs_u64 conn) {
     return n;
 }
 
+/* Frames the sequence in `slot` owes now (0..=2): a pending token frame, then its final one. */
+BGS_GL_FN bgs_u32 bgs_gl_owes(const bgs_u32 *state, bgs_u32 slot) {
+    const bgs_u32 *s = bgs_gl_cseq(state, slot);
+    return (s[BGS_GL_S_PENDING] != 0u) + (s[BGS_GL_S_END] != 0u);
+}
+
+/* Writes the frames the sequence in `slot` owes (bgs_gl_owes of them) at out[0..). */
+BGS_GL_FN void bgs_gl_owed_by(const bgs_u32 *state, bgs_u32 slot, struct bgs_gl_frame *out) {
+    const bgs_u32 *s = bgs_gl_cseq(state, slot);
+    bgs_u32 seq = s[BGS_GL_S_EMITTED];
+    if (s[BGS_GL_S_PENDING] != 0u) {
+        out->slot = slot;
+        out->stream = s[BGS_GL_S_STREAM];
+        out->status = BGS_STATUS_TOKEN;
+        out->final_ = 0u;
+        out->seq = seq;
+        out->words = 1u;
+        out->word[0] = s[BGS_GL_S_LAST];
+        out->word[1] = 0u;
+        out++;
+        seq++;
+    }
+    if (s[BGS_GL_S_END] != 0u) {
+        out->slot = slot;
+        out->stream = s[BGS_GL_S_STREAM];
+        out->status = s[BGS_GL_S_END];
+        out->final_ = 1u;
+        out->seq = seq;
+        out->words = s[BGS_GL_S_END_WORDS];
+        out->word[0] = s[BGS_GL_S_END_W0];
+        out->word[1] = s[BGS_GL_S_END_W1];
+    }
+}
+
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_owed(const bgs_u32 *state, struct bgs_gl_frame *out) {
     const bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
     bgs_u32 k;
     bgs_u32 n = 0u;
     for (k = 0u; k < state[BGS_GL_H_N_LIVE]; k++) {
-        const bgs_u32 *s = bgs_gl_cseq(state, order[k]);
-        bgs_u32 seq = s[BGS_GL_S_EMITTED];
-        if (s[BGS_GL_S_PENDING] != 0u) {
-            out[n].slot = order[k];
-            out[n].stream = s[BGS_GL_S_STREAM];
-            out[n].status = BGS_STATUS_TOKEN;
-            out[n].final_ = 0u;
-            out[n].seq = seq;
-            out[n].words = 1u;
-            out[n].word[0] = s[BGS_GL_S_LAST];
-            out[n].word[1] = 0u;
-            n++;
-            seq++;
-        }
-        if (s[BGS_GL_S_END] != 0u) {
-            out[n].slot = order[k];
-            out[n].stream = s[BGS_GL_S_STREAM];
-            out[n].status = s[BGS_GL_S_END];
-            out[n].final_ = 1u;
-            out[n].seq = seq;
-            out[n].words = s[BGS_GL_S_END_WORDS];
-            out[n].word[0] = s[BGS_GL_S_END_W0];
-            out[n].word[1] = s[BGS_GL_S_END_W1];
-            n++;
-        }
+        bgs_gl_owed_by(state, order[k], out + n);
+        n += bgs_gl_owes(state, order[k]);
     }
     return n;
 }
@@ -861,46 +872,49 @@ BGS_GL_FN bgs_u32 bgs_gl_bucket(bgs_u32 n) {
     return 0u;
 }
 
-BGS_GEN_LOOP_API int bgs_gl_pack(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo,
-                                 bgs_i32 *buf, struct bgs_gl_packed *out) {
-    const bgs_u32 *items = state + state[BGS_GL_H_ITEMS_AT];
-    const bgs_u32 n_items = state[BGS_GL_H_N_ITEMS];
+/* bgs_gl_pack in pieces (shared with the device loop's lane-parallel form). */
+
+/* The step as a whole fits the geometry: 0, or BGS_GL_ERR_STEP / BGS_GL_ERR_GEOMETRY. */
+BGS_GL_FN int bgs_gl_pack_fits(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo) {
     const bgs_u32 bs = geo->block_size;
-    const bgs_u32 tok_o = bgs_llm_step_tok(geo), pos_o = bgs_llm_step_pos(geo);
-    const bgs_u32 seq_o = bgs_llm_step_seq(geo), slot_o = bgs_llm_step_slot(geo);
-    const bgs_u32 rows_o = bgs_llm_step_rows(geo), off_o = bgs_llm_step_bt_off(geo);
-    const bgs_u32 bt_o = bgs_llm_step_bt(geo);
-    bgs_u32 t = 0u;
-    bgs_u32 bt_at = 0u;
-    bgs_u32 samples = 0u;
-    bgs_u32 k;
-    if (state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC || n_items == 0u) {
+    if (state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC || state[BGS_GL_H_N_ITEMS] == 0u) {
         return BGS_GL_ERR_STEP;
     }
-    /* Check first (nothing is written for a step that does not fit): the same limits as the
-     * Rust pack_step; the loop's own invariants already keep tokens, vocabulary, positions
-     * and block tables valid. */
-    if (bs != state[BGS_GL_H_BLOCK_SIZE] || n_items > geo->max_seqs ||
+    /* The same limits as the Rust pack_step; the loop's own invariants already keep tokens,
+     * vocabulary, positions and block tables valid. */
+    if (bs != state[BGS_GL_H_BLOCK_SIZE] || state[BGS_GL_H_N_ITEMS] > geo->max_seqs ||
         state[BGS_GL_H_STEP_TOKENS] > geo->max_tokens || bs == 0u) {
         return BGS_GL_ERR_GEOMETRY;
     }
-    for (k = 0u; k < n_items; k++) {
-        const bgs_u32 *item = items + k * BGS_GL_ITEM_WORDS;
-        bgs_u32 need = bgs_sp_blocks_for(
-            (bgs_u64)item[BGS_GL_I_POS] + item[BGS_GL_I_TOKENS], bs);
-        const bgs_u32 *s = bgs_gl_cseq(state, item[BGS_GL_I_SLOT]);
-        const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
-        bgs_u32 j;
-        if (need > geo->max_blocks_per_seq || need > s[BGS_GL_S_N_BLOCKS]) {
-            return BGS_GL_ERR_GEOMETRY;
-        }
-        for (j = 0u; j < need; j++) {
-            if (table[j] >= geo->num_blocks) {
-                return BGS_GL_ERR_GEOMETRY;
-            }
-        }
-        samples += item[BGS_GL_I_SAMPLE] != 0u;
+    return 0;
+}
+
+/* Blocks item k's table needs for this step. */
+BGS_GL_FN bgs_u32 bgs_gl_item_blocks(const bgs_u32 *item, bgs_u32 bs) {
+    return bgs_sp_blocks_for((bgs_u64)item[BGS_GL_I_POS] + item[BGS_GL_I_TOKENS], bs);
+}
+
+/* The item's block table fits the geometry: 1, else 0. */
+BGS_GL_FN bgs_u32 bgs_gl_item_fits(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo,
+                                   const bgs_u32 *item) {
+    const bgs_u32 need = bgs_gl_item_blocks(item, geo->block_size);
+    const bgs_u32 *s = bgs_gl_cseq(state, item[BGS_GL_I_SLOT]);
+    const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
+    bgs_u32 j;
+    if (need > geo->max_blocks_per_seq || need > s[BGS_GL_S_N_BLOCKS]) {
+        return 0u;
     }
+    for (j = 0u; j < need; j++) {
+        if (table[j] >= geo->num_blocks) {
+            return 0u;
+        }
+    }
+    return 1u;
+}
+
+/* `out` for a step of `samples` sampled rows: 0, or BGS_GL_ERR_GEOMETRY. */
+BGS_GL_FN int bgs_gl_pack_out(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo,
+                              bgs_u32 samples, struct bgs_gl_packed *out) {
     if (samples > geo->max_samples) {
         return BGS_GL_ERR_GEOMETRY;
     }
@@ -912,46 +926,88 @@ BGS_GEN_LOOP_API int bgs_gl_pack(const bgs_u32 *state, const struct bgs_llm_step
     if (out->bucket == 0u || (samples != 0u && out->sample_bucket == 0u)) {
         return BGS_GL_ERR_GEOMETRY;
     }
+    return 0;
+}
+
+/* Item k's words: its table offset `bt_at` and table, its tokens from row `t` on (token id,
+ * position, item index, KV slot), and, when it samples, row `row` of the sampled rows. */
+BGS_GL_FN void bgs_gl_pack_item(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo,
+                                bgs_i32 *buf, bgs_u32 k, const bgs_u32 *item, bgs_u32 t,
+                                bgs_u32 bt_at, bgs_u32 row) {
+    const bgs_u32 bs = geo->block_size;
+    const bgs_u32 *s = bgs_gl_cseq(state, item[BGS_GL_I_SLOT]);
+    const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
+    const bgs_u32 *tok = state + item[BGS_GL_I_TOK_AT];
+    const bgs_u32 need = bgs_gl_item_blocks(item, bs);
+    const bgs_u32 tok_o = bgs_llm_step_tok(geo), pos_o = bgs_llm_step_pos(geo);
+    const bgs_u32 seq_o = bgs_llm_step_seq(geo), slot_o = bgs_llm_step_slot(geo);
+    bgs_u32 j;
+    buf[bgs_llm_step_bt_off(geo) + k] = (bgs_i32)bt_at;
+    for (j = 0u; j < need; j++) {
+        buf[bgs_llm_step_bt(geo) + bt_at + j] = (bgs_i32)table[j];
+    }
+    for (j = 0u; j < item[BGS_GL_I_TOKENS]; j++) {
+        bgs_u32 p = item[BGS_GL_I_POS] + j;
+        buf[tok_o + t + j] = (bgs_i32)tok[j];
+        buf[pos_o + t + j] = (bgs_i32)p;
+        buf[seq_o + t + j] = (bgs_i32)k;
+        buf[slot_o + t + j] = (bgs_i32)(table[p / bs] * bs + p % bs);
+    }
+    if (item[BGS_GL_I_SAMPLE] != 0u) {
+        buf[bgs_llm_step_rows(geo) + row] = (bgs_i32)(t + item[BGS_GL_I_TOKENS] - 1u);
+    }
+}
+
+/* Padding token row k (past the step's tokens). */
+BGS_GL_FN void bgs_gl_pack_pad(const struct bgs_llm_step_geometry *geo, bgs_i32 *buf, bgs_u32 k) {
+    buf[bgs_llm_step_tok(geo) + k] = BGS_LLM_STEP_PAD_TOKEN;
+    buf[bgs_llm_step_pos(geo) + k] = BGS_LLM_STEP_PAD_POS;
+    buf[bgs_llm_step_seq(geo) + k] = BGS_LLM_STEP_PAD_SEQ;
+    buf[bgs_llm_step_slot(geo) + k] = BGS_LLM_STEP_PAD_SLOT;
+}
+
+BGS_GEN_LOOP_API int bgs_gl_pack(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo,
+                                 bgs_i32 *buf, struct bgs_gl_packed *out) {
+    const bgs_u32 *items = state + state[BGS_GL_H_ITEMS_AT];
+    const bgs_u32 n_items = state[BGS_GL_H_N_ITEMS];
+    bgs_u32 t = 0u;
+    bgs_u32 bt_at = 0u;
+    bgs_u32 samples = 0u;
+    bgs_u32 k;
+    int r = bgs_gl_pack_fits(state, geo);
+    if (r != 0) {
+        return r;
+    }
+    /* Check first (nothing is written for a step that does not fit). */
+    for (k = 0u; k < n_items; k++) {
+        const bgs_u32 *item = items + k * BGS_GL_ITEM_WORDS;
+        if (bgs_gl_item_fits(state, geo, item) == 0u) {
+            return BGS_GL_ERR_GEOMETRY;
+        }
+        samples += item[BGS_GL_I_SAMPLE] != 0u;
+    }
+    r = bgs_gl_pack_out(state, geo, samples, out);
+    if (r != 0) {
+        return r;
+    }
     samples = 0u;
     for (k = 0u; k < n_items; k++) {
         const bgs_u32 *item = items + k * BGS_GL_ITEM_WORDS;
-        const bgs_u32 *s = bgs_gl_cseq(state, item[BGS_GL_I_SLOT]);
-        const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
-        const bgs_u32 *tok = state + item[BGS_GL_I_TOK_AT];
-        bgs_u32 need = bgs_sp_blocks_for(
-            (bgs_u64)item[BGS_GL_I_POS] + item[BGS_GL_I_TOKENS], bs);
-        bgs_u32 j;
-        buf[off_o + k] = (bgs_i32)bt_at;
-        for (j = 0u; j < need; j++) {
-            buf[bt_o + bt_at + j] = (bgs_i32)table[j];
-        }
-        bt_at += need;
-        for (j = 0u; j < item[BGS_GL_I_TOKENS]; j++) {
-            bgs_u32 p = item[BGS_GL_I_POS] + j;
-            buf[tok_o + t] = (bgs_i32)tok[j];
-            buf[pos_o + t] = (bgs_i32)p;
-            buf[seq_o + t] = (bgs_i32)k;
-            buf[slot_o + t] = (bgs_i32)(table[p / bs] * bs + p % bs);
-            t++;
-        }
-        if (item[BGS_GL_I_SAMPLE] != 0u) {
-            buf[rows_o + samples] = (bgs_i32)(t - 1u);
-            samples++;
-        }
+        bgs_gl_pack_item(state, geo, buf, k, item, t, bt_at, samples);
+        bt_at += bgs_gl_item_blocks(item, geo->block_size);
+        t += item[BGS_GL_I_TOKENS];
+        samples += item[BGS_GL_I_SAMPLE] != 0u;
     }
     for (k = t; k < geo->max_tokens; k++) {
-        buf[tok_o + k] = BGS_LLM_STEP_PAD_TOKEN;
-        buf[pos_o + k] = BGS_LLM_STEP_PAD_POS;
-        buf[seq_o + k] = BGS_LLM_STEP_PAD_SEQ;
-        buf[slot_o + k] = BGS_LLM_STEP_PAD_SLOT;
+        bgs_gl_pack_pad(geo, buf, k);
     }
     for (k = samples; k < geo->max_samples; k++) {
-        buf[rows_o + k] = BGS_LLM_STEP_PAD_ROW;
+        buf[bgs_llm_step_rows(geo) + k] = BGS_LLM_STEP_PAD_ROW;
     }
     for (k = n_items; k < geo->max_seqs; k++) {
-        buf[off_o + k] = 0;
+        buf[bgs_llm_step_bt_off(geo) + k] = 0;
     }
-    out->words = bt_o + bt_at;
+    out->words = bgs_llm_step_bt(geo) + bt_at;
     return 0;
 }
 

@@ -422,125 +422,57 @@ __device__ bgs_u32 gld_owed(const bgs_u32 *state, struct bgs_gl_frame *out, bgs_
     bgs_u32 n = 0u;
     for (bgs_u32 k0 = 0u; k0 < live; k0 += GLD_LANES) {
         const bgs_u32 k = k0 + lane;
-        const bgs_u32 *s = k < live ? bgs_gl_cseq(state, order[k]) : 0;
-        const bgs_u32 pend = s != 0 && s[BGS_GL_S_PENDING] != 0u;
-        const bgs_u32 end = s != 0 && s[BGS_GL_S_END] != 0u;
+        const bgs_u32 owes = k < live ? bgs_gl_owes(state, order[k]) : 0u;
         bgs_u32 total;
-        bgs_u32 at = n + gld_warp_scan(pend + end, &total);
-        if (s != 0) {
-            bgs_u32 seq = s[BGS_GL_S_EMITTED];
-            if (pend) {
-                out[at].slot = order[k];
-                out[at].stream = s[BGS_GL_S_STREAM];
-                out[at].status = BGS_STATUS_TOKEN;
-                out[at].final_ = 0u;
-                out[at].seq = seq;
-                out[at].words = 1u;
-                out[at].word[0] = s[BGS_GL_S_LAST];
-                out[at].word[1] = 0u;
-                at++;
-                seq++;
-            }
-            if (end) {
-                out[at].slot = order[k];
-                out[at].stream = s[BGS_GL_S_STREAM];
-                out[at].status = s[BGS_GL_S_END];
-                out[at].final_ = 1u;
-                out[at].seq = seq;
-                out[at].words = s[BGS_GL_S_END_WORDS];
-                out[at].word[0] = s[BGS_GL_S_END_W0];
-                out[at].word[1] = s[BGS_GL_S_END_W1];
-            }
-        }
+        const bgs_u32 at = n + gld_warp_scan(owes, &total);
+        if (owes != 0u) bgs_gl_owed_by(state, order[k], out + at);
         n += total;
     }
     return n;
 }
 
 /* bgs_gl_pack: the planned step into the step-input buffer. Returns 0 or the C function's
- * error (every lane); `out` is filled on every lane. */
+ * error (every lane); `out` is filled on every lane. Item k's tokens start at its I_TOK_AT
+ * (bgs_gl_plan hands them out in item order: the running count bgs_gl_pack keeps); its table
+ * offset and sampled row come from prefix sums. */
 __device__ int gld_pack(const bgs_u32 *state, const struct bgs_llm_step_geometry *geo,
                         bgs_i32 *buf, struct bgs_gl_packed *out, bgs_u32 lane) {
     const bgs_u32 *items = state + state[BGS_GL_H_ITEMS_AT];
     const bgs_u32 n_items = state[BGS_GL_H_N_ITEMS];
-    const bgs_u32 bs = geo->block_size;
-    const bgs_u32 tok_o = bgs_llm_step_tok(geo), pos_o = bgs_llm_step_pos(geo);
-    const bgs_u32 seq_o = bgs_llm_step_seq(geo), slot_o = bgs_llm_step_slot(geo);
-    const bgs_u32 rows_o = bgs_llm_step_rows(geo), off_o = bgs_llm_step_bt_off(geo);
-    const bgs_u32 bt_o = bgs_llm_step_bt(geo);
-    const bgs_u32 tokens_at = state[BGS_GL_H_TOKENS_AT];
-    if (state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC || n_items == 0u) return BGS_GL_ERR_STEP;
-    if (bs != state[BGS_GL_H_BLOCK_SIZE] || n_items > geo->max_seqs ||
-        state[BGS_GL_H_STEP_TOKENS] > geo->max_tokens || bs == 0u)
-        return BGS_GL_ERR_GEOMETRY;
+    int r = bgs_gl_pack_fits(state, geo);
+    if (r != 0) return r;
     /* Check first (nothing is written for a step that does not fit). */
     bgs_u32 bad = 0u, samples = 0u;
     for (bgs_u32 k = lane; k < n_items; k += GLD_LANES) {
         const bgs_u32 *item = items + k * BGS_GL_ITEM_WORDS;
-        const bgs_u32 need =
-            bgs_sp_blocks_for((bgs_u64)item[BGS_GL_I_POS] + item[BGS_GL_I_TOKENS], bs);
-        const bgs_u32 *s = bgs_gl_cseq(state, item[BGS_GL_I_SLOT]);
-        const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
-        if (need > geo->max_blocks_per_seq || need > s[BGS_GL_S_N_BLOCKS]) {
-            bad = 1u;
-        } else {
-            for (bgs_u32 j = 0u; j < need; j++) bad |= table[j] >= geo->num_blocks;
-        }
+        bad |= bgs_gl_item_fits(state, geo, item) == 0u;
         samples += item[BGS_GL_I_SAMPLE] != 0u;
     }
     if (gld_warp_sum(bad) != 0u) return BGS_GL_ERR_GEOMETRY;
-    samples = gld_warp_sum(samples);
-    if (samples > geo->max_samples) return BGS_GL_ERR_GEOMETRY;
-    out->tokens = state[BGS_GL_H_STEP_TOKENS];
-    out->bucket = bgs_gl_bucket(out->tokens);
-    out->samples = samples;
-    out->sample_bucket = samples == 0u ? 0u : bgs_gl_bucket(samples);
-    out->reserved = 0u;
-    if (out->bucket == 0u || (samples != 0u && out->sample_bucket == 0u))
-        return BGS_GL_ERR_GEOMETRY;
-    /* Item k's tokens start at its I_TOK_AT (bgs_gl_plan hands them out in item order, so
-     * that is the running token count the C function keeps); its table offset and sampled
-     * row come from prefix sums. */
+    r = bgs_gl_pack_out(state, geo, gld_warp_sum(samples), out);
+    if (r != 0) return r;
     bgs_u32 bt_at = 0u, rows = 0u;
     for (bgs_u32 k0 = 0u; k0 < n_items; k0 += GLD_LANES) {
         const bgs_u32 k = k0 + lane;
         const bgs_u32 *item = k < n_items ? items + k * BGS_GL_ITEM_WORDS : 0;
-        const bgs_u32 need =
-            item != 0 ? bgs_sp_blocks_for((bgs_u64)item[BGS_GL_I_POS] + item[BGS_GL_I_TOKENS], bs)
-                      : 0u;
+        const bgs_u32 need = item != 0 ? bgs_gl_item_blocks(item, geo->block_size) : 0u;
         const bgs_u32 sample = item != 0 && item[BGS_GL_I_SAMPLE] != 0u;
         bgs_u32 bt_total, rows_total;
         const bgs_u32 my_bt = bt_at + gld_warp_scan(need, &bt_total);
         const bgs_u32 my_row = rows + gld_warp_scan(sample, &rows_total);
-        if (item != 0) {
-            const bgs_u32 *s = bgs_gl_cseq(state, item[BGS_GL_I_SLOT]);
-            const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
-            const bgs_u32 *tok = state + item[BGS_GL_I_TOK_AT];
-            const bgs_u32 t0 = item[BGS_GL_I_TOK_AT] - tokens_at;
-            buf[off_o + k] = (bgs_i32)my_bt;
-            for (bgs_u32 j = 0u; j < need; j++) buf[bt_o + my_bt + j] = (bgs_i32)table[j];
-            for (bgs_u32 j = 0u; j < item[BGS_GL_I_TOKENS]; j++) {
-                const bgs_u32 p = item[BGS_GL_I_POS] + j, t = t0 + j;
-                buf[tok_o + t] = (bgs_i32)tok[j];
-                buf[pos_o + t] = (bgs_i32)p;
-                buf[seq_o + t] = (bgs_i32)k;
-                buf[slot_o + t] = (bgs_i32)(table[p / bs] * bs + p % bs);
-            }
-            if (sample) buf[rows_o + my_row] = (bgs_i32)(t0 + item[BGS_GL_I_TOKENS] - 1u);
-        }
+        if (item != 0)
+            bgs_gl_pack_item(state, geo, buf, k, item,
+                             item[BGS_GL_I_TOK_AT] - state[BGS_GL_H_TOKENS_AT], my_bt, my_row);
         bt_at += bt_total;
         rows += rows_total;
     }
-    for (bgs_u32 k = out->tokens + lane; k < geo->max_tokens; k += GLD_LANES) {
-        buf[tok_o + k] = BGS_LLM_STEP_PAD_TOKEN;
-        buf[pos_o + k] = BGS_LLM_STEP_PAD_POS;
-        buf[seq_o + k] = BGS_LLM_STEP_PAD_SEQ;
-        buf[slot_o + k] = BGS_LLM_STEP_PAD_SLOT;
-    }
+    for (bgs_u32 k = out->tokens + lane; k < geo->max_tokens; k += GLD_LANES)
+        bgs_gl_pack_pad(geo, buf, k);
     for (bgs_u32 k = rows + lane; k < geo->max_samples; k += GLD_LANES)
-        buf[rows_o + k] = BGS_LLM_STEP_PAD_ROW;
-    for (bgs_u32 k = n_items + lane; k < geo->max_seqs; k += GLD_LANES) buf[off_o + k] = 0;
-    out->words = bt_o + bt_at;
+        buf[bgs_llm_step_rows(geo) + k] = BGS_LLM_STEP_PAD_ROW;
+    for (bgs_u32 k = n_items + lane; k < geo->max_seqs; k += GLD_LANES)
+        buf[bgs_llm_step_bt_off(geo) + k] = 0;
+    out->words = bgs_llm_step_bt(geo) + bt_at;
     return 0;
 }
 
@@ -603,11 +535,10 @@ __device__ int gld_check_views(struct gld_ctx *c, const bgs_u32 *credit, bgs_u32
     for (bgs_u32 k = 0u; k < st[BGS_GL_H_N_LIVE]; k++) {
         struct bgs_sp_seq v;
         if (bgs_gl_view(st, order[k], credit, &v) == 0u) continue;
-        if (m >= n || view_of[m] != order[k] || views[m].state != v.state ||
-            views[m].prompt_left != v.prompt_left || views[m].pos != v.pos ||
-            views[m].blocks_held != v.blocks_held || views[m].reserve_tokens != v.reserve_tokens ||
-            views[m].ready != v.ready)
-            return 1;
+        if (m >= n || view_of[m] != order[k]) return 1;
+        const bgs_u32 *a = (const bgs_u32 *)&views[m], *b = (const bgs_u32 *)&v;
+        for (bgs_u32 w = 0u; w < sizeof(struct bgs_sp_seq) / 4u; w++)
+            if (a[w] != b[w]) return 1;
         m++;
     }
     return m != n;
@@ -663,6 +594,7 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
     __shared__ bgs_u32 sh_go;
     __shared__ const bgs_u32 *sh_src;
     __shared__ bgs_u32 sh_words;
+    __shared__ bgs_u32 sh_op; /* the claimed entry's op, read once for every lane */
     struct bgs_ring_header *h = gld_header(c->ring);
     bgs_u32 *payload = (bgs_u32 *)c->p[BGS_GLD_P_PAYLOAD];
     const bgs_u32 max_take = (bgs_u32)c->p[BGS_GLD_P_INTAKE];
@@ -693,6 +625,7 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
                     const volatile struct bgs_request_entry *e = &rs->entry;
                     bgs_u32 w = e->words;
                     sh_words = w > BGS_RING_SLOT_WORDS ? BGS_RING_SLOT_WORDS : w;
+                    sh_op = e->op;
                     sh_src = (const bgs_u32 *)e->payload;
                     sh_pos = pos;
                     sh_go = 1;
@@ -709,8 +642,7 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
          * table, lane-parallel (lane 0 alone spent ~1 us a sequence on them). */
         bgs_u32 stream_live = 0u, free_slot = c->state[BGS_GL_H_MAX_SEQS];
         const bgs_u64 stream_top = c->s[BGS_GLD_S_STREAM_TOP];
-        const volatile struct bgs_request_entry *ce = &gld_request_slot(c->ring, sh_pos)->entry;
-        if (ce->op == BGS_OP_GENERATE && stream_top != 0) {
+        if (sh_op == BGS_OP_GENERATE && stream_top != 0) {
             const bgs_u32 stream = ((const bgs_u32 *)c->p[BGS_GLD_P_STREAM_FREE])[stream_top - 1];
             gld_admit_scans(c->state, stream, lane, &stream_live, &free_slot);
         }
@@ -721,7 +653,7 @@ __device__ bgs_u32 gld_intake(struct gld_ctx *c, bgs_u32 lane) {
             const volatile struct bgs_request_entry *e = &rs->entry;
             const bgs_u64 conn = e->conn;
             const bgs_u32 conn_seq = e->conn_seq, request_id = e->request_id;
-            const bgs_u32 op = e->op, param = e->param, flags = e->flags, route = e->route;
+            const bgs_u32 op = sh_op, param = e->param, flags = e->flags, route = e->route;
             const bgs_u64 publish_ns = e->publish_ns;
             const bgs_u32 words = sh_words;
             /* Consumed: free the request slot for the producer of pos + capacity. */
