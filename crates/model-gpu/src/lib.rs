@@ -56,7 +56,7 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
 /// bf16 MMA. The one place this is decided; the kernel source only refuses a definition it
 /// cannot honour.
 pub fn attention_mma_built(major: i32, dtype: GpuDtype, head_dim: usize) -> bool {
-    major >= 8 && dtype != GpuDtype::F32 && plan::MMA_HEAD_DIMS.contains(&head_dim)
+    major >= 8 && plan::mma_form_covers(dtype, head_dim)
 }
 
 /// The kernel cache key: a 128-bit hash of the source, options, device name and the driver

@@ -303,6 +303,12 @@ pub(crate) fn fused_form_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), 
 /// Head sizes `bgs_attention_mma` is built for (`BGS_ATTN_MMA` in the kernels).
 pub(crate) const MMA_HEAD_DIMS: [usize; 3] = [16, 32, 64];
 
+/// Whether `bgs_attention_mma`'s code covers `dtype` and `head_dim` (tensor cores multiply
+/// 16-bit values; its tiles are written for these head sizes), whatever the device.
+pub(crate) fn mma_form_covers(dtype: GpuDtype, head_dim: usize) -> bool {
+    dtype != GpuDtype::F32 && MMA_HEAD_DIMS.contains(&head_dim)
+}
+
 /// Dynamic shared memory of a `bgs_attention_mma` block of `warps` warps for this model (per
 /// warp a K and a V tile of 32 rows, `128 * head_dim` bytes, which the combine reuses), or
 /// `None` where the kernel does not apply: f32 (tensor cores multiply 16-bit values), a head
@@ -311,10 +317,7 @@ pub(crate) const MMA_HEAD_DIMS: [usize; 3] = [16, 32, 64];
 pub(crate) fn mma_attention_shared(cfg: &ModelConfig, dtype: GpuDtype, warps: u32) -> Option<u32> {
     let group = cfg.num_heads / cfg.num_kv_heads;
     let bytes = warps as usize * 128 * cfg.head_dim;
-    (dtype != GpuDtype::F32
-        && MMA_HEAD_DIMS.contains(&cfg.head_dim)
-        && (1..=16).contains(&group)
-        && bytes <= MAX_BLOCK_SHARED)
+    (mma_form_covers(dtype, cfg.head_dim) && (1..=16).contains(&group) && bytes <= MAX_BLOCK_SHARED)
         .then_some(bytes as u32)
 }
 
