@@ -621,17 +621,18 @@ BGS_GEN_LOOP_API bgs_u32 bgs_gl_owed(const bgs_u32 *state, struct bgs_gl_frame *
     return n;
 }
 
-BGS_GEN_LOOP_API void bgs_gl_delivered(bgs_u32 *state, bgs_u32 slot, bgs_u32 published) {
-    bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
+/* bgs_gl_delivered's part for one slot: the pending frame is emitted and, when the final frame
+ * went out too, the slot is no longer live. Returns 1 when the slot left the table (its entry
+ * in the FIFO order is then stale until bgs_gl_drop_left closes the order up). Touches only
+ * the slot's own words, so different slots may be marked at once (the dispatcher's lanes). */
+BGS_GL_FN bgs_u32 bgs_gl_delivered_mark(bgs_u32 *state, bgs_u32 slot, bgs_u32 published) {
     bgs_u32 *s;
-    bgs_u32 k;
-    bgs_u32 j = 0u;
     if (slot >= state[BGS_GL_H_MAX_SEQS]) {
-        return;
+        return 0u;
     }
     s = bgs_gl_seq(state, slot);
     if (s[BGS_GL_S_LIVE] == 0u) {
-        return;
+        return 0u;
     }
     if (s[BGS_GL_S_PENDING] != 0u && published > 0u) {
         s[BGS_GL_S_PENDING] = 0u;
@@ -639,16 +640,30 @@ BGS_GEN_LOOP_API void bgs_gl_delivered(bgs_u32 *state, bgs_u32 slot, bgs_u32 pub
         published--;
     }
     if (s[BGS_GL_S_END] == 0u || published == 0u) {
-        return;
+        return 0u;
     }
-    /* The final frame went out: the slot leaves the table, the FIFO order closes up. */
+    /* The final frame went out: the slot leaves the table. */
     s[BGS_GL_S_LIVE] = 0u;
+    return 1u;
+}
+
+/* Close up the FIFO order over the slots bgs_gl_delivered_mark took out (order kept). */
+BGS_GL_FN void bgs_gl_drop_left(bgs_u32 *state) {
+    bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
+    bgs_u32 k;
+    bgs_u32 j = 0u;
     for (k = 0u; k < state[BGS_GL_H_N_LIVE]; k++) {
-        if (order[k] != slot) {
+        if (bgs_gl_cseq(state, order[k])[BGS_GL_S_LIVE] != 0u) {
             order[j++] = order[k];
         }
     }
     state[BGS_GL_H_N_LIVE] = j;
+}
+
+BGS_GEN_LOOP_API void bgs_gl_delivered(bgs_u32 *state, bgs_u32 slot, bgs_u32 published) {
+    if (bgs_gl_delivered_mark(state, slot, published) != 0u) {
+        bgs_gl_drop_left(state);
+    }
 }
 
 BGS_GEN_LOOP_API bgs_u32 bgs_gl_view(const bgs_u32 *state, bgs_u32 slot, const bgs_u32 *credit,
@@ -697,19 +712,101 @@ BGS_GEN_LOOP_API int bgs_gl_plan(bgs_u32 *state, const bgs_u32 *credit) {
     return bgs_gl_plan_viewed(state, n);
 }
 
-BGS_GEN_LOOP_API int bgs_gl_plan_viewed(bgs_u32 *state, bgs_u32 n) {
-    struct bgs_sp_seq *views = (struct bgs_sp_seq *)(state + state[BGS_GL_H_VIEWS_AT]);
-    struct bgs_sp_out *outs = (struct bgs_sp_out *)(state + state[BGS_GL_H_OUTS_AT]);
-    bgs_u32 *view_of = state + state[BGS_GL_H_VIEW_OF_AT];
-    bgs_u32 *items = state + state[BGS_GL_H_ITEMS_AT];
+/* bgs_gl_plan_viewed's pieces (the device loop runs the policy and the items lane-parallel and
+ * calls the same pieces). */
+BGS_GL_FN void bgs_gl_sp_limits(const bgs_u32 *state, struct bgs_sp_limits *lim) {
+    lim->block_size = state[BGS_GL_H_BLOCK_SIZE];
+    lim->free_blocks = state[BGS_GL_H_FREE_TOP];
+    lim->max_batched_tokens = state[BGS_GL_H_MAX_BATCHED];
+    lim->max_running = state[BGS_GL_H_MAX_RUNNING];
+}
+
+/* The policy failed: an engine bug (the loop keeps the policy's invariants); ending every
+ * stream beats spinning on a plan that keeps failing. */
+BGS_GL_FN int bgs_gl_plan_failed(bgs_u32 *state, bgs_u32 n) {
+    const bgs_u32 *view_of = state + state[BGS_GL_H_VIEW_OF_AT];
+    bgs_u32 k;
+    for (k = 0u; k < n; k++) {
+        bgs_gl_end(state, bgs_gl_seq(state, view_of[k]), BGS_STATUS_INTERNAL, 0u, 0u, 0u, 0);
+    }
+    return BGS_GL_POLICY_FAILED;
+}
+
+/* Whether view k's decision fits what is left (all or nothing, like the Rust allocator; never
+ * short: the policy only hands out uncommitted blocks. The table never exceeds the
+ * reservation (policy), hence max_bps; the step's tokens never exceed the budget nor the
+ * prompts (token_cap)). `free_top`, `n_tokens`: the free stack and the step's tokens before
+ * this view's item. */
+BGS_GL_FN bgs_u32 bgs_gl_item_room(const bgs_u32 *state, const bgs_u32 *s,
+                                   const struct bgs_sp_out *o, bgs_u32 free_top,
+                                   bgs_u32 n_tokens) {
+    return o->new_blocks <= free_top &&
+           s[BGS_GL_S_N_BLOCKS] + o->new_blocks <= state[BGS_GL_H_MAX_BPS] &&
+           n_tokens + o->tokens <= state[BGS_GL_H_TOKEN_CAP];
+}
+
+/* View k's item (its decision fits: bgs_gl_item_room): its new blocks from the free stack
+ * below `free_top`, the item at index `at`, its input tokens from `n_tokens` on. */
+BGS_GL_FN void bgs_gl_plan_item(bgs_u32 *state, bgs_u32 slot, const struct bgs_sp_out *o,
+                                bgs_u32 free_top, bgs_u32 at, bgs_u32 n_tokens) {
+    bgs_u32 *s = bgs_gl_seq(state, slot);
+    bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
+    const bgs_u32 *free_stack = state + state[BGS_GL_H_FREE_AT];
+    bgs_u32 *item = state + state[BGS_GL_H_ITEMS_AT] + at * BGS_GL_ITEM_WORDS;
     bgs_u32 *tokens = state + state[BGS_GL_H_TOKENS_AT];
-    bgs_u32 *free_stack = state + state[BGS_GL_H_FREE_AT];
-    const bgs_u32 bs = state[BGS_GL_H_BLOCK_SIZE];
-    struct bgs_sp_limits lim;
+    bgs_u32 j;
+    bgs_u32 known;
+    for (j = 0u; j < o->new_blocks; j++) {
+        table[s[BGS_GL_S_N_BLOCKS] + j] = free_stack[free_top - 1u - j];
+    }
+    s[BGS_GL_S_N_BLOCKS] += o->new_blocks;
+    item[BGS_GL_I_SLOT] = slot;
+    item[BGS_GL_I_TOKENS] = o->tokens;
+    item[BGS_GL_I_POS] = s[BGS_GL_S_POS];
+    known = s[BGS_GL_S_PROMPT_LEN] + s[BGS_GL_S_GENERATED];
+    item[BGS_GL_I_SAMPLE] = s[BGS_GL_S_POS] + o->tokens == known;
+    item[BGS_GL_I_TOK_AT] = state[BGS_GL_H_TOKENS_AT] + n_tokens;
+    /* Inputs: prompt tokens, then the last sampled token (the only generated token that is
+     * ever fed: earlier ones are in the KV cache). */
+    for (j = 0u; j < o->tokens; j++) {
+        bgs_u32 p = s[BGS_GL_S_POS] + j;
+        tokens[n_tokens + j] =
+            p < s[BGS_GL_S_PROMPT_LEN] ? s[BGS_GL_SEQ_FIXED + p] : s[BGS_GL_S_LAST];
+    }
+}
+
+/* The items of the policy's decisions (outs[0..n)), in view order. Returns their count. */
+BGS_GL_FN int bgs_gl_plan_items(bgs_u32 *state, bgs_u32 n) {
+    const struct bgs_sp_out *outs = (const struct bgs_sp_out *)(state + state[BGS_GL_H_OUTS_AT]);
+    const bgs_u32 *view_of = state + state[BGS_GL_H_VIEW_OF_AT];
     bgs_u32 n_items = 0u;
     bgs_u32 n_tokens = 0u;
     bgs_u32 k;
-    int r;
+    for (k = 0u; k < n; k++) {
+        bgs_u32 *s = bgs_gl_seq(state, view_of[k]);
+        if (outs[k].admit != 0u) {
+            s[BGS_GL_S_RUNNING] = 1u;
+        }
+        if (outs[k].tokens == 0u) {
+            continue;
+        }
+        if (bgs_gl_item_room(state, s, &outs[k], state[BGS_GL_H_FREE_TOP], n_tokens) == 0u) {
+            bgs_gl_end(state, s, BGS_STATUS_INTERNAL, 0u, 0u, 0u, 0);
+            continue;
+        }
+        bgs_gl_plan_item(state, view_of[k], &outs[k], state[BGS_GL_H_FREE_TOP], n_items,
+                         n_tokens);
+        state[BGS_GL_H_FREE_TOP] -= outs[k].new_blocks;
+        n_tokens += outs[k].tokens;
+        n_items++;
+    }
+    state[BGS_GL_H_N_ITEMS] = n_items;
+    state[BGS_GL_H_STEP_TOKENS] = n_tokens;
+    return (int)n_items;
+}
+
+BGS_GEN_LOOP_API int bgs_gl_plan_viewed(bgs_u32 *state, bgs_u32 n) {
+    struct bgs_sp_limits lim;
     if (state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC) {
         return BGS_GL_ERR_STATE;
     }
@@ -718,65 +815,12 @@ BGS_GEN_LOOP_API int bgs_gl_plan_viewed(bgs_u32 *state, bgs_u32 n) {
     if (n == 0u) {
         return 0;
     }
-    lim.block_size = bs;
-    lim.free_blocks = state[BGS_GL_H_FREE_TOP];
-    lim.max_batched_tokens = state[BGS_GL_H_MAX_BATCHED];
-    lim.max_running = state[BGS_GL_H_MAX_RUNNING];
-    r = bgs_step_plan(&lim, views, n, outs);
-    if (r < 0) {
-        /* An engine bug (the loop keeps the policy's invariants): ending every stream beats
-         * spinning on a plan that keeps failing. */
-        for (k = 0u; k < n; k++) {
-            bgs_gl_end(state, bgs_gl_seq(state, view_of[k]), BGS_STATUS_INTERNAL, 0u, 0u, 0u, 0);
-        }
-        return BGS_GL_POLICY_FAILED;
+    bgs_gl_sp_limits(state, &lim);
+    if (bgs_step_plan(&lim, (const struct bgs_sp_seq *)(state + state[BGS_GL_H_VIEWS_AT]), n,
+                      (struct bgs_sp_out *)(state + state[BGS_GL_H_OUTS_AT])) < 0) {
+        return bgs_gl_plan_failed(state, n);
     }
-    for (k = 0u; k < n; k++) {
-        bgs_u32 *s = bgs_gl_seq(state, view_of[k]);
-        bgs_u32 *table = s + BGS_GL_SEQ_FIXED + state[BGS_GL_H_MAX_PROMPT];
-        bgs_u32 *item;
-        bgs_u32 j;
-        bgs_u32 known;
-        if (outs[k].admit != 0u) {
-            s[BGS_GL_S_RUNNING] = 1u;
-        }
-        if (outs[k].tokens == 0u) {
-            continue;
-        }
-        /* All or nothing, like the Rust allocator; never short: the policy only hands out
-         * uncommitted blocks. The table never exceeds the reservation (policy), hence
-         * max_bps; the step's tokens never exceed the budget nor the prompts (token_cap). */
-        if (outs[k].new_blocks > state[BGS_GL_H_FREE_TOP] ||
-            s[BGS_GL_S_N_BLOCKS] + outs[k].new_blocks > state[BGS_GL_H_MAX_BPS] ||
-            n_tokens + outs[k].tokens > state[BGS_GL_H_TOKEN_CAP]) {
-            bgs_gl_end(state, s, BGS_STATUS_INTERNAL, 0u, 0u, 0u, 0);
-            continue;
-        }
-        for (j = 0u; j < outs[k].new_blocks; j++) {
-            state[BGS_GL_H_FREE_TOP] -= 1u;
-            table[s[BGS_GL_S_N_BLOCKS]] = free_stack[state[BGS_GL_H_FREE_TOP]];
-            s[BGS_GL_S_N_BLOCKS] += 1u;
-        }
-        item = items + n_items * BGS_GL_ITEM_WORDS;
-        item[BGS_GL_I_SLOT] = view_of[k];
-        item[BGS_GL_I_TOKENS] = outs[k].tokens;
-        item[BGS_GL_I_POS] = s[BGS_GL_S_POS];
-        known = s[BGS_GL_S_PROMPT_LEN] + s[BGS_GL_S_GENERATED];
-        item[BGS_GL_I_SAMPLE] = s[BGS_GL_S_POS] + outs[k].tokens == known;
-        item[BGS_GL_I_TOK_AT] = state[BGS_GL_H_TOKENS_AT] + n_tokens;
-        /* Inputs: prompt tokens, then the last sampled token (the only generated token that
-         * is ever fed: earlier ones are in the KV cache). */
-        for (j = 0u; j < outs[k].tokens; j++) {
-            bgs_u32 p = s[BGS_GL_S_POS] + j;
-            tokens[n_tokens + j] =
-                p < s[BGS_GL_S_PROMPT_LEN] ? s[BGS_GL_SEQ_FIXED + p] : s[BGS_GL_S_LAST];
-        }
-        n_tokens += outs[k].tokens;
-        n_items++;
-    }
-    state[BGS_GL_H_N_ITEMS] = n_items;
-    state[BGS_GL_H_STEP_TOKENS] = n_tokens;
-    return (int)n_items;
+    return bgs_gl_plan_items(state, n);
 }
 
 BGS_GEN_LOOP_API int bgs_gl_item(const bgs_u32 *state, bgs_u32 k, struct bgs_gl_item *out) {

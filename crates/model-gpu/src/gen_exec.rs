@@ -308,6 +308,7 @@ pub mod layout {
         ("CHECK_PACK", W_CHECK_PACK),
         ("CHECK_ADMIT", W_CHECK_ADMIT),
         ("CHECK_VIEWS", W_CHECK_VIEWS),
+        ("CHECK_PLAN", W_CHECK_PLAN),
     ];
     /// The dispatcher's idle self-relaunch.
     pub const W_SELF: u64 = 1;
@@ -337,6 +338,9 @@ pub mod layout {
     pub const W_CHECK_ADMIT: u64 = 13;
     /// `P_CHECK`: the lane-parallel plan views differ from `bgs_gl_plan`'s.
     pub const W_CHECK_VIEWS: u64 = 14;
+    /// `P_CHECK`: the lane-parallel policy decisions or step items differ from
+    /// `bgs_step_plan`'s and `bgs_gl_plan`'s.
+    pub const W_CHECK_PLAN: u64 = 15;
 
     /// Name of a `W_*` code.
     pub fn where_name(w: u64) -> &'static str {
@@ -1146,7 +1150,8 @@ impl GpuGenExecutor {
         let next_by_item = d.alloc(max_seqs * 4, "cuMemAlloc(next by item)")?;
         let payload = d.alloc(bgs_ring::SLOT_WORDS * 4, "cuMemAlloc(payload)")?;
         let shadow = d.alloc(C_WORDS * 8, "cuMemAlloc(control shadow)")?;
-        // The larger of the owed frames and the step-input words.
+        // The larger of the owed frames and the step-input words (the policy's decisions,
+        // 4 words a sequence, are fewer than the owed frames' words).
         let check_words =
             (2 * max_seqs * size_of::<bgs_llm::gen_loop::GlFrame>() / 4).max(h.geometry.words());
         let check_scratch = d.alloc(check_words * 4, "cuMemAlloc(check scratch)")?;

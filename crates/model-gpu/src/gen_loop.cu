@@ -91,7 +91,7 @@ __device__ __forceinline__ bgs_u32 gld_ld_acquire_sys32(const bgs_u32 *p) {
 __device__ __forceinline__ void gld_st_release_sys(bgs_u64 *p, bgs_u64 v) {
     asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-/* Relaxed: no ordering of their own; a batch orders them with one fence (gld_batch_*). */
+/* Relaxed: no ordering of their own; gld_publish_frames orders them with system fences. */
 __device__ __forceinline__ bgs_u64 gld_ld_relaxed_sys(const bgs_u64 *p) {
     bgs_u64 v;
     asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -189,7 +189,33 @@ __device__ __forceinline__ void gld_set(struct gld_ctx *c, bgs_u32 w, bgs_u64 v)
  * the slot's seq says whether the consumer freed it (seq == pos), and completion_tail is kept
  * current with a max after the publish. Returns 0 when the ring is full (nothing written: the
  * caller retries later; the loop keeps the frame owed). */
-/* The fields of one completion entry (not its seq) at `cs`. */
+/* The fields of one completion entry (not its seq) at `cs`, in five stores where there were
+ * fourteen: a store to host memory is a PCIe write of its own, so the fields go out as 16-byte
+ * vectors (a completion slot is 1088 bytes and the slots start page-aligned, so each group
+ * below is 16-byte aligned: the offsets are bgs_ring.h's static asserts). The payload goes
+ * out in pairs of words; a token frame's second word is a don't-care zero past `words`. */
+#ifdef GLD_HOST_EMU
+__device__ __forceinline__ void gld_st_v4(void *p, bgs_u32 a, bgs_u32 b, bgs_u32 c, bgs_u32 d) {
+    bgs_u32 *q = (bgs_u32 *)p;
+    q[0] = a;
+    q[1] = b;
+    q[2] = c;
+    q[3] = d;
+}
+__device__ __forceinline__ void gld_st_v2(void *p, bgs_u32 a, bgs_u32 b) {
+    bgs_u32 *q = (bgs_u32 *)p;
+    q[0] = a;
+    q[1] = b;
+}
+#else
+__device__ __forceinline__ void gld_st_v4(void *p, bgs_u32 a, bgs_u32 b, bgs_u32 c, bgs_u32 d) {
+    asm volatile("st.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d)
+                 : "memory");
+}
+__device__ __forceinline__ void gld_st_v2(void *p, bgs_u32 a, bgs_u32 b) {
+    asm volatile("st.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
+}
+#endif
 __device__ __forceinline__ void gld_write_entry(struct bgs_completion_slot *cs, bgs_u64 conn,
                                                 bgs_u32 conn_seq, bgs_u32 request_id,
                                                 bgs_u32 route, bgs_u32 op, bgs_u64 publish_ns,
@@ -198,20 +224,25 @@ __device__ __forceinline__ void gld_write_entry(struct bgs_completion_slot *cs, 
                                                 const bgs_u32 *payload, bgs_u32 words) {
     struct bgs_completion_entry *ce = &cs->entry;
     ce->conn = conn;
-    ce->conn_seq = conn_seq;
-    ce->status = (bgs_u16)status;
-    ce->final_ = (bgs_u16)final_;
-    ce->request_id = request_id;
-    ce->words = words;
-    ce->stream_seq = stream_seq;
-    ce->route = route;
-    ce->stream = stream_plus_one;
-    ce->op = op;
-    ce->publish_ns = publish_ns;
-    ce->reserved[0] = 0;
-    ce->reserved[1] = 0;
-    for (bgs_u32 i = 0; i < words; i++) ce->payload[i] = payload[i];
+    gld_st_v4(&ce->conn_seq, conn_seq, (status & 0xffffu) | (final_ << 16), request_id, words);
+    gld_st_v4(&ce->stream_seq, stream_seq, route, stream_plus_one, op);
+    gld_st_v4(&ce->publish_ns, (bgs_u32)publish_ns, (bgs_u32)(publish_ns >> 32), 0u, 0u);
+    for (bgs_u32 i = 0; i < words; i += 2u)
+        gld_st_v2(&ce->payload[i], payload[i], i + 1u < words ? payload[i + 1u] : 0u);
 }
+BGS_STATIC_ASSERT(sizeof(struct bgs_completion_slot) % 16u == 0u, "completion slots stay 16-byte aligned");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_slot, entry) +
+                          BGS_OFFSETOF(struct bgs_completion_entry, conn_seq) == 16,
+                  "conn_seq .. words: one 16-byte store");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, stream_seq) ==
+                          BGS_OFFSETOF(struct bgs_completion_entry, conn_seq) + 16,
+                  "stream_seq .. op: one 16-byte store");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, publish_ns) ==
+                          BGS_OFFSETOF(struct bgs_completion_entry, conn_seq) + 32,
+                  "publish_ns, reserved: one 16-byte store");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_entry, payload) ==
+                          BGS_OFFSETOF(struct bgs_completion_entry, conn_seq) + 48,
+                  "payload: pairs of words, 8-byte aligned");
 
 __device__ int gld_publish(struct gld_ctx *c, bgs_u64 conn, bgs_u32 conn_seq, bgs_u32 request_id,
                            bgs_u32 route, bgs_u32 op, bgs_u64 publish_ns, bgs_u32 status,
@@ -232,68 +263,6 @@ __device__ int gld_publish(struct gld_ctx *c, bgs_u64 conn, bgs_u32 conn_seq, bg
     c->s[BGS_GLD_S_TAIL] = pos + 1;
     gld_add(c, BGS_GLD_C_FRAMES, 1);
     return 1;
-}
-
-/* A batch of completion entries (lane 0): the frames of one publication share the ring-room
- * reads, the fence and the tail update that gld_publish pays per entry (each a PCIe round
- * trip or a system fence: ~7 us a frame on the H200, 0.7 ms of a step of 100 sequences).
- *   room: the seqs of up to GLD_ROOM_READS slots ahead are read together (relaxed loads, all
- *     in flight at once), then one fence orders them before the entry writes (the acquire
- *     that gld_publish's per-slot ld.acquire gives: the consumer's reads of a freed slot are
- *     done before we overwrite it);
- *   add: writes an entry's fields into the next slot (no seq yet);
- *   commit: one system fence (every entry's fields before any seq), then each seq (relaxed
- *     stores, posted), then one completion_tail max and one frame count.
- * The consumer sees an entry only through its seq, as with gld_publish. */
-#define GLD_ROOM_READS 16u
-struct gld_batch {
-    bgs_u64 pos;   /* the next slot's position */
-    bgs_u64 room;  /* slots from pos known free */
-    bgs_u64 first; /* pos when the batch began */
-};
-__device__ __forceinline__ void gld_batch_begin(struct gld_ctx *c, struct gld_batch *b) {
-    b->pos = c->s[BGS_GLD_S_TAIL];
-    b->first = b->pos;
-    b->room = 0;
-}
-/* 1 when the next slot is free (reading ahead when the known room ran out), 0 when full. */
-__device__ int gld_batch_room(struct gld_ctx *c, struct gld_batch *b) {
-    if (b->room != 0) return 1;
-    bgs_u64 seq[GLD_ROOM_READS];
-#pragma unroll
-    for (bgs_u32 i = 0; i < GLD_ROOM_READS; i++)
-        seq[i] = gld_ld_relaxed_sys(&gld_completion_slot(c->ring, b->pos + i)->seq);
-    bgs_u64 free_ = 0;
-    while (free_ < GLD_ROOM_READS && seq[free_] == b->pos + free_) free_++;
-    __threadfence_system();
-    b->room = free_;
-    if (free_ == 0) {
-        gld_add(c, BGS_GLD_C_RING_FULL, 1);
-        return 0;
-    }
-    return 1;
-}
-__device__ __forceinline__ void gld_batch_add(struct gld_ctx *c, struct gld_batch *b,
-                                              bgs_u64 conn, bgs_u32 conn_seq,
-                                              bgs_u32 request_id, bgs_u32 route, bgs_u32 op,
-                                              bgs_u64 publish_ns, bgs_u32 status, bgs_u32 final_,
-                                              bgs_u32 stream_seq, bgs_u32 stream_plus_one,
-                                              const bgs_u32 *payload, bgs_u32 words) {
-    gld_write_entry(gld_completion_slot(c->ring, b->pos), conn, conn_seq, request_id, route, op,
-                    publish_ns, status, final_, stream_seq, stream_plus_one, payload, words);
-    b->pos++;
-    b->room--;
-}
-__device__ void gld_batch_commit(struct gld_ctx *c, struct gld_batch *b) {
-    if (b->pos == b->first) return;
-    __threadfence_system();
-    for (bgs_u64 p = b->first; p < b->pos; p++)
-        gld_st_relaxed_sys(&gld_completion_slot(c->ring, p)->seq, p + 1);
-    atomicMax_system((unsigned long long *)&gld_header(c->ring)->completion_tail,
-                     (unsigned long long)b->pos);
-    c->s[BGS_GLD_S_TAIL] = b->pos;
-    gld_add(c, BGS_GLD_C_FRAMES, b->pos - b->first);
-    b->first = b->pos;
 }
 
 /* Credit of every table slot (all lanes): window minus the stream's frames in flight
@@ -358,53 +327,151 @@ __device__ struct gld_census gld_census_of(struct gld_ctx *c, bgs_u32 lane) {
     return r;
 }
 
-/* Publish `n` owed frames (lane 0), in order, each stream until its credit or the ring runs
- * out; report each stream's count with bgs_gl_delivered, and give back the credit-stream
- * index of every stream that left the table. Returns 0 when the ring was full. */
-__device__ int gld_publish_frames(struct gld_ctx *c, const struct bgs_gl_frame *f, bgs_u32 n) {
+/* bgs_gl_drop_left, lane-parallel (all lanes call it): the order's live slots, kept in order by
+ * a prefix sum; a chunk's writes land at or before its own reads, which the chunk finished
+ * before any lane writes. */
+__device__ void gld_drop_left(bgs_u32 *state, bgs_u32 lane) {
+    bgs_u32 *order = state + state[BGS_GL_H_ORDER_AT];
+    const bgs_u32 live = state[BGS_GL_H_N_LIVE];
+    bgs_u32 kept = 0u;
+    for (bgs_u32 k0 = 0u; k0 < live; k0 += GLD_LANES) {
+        const bgs_u32 k = k0 + lane;
+        const bgs_u32 slot = k < live ? order[k] : 0u;
+        const bgs_u32 keep = k < live && bgs_gl_cseq(state, slot)[BGS_GL_S_LIVE] != 0u;
+        bgs_u32 total;
+        const bgs_u32 to = kept + gld_warp_scan(keep, &total);
+        __syncwarp(); /* the chunk's reads before its writes */
+        if (keep) order[to] = slot;
+        kept += total;
+    }
+    __syncwarp();
+    if (lane == 0u) state[BGS_GL_H_N_LIVE] = kept;
+    __syncwarp();
+}
+
+/* Publish `n` owed frames (all lanes call it; every lane gets the answer): each stream's
+ * frames until its credit runs out, all of them in order until the ring runs out; report each
+ * stream's count to the table (bgs_gl_delivered's per-slot part), and give back the
+ * credit-stream index of every stream that left the table. Returns 0 when the ring was full.
+ *
+ * Lane-parallel: one thread's per-frame stores to host memory cost ~557 us a step at 256
+ * slots on the H200 (bench/results/20261201-gpu-step-loop-lanes). bgs_gl_owed lists each
+ * slot once, with at most two frames (a token, then the final one), so each slot's frames
+ * are a run that starts where the previous frame's slot differs; the run's first lane handles
+ * the whole run. What it may send is min(run length, the slot's credit); a prefix sum of those
+ * places each frame in the ring, where the free slots from the tail (read in parallel, first
+ * busy one found by a scan) cut the list. The outcome equals the one-thread walk's with the
+ * same ring: frames in list order, each stream up to its credit, the list cut where the ring
+ * is full. Each lane writes its entries' fields, fences, then sets their seqs (the consumer
+ * reads each entry through its own seq, in ring order); lane 0 moves the shared words. */
+__device__ __forceinline__ bgs_u32 gld_run_starts(const struct bgs_gl_frame *f, bgs_u32 n,
+                                                  bgs_u32 j) {
+    return j < n && (j == 0u || f[j - 1u].slot != f[j].slot);
+}
+__device__ __forceinline__ bgs_u32 gld_run_len(const struct bgs_gl_frame *f, bgs_u32 n,
+                                               bgs_u32 j) {
+    return 1u + (j + 1u < n && f[j + 1u].slot == f[j].slot);
+}
+__device__ int gld_publish_frames(struct gld_ctx *c, const struct bgs_gl_frame *f, bgs_u32 n,
+                                  bgs_u32 lane) {
+    __shared__ bgs_u64 sh_tail;
     bgs_u32 *credit = (bgs_u32 *)c->p[BGS_GLD_P_CREDIT];
     bgs_u32 *published = (bgs_u32 *)c->p[BGS_GLD_P_PUBLISHED];
     bgs_u32 *stream_free = (bgs_u32 *)c->p[BGS_GLD_P_STREAM_FREE];
     const bgs_u64 *stream_ns = (const bgs_u64 *)c->p[BGS_GLD_P_STREAM_NS];
-    const bgs_u32 *st = c->state;
-    int room = 1;
-    struct gld_batch b;
-    gld_batch_begin(c, &b);
-    bgs_u32 k = 0;
-    while (k < n) {
-        const bgs_u32 slot = f[k].slot;
-        const bgs_u32 stream = f[k].stream;
-        const bgs_u32 *s = st + st[BGS_GL_H_SEQ_AT] + slot * st[BGS_GL_H_SEQ_WORDS];
-        const bgs_u64 conn = (bgs_u64)s[BGS_GL_S_CONN_LO] | ((bgs_u64)s[BGS_GL_S_CONN_HI] << 32);
-        bgs_u32 sent = 0;
-        bgs_u32 j = k;
-        for (; j < n && f[j].slot == slot; j++) {
-            if (!room || sent >= credit[slot]) continue;
-            if (!gld_batch_room(c, &b)) {
-                room = 0;
-                continue;
-            }
-            gld_batch_add(c, &b, conn, s[BGS_GL_S_CONN_SEQ], s[BGS_GL_S_REQUEST_ID],
-                          s[BGS_GL_S_ROUTE], BGS_OP_GENERATE, stream_ns[stream], f[j].status,
-                          f[j].final_, f[j].seq, stream + 1u, f[j].word, f[j].words);
-            sent++;
-            published[stream] += 1u;
-        }
-        if (sent < j - k && room) gld_add(c, BGS_GLD_C_CREDIT_STALLS, 1);
-        credit[slot] -= sent;
-        if (sent != 0u) {
-            bgs_gl_delivered(c->state, slot, sent);
-            if (bgs_gl_slot_stream(c->state, slot) != stream) {
-                /* The final frame went out: the credit stream is free for the next request. */
-                const bgs_u64 top = c->s[BGS_GLD_S_STREAM_TOP];
-                stream_free[top] = stream;
-                c->s[BGS_GLD_S_STREAM_TOP] = top + 1;
-            }
-        }
-        k = j;
+    bgs_u32 *st = c->state;
+    if (lane == 0u) sh_tail = c->s[BGS_GLD_S_TAIL];
+    __syncwarp();
+    const bgs_u64 tail = sh_tail;
+    /* 1. What credit allows: each run's min(length, credit), summed. */
+    bgs_u32 allowed = 0u;
+    for (bgs_u32 k0 = 0u; k0 < n; k0 += GLD_LANES) {
+        const bgs_u32 j = k0 + lane;
+        const bgs_u32 e = gld_run_starts(f, n, j)
+                              ? bgs_gl_min32(gld_run_len(f, n, j), credit[f[j].slot])
+                              : 0u;
+        allowed += gld_warp_sum(e);
     }
-    gld_batch_commit(c, &b);
-    return room;
+    /* 2. Room: the free slots from the tail, up to `allowed` (a slot is free for position
+     * pos when its seq == pos); the first busy one ends it. */
+    bgs_u32 room = 0u;
+    for (bgs_u32 b = 0u; b < allowed; b += GLD_LANES) {
+        const bgs_u32 i = b + lane;
+        const bgs_u32 busy =
+            i < allowed && gld_ld_relaxed_sys(&gld_completion_slot(c->ring, tail + i)->seq) !=
+                               tail + i;
+        bgs_u32 busy_total;
+        const bgs_u32 before = gld_warp_scan(busy, &busy_total);
+        if (busy_total != 0u) {
+            room = b + gld_warp_sum(busy && before == 0u ? lane : 0u);
+            break;
+        }
+        room = allowed - b < GLD_LANES ? allowed : b + GLD_LANES;
+    }
+    /* Every lane's room reads before any lane's entry writes (the acquire that the
+     * consumer's release of each slot pairs with). */
+    __threadfence_system();
+    __syncwarp();
+    /* 3. The entries, then each run's bookkeeping (the run's own slot and stream only). */
+    bgs_u32 at = 0u, left_at = 0u, stalls = 0u;
+    for (bgs_u32 k0 = 0u; k0 < n; k0 += GLD_LANES) {
+        const bgs_u32 j = k0 + lane;
+        const bgs_u32 starts = gld_run_starts(f, n, j);
+        const bgs_u32 slot = starts ? f[j].slot : 0u;
+        const bgs_u32 len = starts ? gld_run_len(f, n, j) : 0u;
+        const bgs_u32 e = starts ? bgs_gl_min32(len, credit[slot]) : 0u;
+        bgs_u32 e_total;
+        const bgs_u32 mine = at + gld_warp_scan(e, &e_total);
+        const bgs_u32 sent = mine >= room ? 0u : bgs_gl_min32(e, room - mine);
+        const bgs_u32 stream = starts ? f[j].stream : 0u;
+        if (sent != 0u) {
+            const bgs_u32 *s = bgs_gl_cseq(st, slot);
+            const bgs_u64 conn =
+                (bgs_u64)s[BGS_GL_S_CONN_LO] | ((bgs_u64)s[BGS_GL_S_CONN_HI] << 32);
+            for (bgs_u32 i = 0u; i < sent; i++) {
+                const struct bgs_gl_frame *fr = &f[j + i];
+                gld_write_entry(gld_completion_slot(c->ring, tail + mine + i), conn,
+                                s[BGS_GL_S_CONN_SEQ], s[BGS_GL_S_REQUEST_ID], s[BGS_GL_S_ROUTE],
+                                BGS_OP_GENERATE, stream_ns[stream], fr->status, fr->final_,
+                                fr->seq, stream + 1u, fr->word, fr->words);
+            }
+            __threadfence_system(); /* this lane's fields before its seqs */
+            for (bgs_u32 i = 0u; i < sent; i++)
+                gld_st_relaxed_sys(&gld_completion_slot(c->ring, tail + mine + i)->seq,
+                                   tail + mine + i + 1u);
+        }
+        /* Credit-limited (not cut by the ring): the one-thread walk's credit stall. */
+        stalls += starts && e < len && mine + e <= room;
+        if (starts) credit[slot] -= sent;
+        bgs_u32 left = 0u;
+        if (sent != 0u) {
+            published[stream] += sent;
+            left = bgs_gl_delivered_mark(st, slot, sent);
+        }
+        /* The final frame went out: the credit stream is free for the next request. */
+        bgs_u32 left_total;
+        const bgs_u32 left_before = gld_warp_scan(left, &left_total);
+        if (left) stream_free[c->s[BGS_GLD_S_STREAM_TOP] + left_at + left_before] = stream;
+        at += e_total;
+        left_at += left_total;
+    }
+    stalls = gld_warp_sum(stalls);
+    __syncwarp(); /* every lane's marks are in before the order closes up */
+    if (left_at != 0u) gld_drop_left(st, lane);
+    if (lane == 0u) {
+        const bgs_u32 sent_total = bgs_gl_min32(allowed, room);
+        if (room < allowed) gld_add(c, BGS_GLD_C_RING_FULL, 1);
+        if (stalls != 0u) gld_add(c, BGS_GLD_C_CREDIT_STALLS, stalls);
+        if (sent_total != 0u) {
+            atomicMax_system((unsigned long long *)&gld_header(c->ring)->completion_tail,
+                             (unsigned long long)(tail + sent_total));
+            c->s[BGS_GLD_S_TAIL] = tail + sent_total;
+            gld_add(c, BGS_GLD_C_FRAMES, sent_total);
+        }
+        c->s[BGS_GLD_S_STREAM_TOP] += left_at;
+    }
+    __syncwarp();
+    return room >= allowed;
 }
 
 /* ---- lane-parallel forms of the C functions' table walks (all lanes call them) ----
@@ -522,6 +589,257 @@ __device__ bgs_u32 gld_plan_views(bgs_u32 *state, const bgs_u32 *credit, bgs_u32
         n += total;
     }
     return n;
+}
+
+/* Sum of a 64-bit value over the warp (every lane gets it): four sums of 16-bit pieces, so
+ * no piece's sum can overflow 32 bits. */
+__device__ __forceinline__ bgs_u64 gld_warp_sum64(bgs_u64 v) {
+    bgs_u64 r = 0u;
+    for (bgs_u32 c = 0u; c < 4u; c++) r += (bgs_u64)gld_warp_sum((bgs_u32)(v >> (16u * c)) & 0xffffu) << (16u * c);
+    return r;
+}
+
+/* bgs_step_plan, lane-parallel (all lanes call it; every lane gets the answer): the same outs
+ * and return value. Passes 0, 1 and 3 are per sequence (sums and a prefix sum: pass 1's
+ * decoders take one token each in FIFO order until the budget runs out); pass 2, FIFO over
+ * prefill chunks and admissions with a shrinking budget, stays on lane 0, which visits only
+ * the sequences it can act on (waiting, or prefilling with prompt left and ready), found 32 at
+ * a time. Invalid inputs (never, from the loop's own views) go to the C function, so the
+ * error returned is its. */
+__device__ int gld_step_plan(const struct bgs_sp_limits *lim, const struct bgs_sp_seq *seqs,
+                             bgs_u32 n, struct bgs_sp_out *out, bgs_u32 lane) {
+    __shared__ int sh_r;
+    __shared__ bgs_u64 sh_budget;
+    __shared__ bgs_u32 sh_stop;
+    const bgs_u32 bs = lim->block_size;
+    if (bs == 0u || lim->max_batched_tokens == 0u || lim->max_running == 0u)
+        return BGS_SP_ERR_LIMITS;
+    bgs_u64 budget = lim->max_batched_tokens;
+    if (budget > 0x7fffffffu) budget = 0x7fffffffu;
+    /* Pass 0: clear, validate, what running sequences may still claim. */
+    bgs_u64 committed = 0u;
+    bgs_u32 running = 0u, bad = 0u;
+    for (bgs_u32 i = lane; i < n; i += GLD_LANES) {
+        const struct bgs_sp_seq *q = &seqs[i];
+        out[i].admit = 0u;
+        out[i].tokens = 0u;
+        out[i].new_blocks = 0u;
+        out[i].reserved = 0u;
+        if (q->state == BGS_SP_WAITING) continue;
+        const bgs_u32 need = bgs_sp_blocks_for(q->reserve_tokens, bs);
+        bad |= (q->state != BGS_SP_PREFILL && q->state != BGS_SP_DECODE) ||
+               q->blocks_held > need || (q->state == BGS_SP_DECODE && q->pos >= q->reserve_tokens);
+        committed += (bgs_u64)(need - q->blocks_held);
+        running++;
+    }
+    if (gld_warp_sum(bad) != 0u) {
+        __syncwarp();
+        if (lane == 0u) sh_r = bgs_step_plan(lim, seqs, n, out);
+        __syncwarp();
+        return sh_r;
+    }
+    committed = gld_warp_sum64(committed);
+    running = gld_warp_sum(running);
+    if (committed > (bgs_u64)lim->free_blocks) return BGS_SP_ERR_OVERCOMMIT;
+    bgs_u64 uncommitted = (bgs_u64)lim->free_blocks - committed;
+    /* Pass 1: one token for every ready decoder, in order, while the budget lasts. */
+    bgs_u32 decoders = 0u;
+    for (bgs_u32 i0 = 0u; i0 < n; i0 += GLD_LANES) {
+        const bgs_u32 i = i0 + lane;
+        const bgs_u32 d = i < n && seqs[i].state == BGS_SP_DECODE && seqs[i].ready != 0u;
+        bgs_u32 total;
+        const bgs_u32 before = decoders + gld_warp_scan(d, &total);
+        if (d && before < budget) out[i].tokens = 1u;
+        decoders += total;
+    }
+    budget -= decoders < budget ? decoders : budget;
+    /* Pass 2 (lane 0 acts): prefill chunks, running sequences first then admissions, FIFO. */
+    if (lane == 0u) {
+        sh_budget = budget;
+        sh_stop = budget == 0u;
+    }
+    __syncwarp();
+    for (bgs_u32 i0 = 0u; i0 < n && sh_stop == 0u; i0 += GLD_LANES) {
+        const bgs_u32 i = i0 + lane;
+        const struct bgs_sp_seq *q = &seqs[i];
+        const bgs_u32 acts = i < n && (q->state == BGS_SP_WAITING ||
+                                       (q->state == BGS_SP_PREFILL && q->ready != 0u &&
+                                        q->prompt_left != 0u));
+        /* The acting lanes as bits (distinct powers of two: their sum is their or). */
+        const bgs_u32 mask = gld_warp_sum(acts ? 1u << lane : 0u);
+        if (lane == 0u) {
+            for (bgs_u32 l = 0u; l < GLD_LANES && sh_stop == 0u; l++) {
+                if ((mask >> l & 1u) == 0u) continue;
+                const bgs_u32 k = i0 + l;
+                const struct bgs_sp_seq *w = &seqs[k];
+                if (w->ready == 0u) { /* waiting, not ready: nothing behind it goes first */
+                    sh_stop = 1u;
+                    break;
+                }
+                if (w->state == BGS_SP_WAITING) {
+                    const bgs_u64 need = bgs_sp_blocks_for(w->reserve_tokens, bs);
+                    if (running >= lim->max_running || need > uncommitted ||
+                        w->reserve_tokens < w->prompt_left || w->prompt_left == 0u) {
+                        sh_stop = 1u;
+                        break;
+                    }
+                    uncommitted -= need;
+                    running++;
+                    out[k].admit = 1u;
+                }
+                bgs_u64 chunk = w->prompt_left;
+                if (chunk > sh_budget) chunk = sh_budget;
+                if ((bgs_u64)w->pos + chunk > (bgs_u64)w->reserve_tokens)
+                    chunk = w->reserve_tokens > w->pos ? (bgs_u64)(w->reserve_tokens - w->pos) : 0u;
+                out[k].tokens = (bgs_u32)chunk;
+                sh_budget -= chunk;
+                if (sh_budget == 0u) sh_stop = 1u;
+            }
+        }
+        __syncwarp();
+    }
+    /* Pass 3: the blocks each scheduled sequence adds to cover [0, pos + tokens). */
+    bgs_u64 total = 0u;
+    for (bgs_u32 i = lane; i < n; i += GLD_LANES) {
+        if (out[i].tokens == 0u) continue;
+        const bgs_u32 want = bgs_sp_blocks_for((bgs_u64)seqs[i].pos + out[i].tokens, bs);
+        out[i].new_blocks = want > seqs[i].blocks_held ? want - seqs[i].blocks_held : 0u;
+        total += out[i].tokens;
+    }
+    return (int)gld_warp_sum64(total);
+}
+
+/* bgs_gl_plan_viewed, lane-parallel (all lanes call it; every lane gets the answer): the policy
+ * (gld_step_plan), then the items: each view's item index, blocks and input tokens come from
+ * prefix sums of the decisions before it, so its lane builds it with the C piece
+ * (bgs_gl_plan_item) where the one-thread loop would. A decision that does not fit (an engine
+ * bug the C loop answers by ending that stream, which gives its blocks back and so changes
+ * what every later view gets) sends the whole step to the C loop instead. */
+__device__ int gld_plan_viewed(bgs_u32 *state, bgs_u32 n, bgs_u32 lane) {
+    __shared__ int sh_r;
+    if (state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC) return BGS_GL_ERR_STATE;
+    __syncwarp(); /* every lane read the header words before lane 0 resets them */
+    if (lane == 0u) {
+        state[BGS_GL_H_N_ITEMS] = 0u;
+        state[BGS_GL_H_STEP_TOKENS] = 0u;
+    }
+    if (n == 0u) {
+        __syncwarp();
+        return 0;
+    }
+    struct bgs_sp_limits lim;
+    bgs_gl_sp_limits(state, &lim);
+    const struct bgs_sp_seq *views = (const struct bgs_sp_seq *)(state + state[BGS_GL_H_VIEWS_AT]);
+    struct bgs_sp_out *outs = (struct bgs_sp_out *)(state + state[BGS_GL_H_OUTS_AT]);
+    const bgs_u32 *view_of = state + state[BGS_GL_H_VIEW_OF_AT];
+    const int r = gld_step_plan(&lim, views, n, outs, lane);
+    __syncwarp(); /* every lane's decisions are in */
+    if (r < 0) {
+        if (lane == 0u) sh_r = bgs_gl_plan_failed(state, n);
+        __syncwarp();
+        return sh_r;
+    }
+    const bgs_u32 free_top = state[BGS_GL_H_FREE_TOP];
+    /* Does every decision fit? */
+    bgs_u32 blocks = 0u, toks = 0u, misfit = 0u;
+    for (bgs_u32 k0 = 0u; k0 < n; k0 += GLD_LANES) {
+        const bgs_u32 k = k0 + lane;
+        const struct bgs_sp_out *o = k < n && outs[k].tokens != 0u ? &outs[k] : 0;
+        bgs_u32 bt, tt;
+        const bgs_u32 b_before = blocks + gld_warp_scan(o != 0 ? o->new_blocks : 0u, &bt);
+        const bgs_u32 t_before = toks + gld_warp_scan(o != 0 ? o->tokens : 0u, &tt);
+        misfit |= o != 0 && (b_before > free_top ||
+                             bgs_gl_item_room(state, bgs_gl_cseq(state, view_of[k]), o,
+                                              free_top - b_before, t_before) == 0u);
+        blocks += bt;
+        toks += tt;
+    }
+    if (gld_warp_sum(misfit) != 0u) {
+        if (lane == 0u) sh_r = bgs_gl_plan_items(state, n);
+        __syncwarp();
+        return sh_r;
+    }
+    bgs_u32 items = 0u;
+    blocks = 0u;
+    toks = 0u;
+    for (bgs_u32 k0 = 0u; k0 < n; k0 += GLD_LANES) {
+        const bgs_u32 k = k0 + lane;
+        const struct bgs_sp_out *o = k < n ? &outs[k] : 0;
+        const bgs_u32 has = o != 0 && o->tokens != 0u;
+        bgs_u32 it, bt, tt;
+        const bgs_u32 at = items + gld_warp_scan(has, &it);
+        const bgs_u32 b_before = blocks + gld_warp_scan(has ? o->new_blocks : 0u, &bt);
+        const bgs_u32 t_before = toks + gld_warp_scan(has ? o->tokens : 0u, &tt);
+        if (o != 0 && o->admit != 0u) bgs_gl_seq(state, view_of[k])[BGS_GL_S_RUNNING] = 1u;
+        if (has) bgs_gl_plan_item(state, view_of[k], o, free_top - b_before, at, t_before);
+        items += it;
+        blocks += bt;
+        toks += tt;
+    }
+    __syncwarp();
+    if (lane == 0u) {
+        state[BGS_GL_H_FREE_TOP] = free_top - blocks;
+        state[BGS_GL_H_N_ITEMS] = items;
+        state[BGS_GL_H_STEP_TOKENS] = toks;
+    }
+    __syncwarp();
+    return (int)items;
+}
+
+/* P_CHECK (lane 0, after gld_plan_viewed): the policy's C function gives the same decisions
+ * for the same views (into the check scratch), and the items, input tokens and new table
+ * entries are the ones the one-thread loop would have made. 0 when equal. `free_top`: the
+ * free stack before the plan. A step the C loop made (a misfit) is its own answer. */
+__device__ int gld_check_plan(struct gld_ctx *c, bgs_u32 n, int r, bgs_u32 free_top) {
+    const bgs_u32 *st = c->state;
+    if (n == 0u || r < 0) return 0;
+    struct bgs_sp_limits lim;
+    bgs_gl_sp_limits(st, &lim);
+    lim.free_blocks = free_top;
+    const struct bgs_sp_seq *views = (const struct bgs_sp_seq *)(st + st[BGS_GL_H_VIEWS_AT]);
+    const struct bgs_sp_out *outs = (const struct bgs_sp_out *)(st + st[BGS_GL_H_OUTS_AT]);
+    const bgs_u32 *view_of = st + st[BGS_GL_H_VIEW_OF_AT];
+    struct bgs_sp_out *want = (struct bgs_sp_out *)c->p[BGS_GLD_P_CHECK_SCRATCH];
+    /* The views are as the plan read them, except the RUNNING words it set (not in views). */
+    if (bgs_step_plan(&lim, views, n, want) < 0) return 1;
+    for (bgs_u32 k = 0u; k < n; k++)
+        if (want[k].admit != outs[k].admit || want[k].tokens != outs[k].tokens ||
+            want[k].new_blocks != outs[k].new_blocks || want[k].reserved != outs[k].reserved)
+            return 1;
+    const bgs_u32 *items = st + st[BGS_GL_H_ITEMS_AT];
+    const bgs_u32 *tokens = st + st[BGS_GL_H_TOKENS_AT];
+    const bgs_u32 *free_stack = st + st[BGS_GL_H_FREE_AT];
+    /* A viewed sequence that has ended since: a misfit, so the C loop made this step. */
+    for (bgs_u32 k = 0u; k < n; k++)
+        if (bgs_gl_cseq(st, view_of[k])[BGS_GL_S_END] != 0u) return 0;
+    bgs_u32 at = 0u, toks = 0u, top = free_top;
+    for (bgs_u32 k = 0u; k < n; k++) {
+        const bgs_u32 *s = bgs_gl_cseq(st, view_of[k]);
+        if (outs[k].admit != 0u && s[BGS_GL_S_RUNNING] == 0u) return 1;
+        if (outs[k].tokens == 0u) continue;
+        const bgs_u32 *item = items + at * BGS_GL_ITEM_WORDS;
+        const bgs_u32 *table = s + BGS_GL_SEQ_FIXED + st[BGS_GL_H_MAX_PROMPT];
+        const bgs_u32 held = s[BGS_GL_S_N_BLOCKS] - outs[k].new_blocks;
+        for (bgs_u32 j = 0u; j < outs[k].new_blocks; j++)
+            if (table[held + j] != free_stack[top - 1u - j]) return 1;
+        if (item[BGS_GL_I_SLOT] != view_of[k] || item[BGS_GL_I_TOKENS] != outs[k].tokens ||
+            item[BGS_GL_I_POS] != s[BGS_GL_S_POS] ||
+            item[BGS_GL_I_SAMPLE] !=
+                (s[BGS_GL_S_POS] + outs[k].tokens == s[BGS_GL_S_PROMPT_LEN] + s[BGS_GL_S_GENERATED]) ||
+            item[BGS_GL_I_TOK_AT] != st[BGS_GL_H_TOKENS_AT] + toks)
+            return 1;
+        for (bgs_u32 j = 0u; j < outs[k].tokens; j++) {
+            const bgs_u32 p = s[BGS_GL_S_POS] + j;
+            if (tokens[toks + j] !=
+                (p < s[BGS_GL_S_PROMPT_LEN] ? s[BGS_GL_SEQ_FIXED + p] : s[BGS_GL_S_LAST]))
+                return 1;
+        }
+        top -= outs[k].new_blocks;
+        toks += outs[k].tokens;
+        at++;
+    }
+    return at != st[BGS_GL_H_N_ITEMS] || toks != st[BGS_GL_H_STEP_TOKENS] ||
+           top != st[BGS_GL_H_FREE_TOP];
 }
 
 /* P_CHECK (lane 0): the views the C loop builds equal gld_plan_views' (0 when equal). */
@@ -773,7 +1091,6 @@ __device__ int gld_launch_step(struct gld_ctx *c, const struct bgs_gl_packed *pk
 extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
     if (blockIdx.x != 0 || blockDim.x != GLD_LANES) return;
     __shared__ bgs_u32 sh_cmd; /* 0: keep polling, 1: step launched, 2: stop, 3: relaunch */
-    __shared__ int sh_planned; /* bgs_gl_plan's answer, for every lane */
     const bgs_u32 lane = threadIdx.x;
     struct gld_ctx c = gld_ctx_of(params);
     const bgs_u32 idle_rounds = (bgs_u32)params[BGS_GLD_P_IDLE_ROUNDS];
@@ -785,6 +1102,7 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
     }
     for (;;) {
         const bgs_u64 t_round = lane == 0 ? gld_now_ns() : 0;
+        __syncwarp(); /* every lane read the last round's sh_cmd before lane 0 resets it */
         if (lane == 0) {
             sh_cmd = 0;
             if (c.state[BGS_GL_H_MAGIC] != BGS_GL_MAGIC) {
@@ -800,22 +1118,21 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
         gld_credit(&c, lane);
         __syncwarp();
         bool moved = took != 0; /* lane 0's is the one used */
-        /* What is owed (lane-parallel), then lane 0 publishes it. */
+        /* What is owed, then its publication (both lane-parallel). */
         struct bgs_gl_frame *frames = (struct bgs_gl_frame *)params[BGS_GLD_P_FRAMES];
         const bgs_u32 n_owed = gld_owed(c.state, frames, lane);
         __syncwarp();
-        if (lane == 0) {
-            if (c.p[BGS_GLD_P_CHECK] != 0 && gld_check_owed(&c, frames, n_owed) != 0) {
-                gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_OWED);
-                sh_cmd = 2;
-            } else if (n_owed != 0u) {
-                const bgs_u64 before = c.shadow[BGS_GLD_C_FRAMES];
-                gld_publish_frames(&c, frames, n_owed);
-                moved |= c.shadow[BGS_GLD_C_FRAMES] != before;
-            }
+        if (lane == 0 && c.p[BGS_GLD_P_CHECK] != 0 && gld_check_owed(&c, frames, n_owed) != 0) {
+            gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_OWED);
+            sh_cmd = 2;
         }
         __syncwarp();
         if (sh_cmd == 2) break;
+        if (n_owed != 0u) {
+            const bgs_u64 before = lane == 0 ? c.shadow[BGS_GLD_C_FRAMES] : 0;
+            gld_publish_frames(&c, frames, n_owed, lane);
+            if (lane == 0) moved |= c.shadow[BGS_GLD_C_FRAMES] != before;
+        }
         const struct gld_census census = gld_census_of(&c, lane);
         const bgs_u32 *credit = (const bgs_u32 *)params[BGS_GLD_P_CREDIT];
         const bgs_u64 t_plan = lane == 0 ? gld_now_ns() : 0;
@@ -826,24 +1143,30 @@ extern "C" __global__ void bgs_gld_dispatch(const bgs_u64 *params) {
             if (c.p[BGS_GLD_P_CHECK] != 0 && gld_check_views(&c, credit, n_views) != 0) {
                 gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_VIEWS);
                 sh_cmd = 2;
-                sh_planned = 0;
-            } else {
-                sh_planned = bgs_gl_plan_viewed(c.state, n_views);
+            }
+        }
+        __syncwarp();
+        if (sh_cmd == 2) break;
+        const bgs_u32 free_before = c.state[BGS_GL_H_FREE_TOP];
+        const int planned = gld_plan_viewed(c.state, n_views, lane);
+        if (lane == 0) {
+            if (c.p[BGS_GLD_P_CHECK] != 0 && gld_check_plan(&c, n_views, planned, free_before) != 0) {
+                gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_PLAN);
+                sh_cmd = 2;
             }
             t_pack = gld_now_ns();
         }
         __syncwarp();
         if (sh_cmd == 2) break;
-        const int planned = sh_planned;
         const struct bgs_llm_step_geometry *geo =
             (const struct bgs_llm_step_geometry *)params[BGS_GLD_P_GEO];
         bgs_i32 *inputs = (bgs_i32 *)params[BGS_GLD_P_INPUTS];
         struct bgs_gl_packed pk = {0u, 0u, 0u, 0u, 0u, 0u};
         int packed = 0;
-        if (planned > 0) {
-            packed = gld_pack(c.state, geo, inputs, &pk, lane);
-            __syncwarp(); /* every lane's words are in before lane 0 checks and launches */
-        }
+        if (planned > 0) packed = gld_pack(c.state, geo, inputs, &pk, lane);
+        /* Every lane's words are in, and every lane read this round's sh_cmd, before lane 0
+         * checks, launches and sets it. */
+        __syncwarp();
         if (lane == 0) {
             if (planned < 0) {
                 /* A policy bug: every live stream now owes Internal (published next round)
@@ -954,25 +1277,28 @@ extern "C" __global__ void bgs_gld_finish(const bgs_u64 *params) {
     __syncwarp();
     if (sh_advanced < 0) return;
     const bgs_u32 n = gld_owed(c.state, frames, lane);
-    __syncwarp(); /* every lane's frames are in before lane 0 checks and publishes them */
-    if (lane != 0) return;
-    if (c.p[BGS_GLD_P_CHECK] != 0) {
-        if (gld_check_owed(&c, frames, n) != 0) {
+    __syncwarp(); /* every lane's frames are in before lane 0 checks them */
+    if (lane == 0) {
+        sh_advanced = 0;
+        bgs_u32 bad = 0u;
+        if (c.p[BGS_GLD_P_CHECK] == 0) {
+        } else if (gld_check_owed(&c, frames, n) != 0) {
             gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK_OWED);
-            return;
-        }
-        const bgs_u32 bad = bgs_gl_check(c.state);
-        if (bad != 0u) {
+            sh_advanced = -1;
+        } else if ((bad = bgs_gl_check(c.state)) != 0u) {
             gld_set(&c, BGS_GLD_C_CHECK, bad);
             gld_error(c.ctl, BGS_GLD_E_CHECK, BGS_GLD_W_CHECK);
-            return;
+            sh_advanced = -1;
         }
     }
+    __syncwarp();
+    if (sh_advanced < 0) return;
     /* Frames go out now, with the credit D computed before the step (the step used at most
      * BGS_GL_STEP_CREDIT of it per stream); D refreshes credit and retries what is left. */
-    const bgs_u64 t_publish = gld_now_ns();
-    gld_add(&c, BGS_GLD_C_FINISH_NS, t_publish - t_finish);
-    if (n > 0) gld_publish_frames(&c, frames, n);
+    const bgs_u64 t_publish = lane == 0 ? gld_now_ns() : 0;
+    if (lane == 0) gld_add(&c, BGS_GLD_C_FINISH_NS, t_publish - t_finish);
+    if (n > 0) gld_publish_frames(&c, frames, n, lane);
+    if (lane != 0) return;
     gld_add(&c, BGS_GLD_C_PUBLISH_NS, gld_now_ns() - t_publish);
     cudaError_t err = cudaGraphLaunch((cudaGraphExec_t)params[BGS_GLD_P_SELF],
                                       cudaStreamGraphTailLaunch);
