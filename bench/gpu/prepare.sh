@@ -6,9 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.gpu-carry/' .git/info/exclude 2>/dev/null || echo '/.gpu-carry/' >> .git/info/exclude
-cargo build --release -p bgs -p bgs-executor-gpu --bins
+cargo build --release -p bgs -p bgs-executor-gpu -p bgs-model-gpu --bins
 mkdir -p .gpu-carry
-cp target/release/bgs target/release/bgs-gpu-bench .gpu-carry/
+cp target/release/bgs target/release/bgs-gpu-bench target/release/bgs-llm-gpu .gpu-carry/
+strip .gpu-carry/bgs .gpu-carry/bgs-gpu-bench .gpu-carry/bgs-llm-gpu
+# Qwen's tokenizer for the synthetic Qwen2.5-0.5B checkpoints (generate.sh, step-loop.sh).
+eval "$(bash scripts/fetch-models.sh target/models)"
+cp "$BGS_QWEN_TOKENIZER" .gpu-carry/qwen-tokenizer.json
 git rev-parse HEAD > .gpu-carry/REVISION
-git status --porcelain -- crates/executor-gpu bench/gpu | sed 's/^/dirty: /' >> .gpu-carry/REVISION
+git status --porcelain -- crates bench/gpu include | sed 's/^/dirty: /' >> .gpu-carry/REVISION
 ls -la .gpu-carry

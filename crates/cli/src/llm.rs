@@ -60,6 +60,12 @@ pub struct ModelArgs {
     /// changes a request's bits with the batch size (see docs/gpu-model.md).
     #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().fused_max_tokens)]
     pub gpu_fused_max_tokens: usize,
+    /// GPU forward pass: projections over at most this many tokens run on tensor cores in
+    /// the server's own GEMM (16-bit models; a request's tokens then do not depend on the
+    /// rest of the step in those buckets); larger ones run cuBLAS. 0: cuBLAS for every
+    /// projection.
+    #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_gemm_max_tokens)]
+    pub gpu_tc_gemm_max_tokens: usize,
     /// GPU forward pass: launch the model's kernels one after the other, without programmatic
     /// dependent launch (by default, on sm_90+, each may start while the one before it
     /// drains; the same results either way).
@@ -124,6 +130,7 @@ pub const GPU_ONLY_MODEL_FLAGS: &[&str] = &[
     "dtype",
     "batch_invariant",
     "gpu_fused_max_tokens",
+    "gpu_tc_gemm_max_tokens",
     "gpu_no_pdl",
 ];
 
@@ -248,6 +255,7 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                 cuda_home: cuda_home.clone(),
                 batch_invariant_gemm: args.batch_invariant,
                 fused_max_tokens: args.gpu_fused_max_tokens,
+                tensor_core_gemm_max_tokens: args.gpu_tc_gemm_max_tokens,
                 programmatic_launch: !args.gpu_no_pdl,
                 device_launch: *step_loop_on_device,
                 ..bgs_model_gpu::GpuModelOptions::default()

@@ -287,6 +287,7 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "dtype",
             "batch_invariant",
             "gpu_fused_max_tokens",
+            "gpu_tc_gemm_max_tokens",
             "gpu_no_pdl",
         ])
     {

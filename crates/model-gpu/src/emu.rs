@@ -533,6 +533,23 @@ impl Emu {
                 }
                 self.put_f32s(y, &ys);
             }
+            Kernel::GemmTc => {
+                let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
+                assert_ne!(self.dtype, GpuDtype::F32, "bgs_gemm_tc: 16-bit types only");
+                assert_eq!(block as usize, plan::TC_WARPS * 32, "bgs_gemm_tc: block");
+                assert!(gx * plan::TC_ROWS >= out, "bgs_gemm_tc: grid misses rows");
+                assert!(gy * plan::TC_TOKENS >= n, "bgs_gemm_tc: grid misses tokens");
+                assert_eq!(inp % plan::TC_CHUNK, 0, "bgs_gemm_tc: partial chunk");
+                let xs = self.wts(x, n * inp);
+                let mut ys = self.f32s(y, n * out);
+                for r in 0..out {
+                    let wr = self.wts(w + (r * inp) as u64 * es, inp);
+                    for t in 0..n {
+                        ys[t * out + r] = tc_dot(&wr, &xs[t * inp..(t + 1) * inp]);
+                    }
+                }
+                self.put_f32s(y, &ys);
+            }
             Kernel::ProjNormSilu => {
                 let (w, res, nw, eps, act) = (p(0), p(1), p(2), fl(3), p(4));
                 let (inter, inp, n) = (int(5), int(6), int(7));
@@ -693,6 +710,24 @@ fn butterfly(v: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     v[0]
 }
 
+/// `bgs_gemm_tc`'s order: warp w sums the 32-value chunks w, w + TC_WARPS, ... in order (each
+/// chunk's products in order; the MMA's own order inside a chunk is the hardware's), then the
+/// warps' sums are added in warp order.
+fn tc_dot(w: &[f32], x: &[f32]) -> f32 {
+    let chunks = w.len() / plan::TC_CHUNK;
+    let mut total = 0f32;
+    for warp in 0..plan::TC_WARPS {
+        let mut acc = 0f32;
+        for c in (warp..chunks).step_by(plan::TC_WARPS) {
+            for k in c * plan::TC_CHUNK..(c + 1) * plan::TC_CHUNK {
+                acc += w[k] * x[k];
+            }
+        }
+        total = if warp == 0 { acc } else { total + acc };
+    }
+    total
+}
+
 /// The GPU model's host side over the emulator (the same plan, packing and buffers).
 #[derive(Debug)]
 pub(crate) struct EmuModel {
@@ -707,6 +742,7 @@ pub(crate) struct EmuModel {
     staging: Vec<i32>,
     invariant_gemm: bool,
     fused_max_tokens: usize,
+    tc_gemm_max_tokens: usize,
     attention_warps: u32,
     tensor_core_attention: bool,
 }
@@ -744,6 +780,8 @@ impl EmuModel {
             inputs,
             invariant_gemm,
             fused_max_tokens: 0,
+            // As `GpuModelOptions`' default.
+            tc_gemm_max_tokens: crate::GpuModelOptions::default().tensor_core_gemm_max_tokens,
             attention_warps: 1,
             // As `GpuModelOptions`' default: every test plans tensor-core attention where the
             // model allows it.
@@ -760,6 +798,13 @@ impl EmuModel {
     /// Attention on tensor cores (as `GpuModelOptions::tensor_core_attention`).
     pub(crate) fn with_tensor_core_attention(mut self, on: bool) -> EmuModel {
         self.tensor_core_attention = on;
+        self
+    }
+
+    /// Projections over at most `n` tokens on `bgs_gemm_tc` (as
+    /// `GpuModelOptions::tensor_core_gemm_max_tokens`).
+    pub(crate) fn with_tc_gemm_max_tokens(mut self, n: usize) -> EmuModel {
+        self.tc_gemm_max_tokens = n;
         self
     }
 
@@ -781,6 +826,7 @@ impl EmuModel {
             inputs: self.inputs,
             invariant_gemm: self.invariant_gemm,
             fused_max_tokens: self.fused_max_tokens,
+            tc_gemm_max_tokens: self.tc_gemm_max_tokens,
             // Few multiprocessors: the norm kernels' grids are capped below their units, so
             // the plan's grid-stride sizing is exercised.
             sms: 2,
@@ -1230,6 +1276,105 @@ mod tests {
             plan::mma_attention_shared(&qwen, GpuDtype::Bf16, 4),
             Some(4 * 128 * 64)
         );
+    }
+
+    /// The tensor-core GEMM is planned for 16-bit projections over at most
+    /// `tensor_core_gemm_max_tokens` tokens (the LM head by its sampled rows) whose input width
+    /// is whole 32-value chunks, with a grid covering every row and token; cuBLAS elsewhere
+    /// (larger buckets, f32, other widths). Its logits through the emulator are held to the
+    /// bf16/f16 tolerance of the CPU oracle by
+    /// `emulated_plan_stays_within_the_bf16_and_f16_tolerance` (it is the default there).
+    #[test]
+    fn tensor_core_gemm_is_planned_where_it_applies() {
+        let ops = |m: &EmuModel, body: usize, head: usize| -> (usize, usize) {
+            let all = [m.plan().body(body), m.plan().head(head)].concat();
+            let tc = all
+                .iter()
+                .filter(|op| {
+                    matches!(
+                        op,
+                        Op::Launch {
+                            kernel: Kernel::GemmTc,
+                            ..
+                        }
+                    )
+                })
+                .count();
+            let blas = all.iter().filter(|op| matches!(op, Op::Gemm(_))).count();
+            (tc, blas)
+        };
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 5, DType::Bf16);
+        let gemms = 4 * cfg.num_layers + 1;
+        let m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [4, 64, 32, 4], false)
+            .with_tc_gemm_max_tokens(8);
+        assert_eq!(ops(&m, 8, 4), (gemms, 0));
+        assert_eq!(ops(&m, 16, 4), (1, gemms - 1));
+        let vocab = cfg.vocab_size;
+        let head = m.plan().head(4);
+        let Some(Op::Launch {
+            grid, block, args, ..
+        }) = head.iter().find(|op| {
+            matches!(
+                op,
+                Op::Launch {
+                    kernel: Kernel::GemmTc,
+                    ..
+                }
+            )
+        })
+        else {
+            panic!("no tensor-core LM head");
+        };
+        assert_eq!(*grid, (vocab.div_ceil(16) as u32, 1));
+        assert_eq!(*block as usize, plan::TC_WARPS * 32);
+        assert_eq!(args[3..], [Arg::I(vocab as i32), Arg::I(64), Arg::I(4)]);
+        let off = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [4, 64, 32, 4], false)
+            .with_tc_gemm_max_tokens(0);
+        assert_eq!(ops(&off, 8, 4), (0, gemms));
+        let (cfg32, w32) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 5, DType::F32);
+        let f32m = EmuModel::new(cfg32, &w32, GpuDtype::F32, [4, 64, 32, 4], false);
+        assert_eq!(ops(&f32m, 8, 4), (0, gemms));
+        assert!(plan::tc_gemm_applies(GpuDtype::F16, 4864));
+        assert!(!plan::tc_gemm_applies(GpuDtype::Bf16, 48));
+        assert!(!plan::tc_gemm_applies(GpuDtype::F32, 896));
+        // The served shapes' every width is whole chunks.
+        for arch in [SynthArch::Qwen25_05b, SynthArch::Smollm2_135m] {
+            let c = synth_config(arch);
+            for inp in [c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim] {
+                assert!(plan::tc_gemm_applies(GpuDtype::Bf16, inp), "{arch:?} {inp}");
+            }
+        }
+        // A token's outputs do not depend on the rest of its bucket: tokens 0..3 of a 40-token
+        // GEMM (two token blocks) equal the same rows computed in a 4-token one.
+        let mut e = Emu::new(GpuDtype::Bf16);
+        let (out, inp) = (40usize, 96usize);
+        let wv: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 7919) % 61) as f32 / 61.0 - 0.5)
+            .collect();
+        let xv: Vec<f32> = (0..40 * inp)
+            .map(|i| ((i * 104_729) % 53) as f32 / 53.0 - 0.5)
+            .collect();
+        let wd = e.upload(&GpuDtype::Bf16.encode(&wv), "w").unwrap();
+        let xd = e.upload(&GpuDtype::Bf16.encode(&xv), "x").unwrap();
+        let y40 = e.alloc(40 * out * 4, "y40").unwrap();
+        let y4 = e.alloc(4 * out * 4, "y4").unwrap();
+        let gemm = |y: u64, n: usize| Op::Launch {
+            kernel: Kernel::GemmTc,
+            grid: (out.div_ceil(16) as u32, n.div_ceil(plan::TC_TOKENS) as u32),
+            block: (plan::TC_WARPS * 32) as u32,
+            shared: 0,
+            args: vec![
+                Arg::P(wd),
+                Arg::P(xd),
+                Arg::P(y),
+                Arg::I(out as i32),
+                Arg::I(inp as i32),
+                Arg::I(n as i32),
+            ],
+        };
+        e.run(&[gemm(y40, 40), gemm(y4, 4)]);
+        assert_eq!(e.f32s(y40, 4 * out), e.f32s(y4, 4 * out));
+        assert!(e.f32s(y4, 4 * out).iter().any(|&v| v != 0.0));
     }
 
     #[test]

@@ -41,6 +41,9 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
             "-DBGS_ATTN_MMA={}",
             u8::from(attention_mma_built(major, dtype, head_dim))
         ),
+        // The tensor-core GEMM's block shape, which the plan's grids are sized by.
+        format!("-DBGS_TC_WARPS={}", plan::TC_WARPS),
+        format!("-DBGS_TC_TOKENS={}", plan::TC_TOKENS),
     ];
     // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`); part of the
     // cache key like every option.

@@ -581,6 +581,28 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 #error "BGS_ATTN_MMA needs sm_80 or later (cp.async, ldmatrix, bf16 MMA)"
 #endif
 
+// One m16n8k16 MMA of 16-bit values (the tensor-core attention and GEMM). Compiled for the
+// 16-bit types only; the host launches its callers on sm_80+ alone.
+#if BGS_DT != 0 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#define BGS_HAVE_MMA 1
+// c += a (16x16, row) * b (16x8, col), f32 accumulators.
+__device__ __forceinline__ void mma_16816(float *c, const unsigned *a, unsigned b0, unsigned b1) {
+#if BGS_DT == 2
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+#else
+#define BGS_HAVE_MMA 0
+#endif
+
 #if BGS_ATTN_MMA
 #define MMA_HD BGS_HEAD_DIM
 #define MMA_KS (MMA_HD / 16)  // k-steps of Q K^T
@@ -597,20 +619,6 @@ __device__ __forceinline__ void split_wt2(float x0, float x1, unsigned &hi, unsi
     const wt h0 = st(x0), h1 = st(x1);
     hi = pack_wt2(h0, h1);
     lo = pack_wt2(st(x0 - ld(h0)), st(x1 - ld(h1)));
-}
-// c += a (16x16, row) * b (16x8, col), f32 accumulators.
-__device__ __forceinline__ void mma_16816(float *c, const unsigned *a, unsigned b0, unsigned b1) {
-#if BGS_DT == 2
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
 }
 __device__ __forceinline__ unsigned smem_u32(const void *p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -1106,4 +1114,120 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
     }
     // No value above -inf (all -inf or NaN): id 0, as the CPU's argmax gives.
     if (threadIdx.x == 0) next[s] = si[0] == 0xffffffffu ? 0u : si[0];
+}
+
+// bgs_gemm_tc (16-bit models on sm_80+, where `plan::tc_gemm_applies`): y[t][r] = w[r] · x[t]
+// in f32 on tensor cores, for the buckets of decode at small batch, where cuBLAS's kernels
+// stay far below the memory bandwidth (7-10 us a projection on the H200 against 1-6 us of
+// weight bytes). A block of BGS_TC_WARPS warps owns 16 output rows and up to BGS_TC_TOKENS
+// tokens. The input width is cut into chunks of 32 values; warp w takes chunks w, w + WARPS,
+// w + 2 WARPS, ... and accumulates them in that order with m16n8k16 MMAs (f32), then the warps'
+// partial sums are added in warp order through shared memory. That split depends on the input
+// width alone, never on the tokens or the bucket, and each MMA column holds its own token's
+// dot products, so a token's outputs are the same bits whatever else is in the step.
+//
+// Fragments come straight from global memory in 16-byte loads: lane (g = lane / 4, q = lane %
+// 4) loads values 8q .. 8q+7 of a chunk for rows g and g + 8 of w and for token g of each
+// 8-token tile of x. Those are two MMA k-steps: step 0 puts values 8q+{0,1} and 8q+{2,3} where
+// the fragment layout has columns 2q+{0,1} and 2q+8+{0,1}, step 1 values 8q+{4,5} and
+// 8q+{6,7}. w and x are permuted alike, so every dot product is a sum of the same products.
+// Weights never change during a step, so the first chunks' weights are loaded before waiting
+// on the previous kernel (programmatic dependent launch), overlapping its tail.
+// BGS_TC_WARPS and BGS_TC_TOKENS come from the host (`plan::TC_WARPS`, `plan::TC_TOKENS`).
+#if !defined(BGS_TC_WARPS) || !defined(BGS_TC_TOKENS) || BGS_TC_TOKENS % 8 != 0
+#error "BGS_TC_WARPS and BGS_TC_TOKENS (a multiple of 8) must be defined"
+#endif
+#define BGS_TC_TILES (BGS_TC_TOKENS / 8)
+#define BGS_TC_UNROLL 4
+#if BGS_HAVE_MMA
+// 16 read-only bytes (the weights: never written while a step runs).
+__device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
+    bgs_u4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d)
+        : "l"(p));
+    return v;
+}
+#endif
+extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int out, int in, int n) {
+#if BGS_HAVE_MMA
+    __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, q = lane % 4;
+    const int r0 = blockIdx.x * 16, t0 = blockIdx.y * BGS_TC_TOKENS;
+    const int chunks = in / 32;
+    // Rows past `out` read the last row (never stored).
+    const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(r0 + g, out - 1) * in) + q;
+    const bgs_u4 *wb = (const bgs_u4 *)(w + (size_t)min(r0 + g + 8, out - 1) * in) + q;
+    const int tiles = min(BGS_TC_TILES, (n - t0 + 7) / 8);
+    float acc[BGS_TC_TILES][4];
+#pragma unroll
+    for (int j = 0; j < BGS_TC_TILES; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    bgs_u4 a[BGS_TC_UNROLL][2];
+#pragma unroll
+    for (int u = 0; u < BGS_TC_UNROLL; u++) {
+        const int c = warp + u * BGS_TC_WARPS;
+        if (c < chunks) {
+            a[u][0] = ld_nc16(wa + 4 * c);
+            a[u][1] = ld_nc16(wb + 4 * c);
+        }
+    }
+    BGS_PDL_BEGIN();
+    for (int c0 = warp; c0 < chunks; c0 += BGS_TC_UNROLL * BGS_TC_WARPS) {
+        bgs_u4 b[BGS_TC_UNROLL][BGS_TC_TILES];
+#pragma unroll
+        for (int u = 0; u < BGS_TC_UNROLL; u++) {
+            const int c = c0 + u * BGS_TC_WARPS;
+#pragma unroll
+            for (int j = 0; j < BGS_TC_TILES; j++) {
+                const int t = t0 + 8 * j + g;
+                b[u][j] = bgs_u4{0u, 0u, 0u, 0u};
+                if (c < chunks && j < tiles && t < n)
+                    b[u][j] = ((const bgs_u4 *)(x + (size_t)t * in))[4 * c + q];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < BGS_TC_UNROLL; u++) {
+            if (c0 + u * BGS_TC_WARPS >= chunks) break;
+            const unsigned s0[4] = {a[u][0].a, a[u][1].a, a[u][0].b, a[u][1].b};
+            const unsigned s1[4] = {a[u][0].c, a[u][1].c, a[u][0].d, a[u][1].d};
+#pragma unroll
+            for (int j = 0; j < BGS_TC_TILES; j++) {
+                if (j >= tiles) break;
+                mma_16816(acc[j], s0, b[u][j].a, b[u][j].b);
+                mma_16816(acc[j], s1, b[u][j].c, b[u][j].d);
+            }
+        }
+        // The next chunks' weights (in flight while the next x loads go out).
+#pragma unroll
+        for (int u = 0; u < BGS_TC_UNROLL; u++) {
+            const int c = c0 + (BGS_TC_UNROLL + u) * BGS_TC_WARPS;
+            if (c < chunks) {
+                a[u][0] = ld_nc16(wa + 4 * c);
+                a[u][1] = ld_nc16(wb + 4 * c);
+            }
+        }
+    }
+    // The accumulator fragments: c0, c1 at (row g, tokens 2q, 2q+1), c2, c3 at row g + 8.
+#pragma unroll
+    for (int j = 0; j < BGS_TC_TILES; j++) {
+        red[warp][g][8 * j + 2 * q] = acc[j][0];
+        red[warp][g][8 * j + 2 * q + 1] = acc[j][1];
+        red[warp][g + 8][8 * j + 2 * q] = acc[j][2];
+        red[warp][g + 8][8 * j + 2 * q + 1] = acc[j][3];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < 16 * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
+        const int row = e % 16, col = e / 16;
+        const int r = r0 + row, t = t0 + col;
+        if (r >= out || t >= n) continue;
+        float s = red[0][row][col];
+#pragma unroll
+        for (int k = 1; k < BGS_TC_WARPS; k++) s += red[k][row][col];
+        y[(size_t)t * out + r] = s;
+    }
+#else
+    // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
+    __trap();
+#endif
 }

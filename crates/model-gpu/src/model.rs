@@ -60,6 +60,13 @@ pub struct GpuModelOptions {
     /// tokens, -18% at batch 1 on the H200, docs/gpu-model.md). Ignored (cuBLAS) when the
     /// model's widths do not fit the form.
     pub fused_max_tokens: usize,
+    /// Projections over at most this many tokens (sampled rows, for the LM head) run on
+    /// tensor cores in the crate's own GEMM (`bgs_gemm_tc`) instead of cuBLAS: 16-bit models
+    /// on sm_80+, input widths in whole 32-value chunks (else cuBLAS). Its reduction order is
+    /// fixed by the input width alone, so within these buckets a request's tokens do not
+    /// depend on what else is in the step. Buckets the fused form takes keep it. 0: cuBLAS
+    /// for every projection.
+    pub tensor_core_gemm_max_tokens: usize,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -100,6 +107,7 @@ impl Default for GpuModelOptions {
             use_graphs: true,
             batch_invariant_gemm: false,
             fused_max_tokens: 0,
+            tensor_core_gemm_max_tokens: 64,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -233,6 +241,8 @@ pub struct GpuModel {
     invariant_gemm: bool,
     /// Buckets of at most this many tokens run the fused form (0 when it cannot).
     fused_max_tokens: usize,
+    /// Projections over at most this many tokens run `bgs_gemm_tc` (0 before sm_80).
+    tc_gemm_max_tokens: usize,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -291,6 +301,7 @@ impl std::fmt::Debug for GpuModel {
             .field("use_graphs", &self.use_graphs)
             .field("batch_invariant_gemm", &self.invariant_gemm)
             .field("fused_max_tokens", &self.fused_max_tokens)
+            .field("tensor_core_gemm_max_tokens", &self.tc_gemm_max_tokens)
             .field("programmatic_launch", &self.pdl.get())
             .finish_non_exhaustive()
     }
@@ -372,6 +383,11 @@ impl GpuModel {
             device_launch: opts.device_launch,
             invariant_gemm: opts.batch_invariant_gemm,
             fused_max_tokens,
+            tc_gemm_max_tokens: if env.cc.0 >= 8 {
+                opts.tensor_core_gemm_max_tokens
+            } else {
+                0
+            },
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -674,6 +690,7 @@ impl GpuModel {
             inputs: self.inputs,
             invariant_gemm: self.invariant_gemm,
             fused_max_tokens: self.fused_max_tokens,
+            tc_gemm_max_tokens: self.tc_gemm_max_tokens,
             sms: self.sms,
             attention_warps: self.attention_warps,
             mma_attention: self.mma_attention,

@@ -21,6 +21,15 @@ pub(crate) const PROJ_WARPS: usize = 8;
 /// Shared memory of the norm prologue's tree (`sh` in `proj_norm_prologue`), which the
 /// dynamic `xs` rows come on top of.
 const PROJ_STATIC_SHARED: usize = PROJ_TOKENS * NORM_THREADS as usize * 4;
+/// Warps of a `bgs_gemm_tc` block (`-DBGS_TC_WARPS`): the input width's 32-value chunks are
+/// dealt out to them round-robin.
+pub const TC_WARPS: usize = 8;
+/// Tokens of a `bgs_gemm_tc` block (`-DBGS_TC_TOKENS`, a multiple of 8: the MMA's columns).
+pub const TC_TOKENS: usize = 32;
+/// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
+pub(crate) const TC_ROWS: usize = 16;
+/// Values of one `bgs_gemm_tc` chunk: a projection's input width must be a multiple of it.
+pub(crate) const TC_CHUNK: usize = 32;
 /// Shared memory a block may use without an opt-in.
 const MAX_BLOCK_SHARED: usize = 48 * 1024;
 
@@ -39,10 +48,11 @@ pub(crate) enum Kernel {
     ProjAdd,
     ProjNormSilu,
     ProjNormRopeKv,
+    GemmTc,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 12] = [
+    pub(crate) const ALL: [Kernel; 13] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -55,6 +65,7 @@ impl Kernel {
         Kernel::ProjAdd,
         Kernel::ProjNormSilu,
         Kernel::ProjNormRopeKv,
+        Kernel::GemmTc,
     ];
 
     /// The `extern "C"` name.
@@ -72,6 +83,7 @@ impl Kernel {
             Kernel::ProjAdd => "bgs_proj_add",
             Kernel::ProjNormSilu => "bgs_proj_norm_silu",
             Kernel::ProjNormRopeKv => "bgs_proj_norm_rope_kv",
+            Kernel::GemmTc => "bgs_gemm_tc",
         }
     }
 }
@@ -321,6 +333,13 @@ pub(crate) fn mma_attention_shared(cfg: &ModelConfig, dtype: GpuDtype, warps: u3
         .then_some(bytes as u32)
 }
 
+/// Whether `bgs_gemm_tc` can compute a projection of input width `inp` in `dtype` (tensor
+/// cores multiply 16-bit values; the input is read in whole 32-value chunks). The device must
+/// be sm_80 or later (the host checks).
+pub(crate) fn tc_gemm_applies(dtype: GpuDtype, inp: usize) -> bool {
+    dtype != GpuDtype::F32 && inp % TC_CHUNK == 0 && inp > 0
+}
+
 /// Blocks per multiprocessor of the fused norm kernels (see `Plan::sms`).
 pub(crate) const PROJ_NORM_BLOCKS_PER_SM: usize = 2;
 
@@ -363,6 +382,9 @@ pub(crate) struct Plan<'a> {
     pub invariant_gemm: bool,
     /// Buckets of at most this many tokens run the fused form (0: none); see [`Plan::fused`].
     pub fused_max_tokens: usize,
+    /// Projections over at most this many tokens (rows, for the LM head) run `bgs_gemm_tc`
+    /// where [`tc_gemm_applies`], instead of cuBLAS (0: none; the host sets 0 before sm_80).
+    pub tc_gemm_max_tokens: usize,
     /// The device's multiprocessors: the fused norm kernels run at most
     /// [`PROJ_NORM_BLOCKS_PER_SM`] blocks on each (every block norms its tokens first, so
     /// fewer blocks with more units each beat one unit per warp).
@@ -393,6 +415,22 @@ impl Plan<'_> {
                     Arg::I(n as i32),
                 ],
             );
+        }
+        if n <= self.tc_gemm_max_tokens && tc_gemm_applies(self.dtype, inp) {
+            return Op::Launch {
+                kernel: Kernel::GemmTc,
+                grid: (out.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
+                block: (TC_WARPS * 32) as u32,
+                shared: 0,
+                args: vec![
+                    Arg::P(w),
+                    Arg::P(x),
+                    Arg::P(y),
+                    Arg::I(out as i32),
+                    Arg::I(inp as i32),
+                    Arg::I(n as i32),
+                ],
+            };
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
         // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B

@@ -175,7 +175,11 @@ fn dispatcher_logic_runs_exactly_in_the_host_emulation() {
     // AddressSanitizer + UBSan; and as 4 threads under ThreadSanitizer, which reports two lanes
     // touching one word with no `__syncwarp` (or scan) between them: a race the lanes of a
     // real warp could lose.
-    for (lanes, sanitizers) in [(1, "address,undefined"), (4, "address,undefined"), (4, "thread")] {
+    for (lanes, sanitizers) in [
+        (1, "address,undefined"),
+        (4, "address,undefined"),
+        (4, "thread"),
+    ] {
         let exe = tmp.join(format!("emu-{lanes}-{sanitizers}"));
         let build = Command::new(cc)
             .args([

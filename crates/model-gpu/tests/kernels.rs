@@ -13,7 +13,7 @@ use std::process::Command;
 
 use bgs_executor_gpu::tool_checks::{clang, missing, wheel_lib_dir};
 use bgs_executor_gpu::{compile, libs};
-use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, attention_mma_built, nvrtc_options};
+use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, nvrtc_options};
 
 const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 
@@ -127,7 +127,6 @@ fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Ou
         .into_iter()
         .find(|d| d.kernel_id() == dt)
         .unwrap_or(GpuDtype::F32);
-    let mma = attention_mma_built(9, dtype, head_dim);
     let tmp = std::env::temp_dir().join(format!(
         "bgs-llm-kernels-{}-{dt}-{head_dim}-{}",
         std::process::id(),
@@ -149,9 +148,12 @@ fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Ou
             "-Wall",
             "-Werror",
         ])
-        .arg(format!("-DBGS_DT={dt}"))
-        .arg(format!("-DBGS_HEAD_DIM={head_dim}"))
-        .arg(format!("-DBGS_ATTN_MMA={}", u8::from(mma)))
+        // The definitions NVRTC gets (one source: `nvrtc_options`).
+        .args(
+            nvrtc_options(9, 0, dtype, head_dim)
+                .into_iter()
+                .filter(|o| o.starts_with("-D")),
+        )
         .arg("-include")
         .arg(tmp.join("stub.h"))
         .arg(tmp.join("k.cu"))

@@ -77,6 +77,10 @@ struct DeviceArgs {
     /// Buckets of at most this many tokens run the fused form (0: cuBLAS for every bucket).
     #[arg(long, default_value_t = GpuModelOptions::default().fused_max_tokens)]
     fused_max_tokens: usize,
+    /// Projections over at most this many tokens on tensor cores (`bgs_gemm_tc`, 16-bit
+    /// models) instead of cuBLAS (0: cuBLAS for every projection).
+    #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_gemm_max_tokens)]
+    tc_gemm_max_tokens: usize,
     /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
     no_pdl: bool,
@@ -181,6 +185,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         use_graphs: !dev.no_graphs,
         batch_invariant_gemm: dev.invariant_gemm,
         fused_max_tokens: dev.fused_max_tokens,
+        tensor_core_gemm_max_tokens: dev.tc_gemm_max_tokens,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
