@@ -534,38 +534,19 @@ impl Emu {
                 self.put_f32s(y, &ys);
             }
             Kernel::GemmTc => {
-                let (w, x, y, partial, arrived) = (p(0), p(1), p(2), p(3), p(4));
-                let (out, inp, n, groups) = (int(5), int(6), int(7), int(8));
+                let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
                 assert_ne!(self.dtype, GpuDtype::F32, "bgs_gemm_tc: 16-bit types only");
                 assert_eq!(block as usize, plan::TC_WARPS * 32, "bgs_gemm_tc: block");
-                assert!(groups >= 1, "bgs_gemm_tc: no groups");
-                let tiles = out.div_ceil(plan::tc_rows());
-                assert_eq!(gx, tiles * groups, "bgs_gemm_tc: grid.x is tiles × groups");
+                assert!(gx * plan::TC_ROWS >= out, "bgs_gemm_tc: grid misses rows");
                 assert!(gy * plan::TC_TOKENS >= n, "bgs_gemm_tc: grid misses tokens");
                 assert_eq!(inp % plan::TC_CHUNK, 0, "bgs_gemm_tc: partial chunk");
                 let xs = self.wts(x, n * inp);
                 let mut ys = self.f32s(y, n * out);
-                let mut sums = vec![0f32; groups * n * out];
                 for r in 0..out {
                     let wr = self.wts(w + (r * inp) as u64 * es, inp);
                     for t in 0..n {
-                        let per = tc_group_sums(&wr, &xs[t * inp..(t + 1) * inp], groups);
-                        for (gi, s) in per.iter().enumerate() {
-                            sums[(gi * n + t) * out + r] = *s;
-                        }
-                        ys[t * out + r] = per[1..].iter().fold(per[0], |a, b| a + b);
+                        ys[t * out + r] = tc_dot(&wr, &xs[t * inp..(t + 1) * inp]);
                     }
-                }
-                if groups > 1 {
-                    // The scratch the kernel writes: out-of-allocation accesses panic here.
-                    self.put_f32s(partial, &sums);
-                    let counts = tiles * gy;
-                    let zero = vec![0i32; counts];
-                    assert_eq!(
-                        self.i32s(arrived, counts),
-                        zero,
-                        "bgs_gemm_tc: counts left set"
-                    );
                 }
                 self.put_f32s(y, &ys);
             }
@@ -729,36 +710,23 @@ fn butterfly(v: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     v[0]
 }
 
-/// `bgs_gemm_tc`'s order, per group: group g takes the g-th contiguous share of the 32-value
-/// chunks; its warp w sums the group's chunks w, w + TC_WARPS, ... in order (each chunk's
-/// products in order; the MMA's own order inside a chunk is the hardware's), then the warps'
-/// sums are added in warp order. The kernel adds the groups' sums in group order.
-fn tc_group_sums(w: &[f32], x: &[f32], groups: usize) -> Vec<f32> {
+/// `bgs_gemm_tc`'s order: warp w sums the 32-value chunks w, w + TC_WARPS, ... in order (each
+/// chunk's products in order; the MMA's own order inside a chunk is the hardware's), then the
+/// warps' sums are added in warp order.
+fn tc_dot(w: &[f32], x: &[f32]) -> f32 {
     let chunks = w.len() / plan::TC_CHUNK;
-    let per = chunks.div_ceil(groups);
-    (0..groups)
-        .map(|g| {
-            let (first, end) = ((g * per).min(chunks), ((g + 1) * per).min(chunks));
-            let mut total = 0f32;
-            for warp in 0..plan::TC_WARPS {
-                let mut acc = 0f32;
-                for c in (first + warp..end).step_by(plan::TC_WARPS) {
-                    for k in c * plan::TC_CHUNK..(c + 1) * plan::TC_CHUNK {
-                        acc += w[k] * x[k];
-                    }
-                }
-                total = if warp == 0 { acc } else { total + acc };
+    let mut total = 0f32;
+    for warp in 0..plan::TC_WARPS {
+        let mut acc = 0f32;
+        for c in (warp..chunks).step_by(plan::TC_WARPS) {
+            for k in c * plan::TC_CHUNK..(c + 1) * plan::TC_CHUNK {
+                acc += w[k] * x[k];
             }
-            total
-        })
-        .collect()
+        }
+        total = if warp == 0 { acc } else { total + acc };
+    }
+    total
 }
-
-/// The emulated device's multiprocessors: few, so the norm kernels' grids are capped below
-/// their units (the plan's grid-stride sizing is exercised). (The tiny models' projections are
-/// too narrow to split across groups in `bgs_gemm_tc`; `tensor_core_gemm_is_planned_where_it_applies`
-/// runs a split one.)
-const EMU_SMS: u32 = 2;
 
 /// The GPU model's host side over the emulator (the same plan, packing and buffers).
 #[derive(Debug)]
@@ -792,17 +760,7 @@ impl EmuModel {
         let w = plan::upload_weights(&mut emu, weights, dtype).unwrap();
         let geo =
             host::geometry(&cfg, block_size, num_blocks, max_batched_tokens, max_seqs).unwrap();
-        // The largest `tensor_core_gemm_max_tokens` a test sets, and the plan's `sms`.
-        let b = plan::alloc_bufs(
-            &mut emu,
-            &cfg,
-            geo.max_tokens,
-            geo.max_samples,
-            dtype,
-            usize::MAX,
-            EMU_SMS,
-        )
-        .unwrap();
+        let b = plan::alloc_bufs(&mut emu, &cfg, geo.max_tokens, geo.max_samples, dtype).unwrap();
         let cache = emu
             .alloc(
                 num_blocks * host::kv_block_bytes(&cfg, block_size, dtype),
@@ -869,7 +827,9 @@ impl EmuModel {
             invariant_gemm: self.invariant_gemm,
             fused_max_tokens: self.fused_max_tokens,
             tc_gemm_max_tokens: self.tc_gemm_max_tokens,
-            sms: EMU_SMS,
+            // Few multiprocessors: the norm kernels' grids are capped below their units, so
+            // the plan's grid-stride sizing is exercised.
+            sms: 2,
             attention_warps: self.attention_warps,
             mma_attention: self.tensor_core_attention
                 && plan::mma_attention_shared(&self.cfg, self.dtype, self.attention_warps)
@@ -1365,12 +1325,9 @@ mod tests {
         else {
             panic!("no tensor-core LM head");
         };
-        assert_eq!(*grid, (vocab.div_ceil(plan::tc_rows()) as u32, 1));
+        assert_eq!(*grid, (vocab.div_ceil(16) as u32, 1));
         assert_eq!(*block as usize, plan::TC_WARPS * 32);
-        assert_eq!(
-            args[5..],
-            [Arg::I(vocab as i32), Arg::I(64), Arg::I(4), Arg::I(1)]
-        );
+        assert_eq!(args[3..], [Arg::I(vocab as i32), Arg::I(64), Arg::I(4)]);
         let off = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [4, 64, 32, 4], false)
             .with_tc_gemm_max_tokens(0);
         assert_eq!(ops(&off, 8, 4), (0, gemms));
@@ -1387,22 +1344,10 @@ mod tests {
                 assert!(plan::tc_gemm_applies(GpuDtype::Bf16, inp), "{arch:?} {inp}");
             }
         }
-        // The K split by shape and device, never by tokens: Qwen2.5-0.5B on 132 SMs splits
-        // its 56-tile o_proj and down_proj and its 72-tile QKV, not gate/up or the LM head.
-        let qwen = synth_config(SynthArch::Qwen25_05b);
-        let groups: Vec<usize> = projections_of(&qwen)
-            .iter()
-            .map(|&(out, inp)| plan::tc_groups(out, inp, 132))
-            .collect();
-        if plan::tc_mtiles() == 1 {
-            assert_eq!(groups, [3, 3, 1, 5, 1]);
-        }
-        // A split projection: tokens 0..3 of a 40-token GEMM (two token blocks) equal the same
-        // rows computed in a 4-token one, both within rounding of the plain dot products.
+        // A token's outputs do not depend on the rest of its bucket: tokens 0..3 of a 40-token
+        // GEMM (two token blocks) equal the same rows computed in a 4-token one.
         let mut e = Emu::new(GpuDtype::Bf16);
-        let (out, inp) = (40usize, 512usize);
-        let groups = plan::tc_groups(out, inp, 2);
-        assert!(groups > 1, "{groups}");
+        let (out, inp) = (40usize, 96usize);
         let wv: Vec<f32> = (0..out * inp)
             .map(|i| ((i * 7919) % 61) as f32 / 61.0 - 0.5)
             .collect();
@@ -1413,56 +1358,23 @@ mod tests {
         let xd = e.upload(&GpuDtype::Bf16.encode(&xv), "x").unwrap();
         let y40 = e.alloc(40 * out * 4, "y40").unwrap();
         let y4 = e.alloc(4 * out * 4, "y4").unwrap();
-        let partial = e.alloc(groups * 40 * out * 4, "partial").unwrap();
-        let arrived = e
-            .alloc(out.div_ceil(plan::tc_rows()) * 2 * 4, "arrived")
-            .unwrap();
         let gemm = |y: u64, n: usize| Op::Launch {
             kernel: Kernel::GemmTc,
-            grid: (
-                (out.div_ceil(plan::tc_rows()) * groups) as u32,
-                n.div_ceil(plan::TC_TOKENS) as u32,
-            ),
+            grid: (out.div_ceil(16) as u32, n.div_ceil(plan::TC_TOKENS) as u32),
             block: (plan::TC_WARPS * 32) as u32,
             shared: 0,
             args: vec![
                 Arg::P(wd),
                 Arg::P(xd),
                 Arg::P(y),
-                Arg::P(partial),
-                Arg::P(arrived),
                 Arg::I(out as i32),
                 Arg::I(inp as i32),
                 Arg::I(n as i32),
-                Arg::I(groups as i32),
             ],
         };
         e.run(&[gemm(y40, 40), gemm(y4, 4)]);
-        let got = e.f32s(y4, 4 * out);
-        assert_eq!(e.f32s(y40, 4 * out), got);
-        let (wr, xr) = (e.wts(wd, out * inp), e.wts(xd, 4 * inp));
-        for t in 0..4 {
-            for r in 0..out {
-                let want: f32 = (0..inp).map(|k| wr[r * inp + k] * xr[t * inp + k]).sum();
-                let d = (got[t * out + r] - want).abs();
-                assert!(
-                    d <= 1e-4 * want.abs().max(1.0),
-                    "({t}, {r}): {} vs {want}",
-                    got[t * out + r]
-                );
-            }
-        }
-    }
-
-    fn projections_of(c: &ModelConfig) -> Vec<(usize, usize)> {
-        let (h, inter, qd) = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim);
-        vec![
-            (qd + 2 * c.kv_dim(), h),
-            (h, qd),
-            (2 * inter, h),
-            (h, inter),
-            (c.vocab_size, h),
-        ]
+        assert_eq!(e.f32s(y40, 4 * out), e.f32s(y4, 4 * out));
+        assert!(e.f32s(y4, 4 * out).iter().any(|&v| v != 0.0));
     }
 
     #[test]

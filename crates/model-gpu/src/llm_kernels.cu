@@ -1119,18 +1119,12 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
 // bgs_gemm_tc (16-bit models on sm_80+, where `plan::tc_gemm_applies`): y[t][r] = w[r] · x[t]
 // in f32 on tensor cores, for the buckets of decode at small batch, where cuBLAS's kernels
 // stay far below the memory bandwidth (7-10 us a projection on the H200 against 1-6 us of
-// weight bytes). A block of BGS_TC_WARPS warps owns 16 output rows, up to BGS_TC_TOKENS
-// tokens and one of `groups` contiguous shares of the input (blockIdx.x = tile * groups +
-// group; `plan::tc_groups` splits projections with few row tiles, so that every
-// multiprocessor streams weights). The input is cut into chunks of 32 values; warp w of a
-// group takes its chunks w, w + WARPS, w + 2 WARPS, ... and accumulates them in that order
-// with m16n8k16 MMAs (f32), then the warps' sums are added in warp order through shared
-// memory. With one group that is y. Else each group writes its sums to `partial`
-// ([group][token][row]) and counts itself in `arrived` (one word per row tile and token
-// block); the last group to arrive adds the groups' sums in group order into y and resets the
-// count. Every split depends on the weights' shape alone, never on the tokens or the bucket,
-// and each MMA column holds its own token's dot products, so a token's outputs are the same
-// bits whatever else is in the step.
+// weight bytes). A block of BGS_TC_WARPS warps owns 16 output rows and up to BGS_TC_TOKENS
+// tokens. The input width is cut into chunks of 32 values; warp w takes chunks w, w + WARPS,
+// w + 2 WARPS, ... and accumulates them in that order with m16n8k16 MMAs (f32), then the warps'
+// partial sums are added in warp order through shared memory. That split depends on the input
+// width alone, never on the tokens or the bucket, and each MMA column holds its own token's
+// dot products, so a token's outputs are the same bits whatever else is in the step.
 //
 // Fragments come straight from global memory in 16-byte loads: lane (g = lane / 4, q = lane %
 // 4) loads values 8q .. 8q+7 of a chunk for rows g and g + 8 of w and for token g of each
@@ -1140,18 +1134,11 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
 // Weights never change during a step, so the first chunks' weights are loaded before waiting
 // on the previous kernel (programmatic dependent launch), overlapping its tail.
 // BGS_TC_WARPS and BGS_TC_TOKENS come from the host (`plan::TC_WARPS`, `plan::TC_TOKENS`).
-// BGS_TC_MTILES (1 or 2: 16-row tiles per warp, `plan::tc_mtiles`) too; a block owns
-// 16 * BGS_TC_MTILES rows.
-#if !defined(BGS_TC_WARPS) || !defined(BGS_TC_TOKENS) || BGS_TC_TOKENS % 8 != 0 || \
-    !defined(BGS_TC_MTILES)
-#error "BGS_TC_WARPS, BGS_TC_TOKENS (a multiple of 8) and BGS_TC_MTILES must be defined"
+#if !defined(BGS_TC_WARPS) || !defined(BGS_TC_TOKENS) || BGS_TC_TOKENS % 8 != 0
+#error "BGS_TC_WARPS and BGS_TC_TOKENS (a multiple of 8) must be defined"
 #endif
 #define BGS_TC_TILES (BGS_TC_TOKENS / 8)
-#define BGS_TC_ROWS (16 * BGS_TC_MTILES)
-// Chunks whose weights a warp has in flight (experiments: BGS_LLM_KERNEL_DEFINES).
-#ifndef BGS_TC_UNROLL
-#define BGS_TC_UNROLL (4 / BGS_TC_MTILES > 1 ? 4 / BGS_TC_MTILES : 1)
-#endif
+#define BGS_TC_UNROLL 4
 #if BGS_HAVE_MMA
 // 16 read-only bytes (the weights: never written while a step runs).
 __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
@@ -1161,54 +1148,32 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
         : "l"(p));
     return v;
 }
-// A partial sum another block wrote (at L2, past this multiprocessor's L1).
-__device__ __forceinline__ float ld_cg(const float *p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
 #endif
-extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, float *partial,
-                                       unsigned *arrived, int out, int in, int n, int groups) {
+extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int out, int in, int n) {
 #if BGS_HAVE_MMA
-    // The warps' sums, reduced in warp order. Within the 48 KB of static shared memory:
-    static_assert(BGS_TC_WARPS * BGS_TC_ROWS * (BGS_TC_TOKENS + 1) * 4 <= 48 * 1024,
-                  "bgs_gemm_tc's reduction exceeds 48 KB of shared memory");
-    __shared__ float red[BGS_TC_WARPS][BGS_TC_ROWS][BGS_TC_TOKENS + 1];
-    __shared__ unsigned last;
+    __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, q = lane % 4;
-    const int tile = blockIdx.x / groups, group = blockIdx.x % groups;
-    const int r0 = tile * BGS_TC_ROWS, t0 = blockIdx.y * BGS_TC_TOKENS;
-    const int chunks = in / 32, per = (chunks + groups - 1) / groups;
-    const int c_end = min(chunks, (group + 1) * per);
-    // Rows past `out` read the last row (never stored). Tile m: rows r0 + 16 m + g, + 8.
-    const bgs_u4 *wr[BGS_TC_MTILES][2];
-#pragma unroll
-    for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-            wr[m][h] = (const bgs_u4 *)(w + (size_t)min(r0 + 16 * m + 8 * h + g, out - 1) * in) + q;
+    const int r0 = blockIdx.x * 16, t0 = blockIdx.y * BGS_TC_TOKENS;
+    const int chunks = in / 32;
+    // Rows past `out` read the last row (never stored).
+    const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(r0 + g, out - 1) * in) + q;
+    const bgs_u4 *wb = (const bgs_u4 *)(w + (size_t)min(r0 + g + 8, out - 1) * in) + q;
     const int tiles = min(BGS_TC_TILES, (n - t0 + 7) / 8);
-    float acc[BGS_TC_MTILES][BGS_TC_TILES][4];
+    float acc[BGS_TC_TILES][4];
 #pragma unroll
-    for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-        for (int j = 0; j < BGS_TC_TILES; j++)
-            acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
-    bgs_u4 a[BGS_TC_UNROLL][BGS_TC_MTILES][2];
-    const int c_first = group * per + warp;
+    for (int j = 0; j < BGS_TC_TILES; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    bgs_u4 a[BGS_TC_UNROLL][2];
 #pragma unroll
     for (int u = 0; u < BGS_TC_UNROLL; u++) {
-        const int c = c_first + u * BGS_TC_WARPS;
-        if (c < c_end)
-#pragma unroll
-            for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) a[u][m][h] = ld_nc16(wr[m][h] + 4 * c);
+        const int c = warp + u * BGS_TC_WARPS;
+        if (c < chunks) {
+            a[u][0] = ld_nc16(wa + 4 * c);
+            a[u][1] = ld_nc16(wb + 4 * c);
+        }
     }
     BGS_PDL_BEGIN();
-    for (int c0 = c_first; c0 < c_end; c0 += BGS_TC_UNROLL * BGS_TC_WARPS) {
+    for (int c0 = warp; c0 < chunks; c0 += BGS_TC_UNROLL * BGS_TC_WARPS) {
         bgs_u4 b[BGS_TC_UNROLL][BGS_TC_TILES];
 #pragma unroll
         for (int u = 0; u < BGS_TC_UNROLL; u++) {
@@ -1217,77 +1182,50 @@ extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, float
             for (int j = 0; j < BGS_TC_TILES; j++) {
                 const int t = t0 + 8 * j + g;
                 b[u][j] = bgs_u4{0u, 0u, 0u, 0u};
-                if (c < c_end && j < tiles && t < n)
+                if (c < chunks && j < tiles && t < n)
                     b[u][j] = ((const bgs_u4 *)(x + (size_t)t * in))[4 * c + q];
             }
         }
 #pragma unroll
         for (int u = 0; u < BGS_TC_UNROLL; u++) {
-            if (c0 + u * BGS_TC_WARPS >= c_end) break;
+            if (c0 + u * BGS_TC_WARPS >= chunks) break;
+            const unsigned s0[4] = {a[u][0].a, a[u][1].a, a[u][0].b, a[u][1].b};
+            const unsigned s1[4] = {a[u][0].c, a[u][1].c, a[u][0].d, a[u][1].d};
 #pragma unroll
-            for (int m = 0; m < BGS_TC_MTILES; m++) {
-                const unsigned s0[4] = {a[u][m][0].a, a[u][m][1].a, a[u][m][0].b, a[u][m][1].b};
-                const unsigned s1[4] = {a[u][m][0].c, a[u][m][1].c, a[u][m][0].d, a[u][m][1].d};
-#pragma unroll
-                for (int j = 0; j < BGS_TC_TILES; j++) {
-                    if (j >= tiles) break;
-                    mma_16816(acc[m][j], s0, b[u][j].a, b[u][j].b);
-                    mma_16816(acc[m][j], s1, b[u][j].c, b[u][j].d);
-                }
+            for (int j = 0; j < BGS_TC_TILES; j++) {
+                if (j >= tiles) break;
+                mma_16816(acc[j], s0, b[u][j].a, b[u][j].b);
+                mma_16816(acc[j], s1, b[u][j].c, b[u][j].d);
             }
         }
         // The next chunks' weights (in flight while the next x loads go out).
 #pragma unroll
         for (int u = 0; u < BGS_TC_UNROLL; u++) {
             const int c = c0 + (BGS_TC_UNROLL + u) * BGS_TC_WARPS;
-            if (c < c_end)
-#pragma unroll
-                for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) a[u][m][h] = ld_nc16(wr[m][h] + 4 * c);
+            if (c < chunks) {
+                a[u][0] = ld_nc16(wa + 4 * c);
+                a[u][1] = ld_nc16(wb + 4 * c);
+            }
         }
     }
     // The accumulator fragments: c0, c1 at (row g, tokens 2q, 2q+1), c2, c3 at row g + 8.
 #pragma unroll
-    for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-        for (int j = 0; j < BGS_TC_TILES; j++) {
-            red[warp][16 * m + g][8 * j + 2 * q] = acc[m][j][0];
-            red[warp][16 * m + g][8 * j + 2 * q + 1] = acc[m][j][1];
-            red[warp][16 * m + g + 8][8 * j + 2 * q] = acc[m][j][2];
-            red[warp][16 * m + g + 8][8 * j + 2 * q + 1] = acc[m][j][3];
-        }
+    for (int j = 0; j < BGS_TC_TILES; j++) {
+        red[warp][g][8 * j + 2 * q] = acc[j][0];
+        red[warp][g][8 * j + 2 * q + 1] = acc[j][1];
+        red[warp][g + 8][8 * j + 2 * q] = acc[j][2];
+        red[warp][g + 8][8 * j + 2 * q + 1] = acc[j][3];
+    }
     __syncthreads();
-    for (int e = threadIdx.x; e < BGS_TC_ROWS * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
-        const int row = e % BGS_TC_ROWS, col = e / BGS_TC_ROWS;
+    for (int e = threadIdx.x; e < 16 * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
+        const int row = e % 16, col = e / 16;
         const int r = r0 + row, t = t0 + col;
         if (r >= out || t >= n) continue;
         float s = red[0][row][col];
 #pragma unroll
         for (int k = 1; k < BGS_TC_WARPS; k++) s += red[k][row][col];
-        if (groups == 1)
-            y[(size_t)t * out + r] = s;
-        else
-            partial[((size_t)group * n + t) * out + r] = s;
-    }
-    if (groups == 1) return;
-    // Split: the last group of this (row tile, token block) to finish adds the groups' sums.
-    __threadfence(); /* this block's partial sums before its arrival */
-    __syncthreads();
-    unsigned *count = arrived + (size_t)tile * gridDim.y + blockIdx.y;
-    if (threadIdx.x == 0) last = atomicAdd(count, 1u) == (unsigned)groups - 1u;
-    __syncthreads();
-    if (!last) return;
-    __threadfence(); /* every group's arrival before reading its sums */
-    for (int e = threadIdx.x; e < BGS_TC_ROWS * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
-        const int row = e % BGS_TC_ROWS, col = e / BGS_TC_ROWS;
-        const int r = r0 + row, t = t0 + col;
-        if (r >= out || t >= n) continue;
-        float s = ld_cg(partial + (size_t)t * out + r);
-        for (int k = 1; k < groups; k++) s += ld_cg(partial + ((size_t)k * n + t) * out + r);
         y[(size_t)t * out + r] = s;
     }
-    if (threadIdx.x == 0) *count = 0u; /* for the next launch (which starts after this grid) */
 #else
     // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
     __trap();

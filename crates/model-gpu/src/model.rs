@@ -487,8 +487,6 @@ impl GpuModel {
             provisional.max_tokens,
             provisional.max_samples,
             self.dtype,
-            self.tc_gemm_max_tokens,
-            self.sms,
         )?;
         self.workspace = self.alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?;
 

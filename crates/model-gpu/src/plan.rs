@@ -26,56 +26,10 @@ const PROJ_STATIC_SHARED: usize = PROJ_TOKENS * NORM_THREADS as usize * 4;
 pub const TC_WARPS: usize = 8;
 /// Tokens of a `bgs_gemm_tc` block (`-DBGS_TC_TOKENS`, a multiple of 8: the MMA's columns).
 pub const TC_TOKENS: usize = 32;
-/// 16-row MMA tiles a `bgs_gemm_tc` warp computes (`-DBGS_TC_MTILES`): each token fragment it
-/// loads serves that many weight tiles, so larger buckets read their activations fewer times.
-/// 1 or 2 (the warps' sums of 4 would not fit 48 KB of shared memory); `BGS_TC_MTILES`
-/// overrides the default for experiments (read once).
-pub fn tc_mtiles() -> usize {
-    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *M.get_or_init(|| {
-        std::env::var("BGS_TC_MTILES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|m| [1, 2].contains(m))
-            .unwrap_or(TC_MTILES_DEFAULT)
-    })
-}
-const TC_MTILES_DEFAULT: usize = 1;
-/// Output rows of a `bgs_gemm_tc` block.
-pub(crate) fn tc_rows() -> usize {
-    16 * tc_mtiles()
-}
+/// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
+pub(crate) const TC_ROWS: usize = 16;
 /// Values of one `bgs_gemm_tc` chunk: a projection's input width must be a multiple of it.
 pub(crate) const TC_CHUNK: usize = 32;
-/// Blocks of a `bgs_gemm_tc` launch the K split aims at, per multiprocessor.
-const TC_BLOCKS_PER_SM: usize = 2;
-
-/// How many groups of blocks split the input of a `bgs_gemm_tc` projection of `out` rows and
-/// `inp` inputs (each group a contiguous share of the chunks; the last block of a row tile to
-/// finish adds the groups' partial sums in group order). A projection with few row tiles
-/// (o_proj and down_proj: 56 tiles of 16 rows for Qwen2.5-0.5B) would otherwise keep less
-/// than half of the H200's 132 multiprocessors busy. It depends on the weights' shape and the
-/// device alone, never on the tokens, so the reduction order of an output stays fixed by its
-/// row; every warp of a group keeps at least one chunk.
-pub(crate) fn tc_groups(out: usize, inp: usize, sms: u32) -> usize {
-    let tiles = out.div_ceil(tc_rows());
-    let want = (TC_BLOCKS_PER_SM * sms as usize).div_ceil(tiles);
-    want.clamp(1, (inp / TC_CHUNK / TC_WARPS).max(1))
-}
-
-/// The projections of `cfg` as (out, in): fused QKV, o_proj, fused gate/up, down_proj and the
-/// LM head.
-fn projections(cfg: &ModelConfig) -> [(usize, usize); 5] {
-    let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
-    let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.kv_dim());
-    [
-        (qd + 2 * kvd, h),
-        (h, qd),
-        (2 * inter, h),
-        (h, inter),
-        (cfg.vocab_size, h),
-    ]
-}
 /// Shared memory a block may use without an opt-in.
 const MAX_BLOCK_SHARED: usize = 48 * 1024;
 
@@ -296,45 +250,17 @@ pub(crate) struct Bufs {
     pub next: u64,
     /// f32 `[head_dim / 2]`: RoPE inverse frequencies.
     pub inv_freq: u64,
-    /// f32: the groups' partial sums of a `bgs_gemm_tc` split across groups
-    /// (`[group][token][row]`), sized for the largest such projection (0 when none).
-    pub tc_partial: u64,
-    /// u32 per (row tile, token block) of a split `bgs_gemm_tc`: how many groups have
-    /// finished (the last one resets it to 0).
-    pub tc_arrived: u64,
 }
 
 /// Allocate the activation buffers for `t` tokens and `s` sampled rows, and upload the RoPE
-/// frequencies (the CPU oracle's, bit for bit: computed in f64 and rounded). `tc_tokens`:
-/// projections over at most this many tokens run `bgs_gemm_tc` on a device of `sms`
-/// multiprocessors (its split scratch is sized for them).
-#[allow(clippy::too_many_arguments)] // the buffers' sizes come from all of these
+/// frequencies (the CPU oracle's, bit for bit: computed in f64 and rounded).
 pub(crate) fn alloc_bufs(
     d: &mut impl DeviceMem,
     cfg: &ModelConfig,
     t: usize,
     s: usize,
     dt: GpuDtype,
-    tc_tokens: usize,
-    sms: u32,
 ) -> Result<Bufs, GpuModelError> {
-    let tc_tokens = tc_tokens.min(t.max(s));
-    let (mut partial, mut arrived) = (0usize, 0usize);
-    for (out, inp) in projections(cfg) {
-        let groups = tc_groups(out, inp, sms);
-        if tc_tokens > 0 && tc_gemm_applies(dt, inp) && groups > 1 {
-            partial = partial.max(groups * tc_tokens * out);
-            arrived = arrived.max(out.div_ceil(tc_rows()) * tc_tokens.div_ceil(TC_TOKENS));
-        }
-    }
-    let (tc_partial, tc_arrived) = if partial > 0 {
-        (
-            d.alloc(partial * 4, "tensor-core GEMM partial sums")?,
-            d.alloc(arrived * 4, "tensor-core GEMM arrival counts")?,
-        )
-    } else {
-        (0, 0)
-    };
     let (h, inter, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.kv_dim());
     let es = dt.size();
@@ -354,8 +280,6 @@ pub(crate) fn alloc_bufs(
         logits: d.alloc(s * vocab * 4, "logits")?,
         next: d.alloc(s * 4, "next tokens")?,
         inv_freq: d.upload(&GpuDtype::F32.encode(&inv_freq), "RoPE frequencies")?,
-        tc_partial,
-        tc_arrived,
     })
 }
 
@@ -493,25 +417,18 @@ impl Plan<'_> {
             );
         }
         if n <= self.tc_gemm_max_tokens && tc_gemm_applies(self.dtype, inp) {
-            let groups = tc_groups(out, inp, self.sms);
             return Op::Launch {
                 kernel: Kernel::GemmTc,
-                grid: (
-                    (out.div_ceil(tc_rows()) * groups) as u32,
-                    n.div_ceil(TC_TOKENS) as u32,
-                ),
+                grid: (out.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
                 block: (TC_WARPS * 32) as u32,
                 shared: 0,
                 args: vec![
                     Arg::P(w),
                     Arg::P(x),
                     Arg::P(y),
-                    Arg::P(self.b.tc_partial),
-                    Arg::P(self.b.tc_arrived),
                     Arg::I(out as i32),
                     Arg::I(inp as i32),
                     Arg::I(n as i32),
-                    Arg::I(groups as i32),
                 ],
             };
         }

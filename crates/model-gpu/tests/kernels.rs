@@ -118,8 +118,6 @@ __device__ float sinf(float);
 __device__ float fmaxf(float, float);
 __device__ size_t __cvta_generic_to_shared(const void *);
 __device__ void __trap();
-__device__ void __threadfence();
-__device__ unsigned atomicAdd(unsigned *, unsigned);
 "#;
 
 fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Output> {
