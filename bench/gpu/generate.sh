@@ -59,8 +59,10 @@ step check-tiny-qwen2-f32-fused2 120 "$bin/bgs-llm-gpu" check --model "$work/tin
 step check-tiny-llama-f32-fused 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-llama" --dtype f32 --fused-max-tokens 512 --json "$work/check-tiny-llama-f32-fused.json"
 step check-qwen-f32-fused 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype f32 --steps 8 --fused-max-tokens 512 --json "$work/check-qwen-f32-fused.json"
 step check-tiny-qwen2-f32-nopdl 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --no-pdl --json "$work/check-tiny-qwen2-f32-nopdl.json"
-step check-tiny-qwen2-bf16-cublas 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 --tc-gemm-max-tokens 0 --json "$work/check-tiny-qwen2-bf16-cublas.json"
-step check-qwen-bf16-tcall 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --tc-gemm-max-tokens 512 --json "$work/check-qwen-bf16-tcall.json"
+step check-tiny-qwen2-f32-invariant 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype f32 --invariant-gemm --json "$work/check-tiny-qwen2-f32-invariant.json"
+step check-qwen-bf16-invariant 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --invariant-gemm --json "$work/check-qwen-bf16-invariant.json"
+step check-smollm2-bf16-invariant 240 "$bin/bgs-llm-gpu" check --model "$work/smollm2-135m" --dtype bf16 --steps 16 --invariant-gemm --json "$work/check-smollm2-bf16-invariant.json"
+step check-qwen-bf16-tc4 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --tc-gemm-max-tokens 4 --json "$work/check-qwen-bf16-tc4.json"
 step check-tiny-qwen2-bf16-invariant 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 --invariant-gemm --json "$work/check-tiny-qwen2-bf16-invariant.json"
 fi
 
@@ -77,21 +79,18 @@ for m in qwen2.5-0.5b smollm2-135m; do
 done
 fi
 
-# 3. Step times against the memory floor: the defaults (programmatic dependent launch,
-#    tensor-core attention, the tensor-core GEMM for projections over at most 64 tokens and
-#    cuBLAS above) at batch 1..512 (384 and 512 are the buckets of a full 256-slot table with
-#    prefill riding along), the tensor-core GEMM for every bucket (--tc-gemm-max-tokens 512),
-#    cuBLAS for every projection (--tc-gemm-max-tokens 0), and buckets of up to 2 tokens in
-#    the fused form (--fused-max-tokens 2). BENCH_FLAGS adds flags to all.
+# 3. Step times against the memory floor: the defaults (cuBLAS, programmatic dependent
+#    launch, tensor-core attention) at batch 1..512 (384 and 512 are the buckets of a full
+#    256-slot table with prefill riding along), with per-kernel times; every projection on the
+#    tensor-core GEMM (--invariant-gemm: batch-invariant by construction), and buckets of up
+#    to 2 tokens in the fused form (--fused-max-tokens 2). BENCH_FLAGS adds flags to all.
 if want bench; then
 bf=${BENCH_FLAGS:-}
 for m in qwen2.5-0.5b smollm2-135m; do
   step "bench-$m" 300 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
     --batches 1,2,4,8,16,32,64,128,256,384,512 --context 128 --per-op --json "$work/bench-$m.json"
-  step "bench-$m-tcall" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
-    --batches 1,16,64,128,256,512 --context 128 --tc-gemm-max-tokens 512 --json "$work/bench-$m-tcall.json"
-  step "bench-$m-cublas" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
-    --batches 1,2,4,8,16,32,64,128,256 --context 128 --tc-gemm-max-tokens 0 --json "$work/bench-$m-cublas.json"
+  step "bench-$m-invariant" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
+    --batches 1,2,4,8,16,32,64,128,256,512 --context 128 --invariant-gemm --per-op --json "$work/bench-$m-invariant.json"
   step "bench-$m-fused2" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
     --batches 1,2 --context 128 --fused-max-tokens 2 --json "$work/bench-$m-fused2.json"
 done

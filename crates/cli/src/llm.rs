@@ -50,8 +50,10 @@ pub struct ModelArgs {
     /// projections' inputs (accumulation is f32 throughout). The CPU forward pass is f32.
     #[arg(long, value_enum, default_value_t = DtypeArg::Bf16)]
     pub dtype: DtypeArg,
-    /// GPU forward pass: projections through the batch-invariant kernel (a request's tokens do
-    /// not depend on what else is in the batch; slower) instead of cuBLAS.
+    /// GPU forward pass: every projection through the server's own kernels, whose reduction
+    /// order is fixed by the output's row (a request's tokens do not depend on what else is in
+    /// the batch), instead of cuBLAS: the tensor-core GEMM on 16-bit models, the fused form in
+    /// f32. Slower than cuBLAS beyond a few tokens a step (docs/gpu-model.md).
     #[arg(long)]
     pub batch_invariant: bool,
     /// GPU forward pass: buckets of at most this many tokens (decode at small batch) run the
@@ -61,9 +63,9 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().fused_max_tokens)]
     pub gpu_fused_max_tokens: usize,
     /// GPU forward pass: projections over at most this many tokens run on tensor cores in
-    /// the server's own GEMM (16-bit models; a request's tokens then do not depend on the
-    /// rest of the step in those buckets); larger ones run cuBLAS. 0: cuBLAS for every
-    /// projection.
+    /// the server's own GEMM (16-bit models); larger ones run cuBLAS. 0: cuBLAS for every
+    /// projection. Mixing the two changes a request's bits with the batch size;
+    /// --batch-invariant runs the GEMM for every bucket.
     #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_gemm_max_tokens)]
     pub gpu_tc_gemm_max_tokens: usize,
     /// GPU forward pass: launch the model's kernels one after the other, without programmatic

@@ -768,6 +768,9 @@ impl EmuModel {
             )
             .unwrap();
         let inputs = emu.alloc(geo.words() * 4, "inputs").unwrap();
+        // As `GpuModel::new`: the invariant option on the tensor-core GEMM where it covers the
+        // model, else in the fused form.
+        let invariant_tc = invariant_gemm && plan::tc_gemm_covers(&cfg, dtype);
         EmuModel {
             staging: vec![0; geo.words()],
             cfg,
@@ -778,10 +781,14 @@ impl EmuModel {
             b,
             cache,
             inputs,
-            invariant_gemm,
+            invariant_gemm: invariant_gemm && !invariant_tc,
             fused_max_tokens: 0,
             // As `GpuModelOptions`' default.
-            tc_gemm_max_tokens: crate::GpuModelOptions::default().tensor_core_gemm_max_tokens,
+            tc_gemm_max_tokens: if invariant_tc {
+                usize::MAX
+            } else {
+                crate::GpuModelOptions::default().tensor_core_gemm_max_tokens
+            },
             attention_warps: 1,
             // As `GpuModelOptions`' default: every test plans tensor-core attention where the
             // model allows it.
@@ -1122,8 +1129,44 @@ mod tests {
         }
     }
 
+    /// The invariant option in both its forms: the fused form (f32: tokens equal the oracle's)
+    /// and the tensor-core GEMM for every bucket (bf16: within the tolerance), each sequence
+    /// alone equal to the batch.
     #[test]
     fn emulated_invariant_gemm_matches_the_cpu_oracle() {
+        let forms = |arch, dtype, inv| {
+            let dt = match dtype {
+                GpuDtype::F32 => DType::F32,
+                GpuDtype::F16 => DType::F16,
+                GpuDtype::Bf16 => DType::Bf16,
+            };
+            let (cfg, w) = synth_weights_for(synth_config(arch), 5, dt);
+            let m = EmuModel::new(cfg, &w, dtype, [4, 64, 32, 4], inv);
+            let ops = m.plan().body(32);
+            let tc = ops.iter().any(|op| {
+                matches!(
+                    op,
+                    Op::Launch {
+                        kernel: Kernel::GemmTc,
+                        ..
+                    }
+                )
+            });
+            let blas = ops.iter().any(|op| matches!(op, Op::Gemm(_)));
+            (tc, blas, m.plan().fused(32))
+        };
+        assert_eq!(
+            forms(SynthArch::TinyQwen2, GpuDtype::F32, true),
+            (false, false, true)
+        );
+        assert_eq!(
+            forms(SynthArch::TinyLlama, GpuDtype::Bf16, true),
+            (true, false, false)
+        );
+        assert_eq!(
+            forms(SynthArch::TinyLlama, GpuDtype::Bf16, false),
+            (false, true, false)
+        );
         check_arch(SynthArch::TinyQwen2, GpuDtype::F32, 1e-4, true, true);
         check_arch(SynthArch::TinyLlama, GpuDtype::Bf16, 5e-2, false, true);
     }
@@ -1418,6 +1461,8 @@ mod tests {
             (SynthArch::TinyQwen2, GpuDtype::Bf16, false, true),
             (SynthArch::TinyQwen2, GpuDtype::Bf16, false, false),
             (SynthArch::TinyLlama, GpuDtype::F32, true, true),
+            // The invariant option on tensor cores (bgs_gemm_tc).
+            (SynthArch::TinyLlama, GpuDtype::Bf16, true, true),
         ] {
             let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
             let m =

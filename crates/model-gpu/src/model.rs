@@ -12,7 +12,7 @@ use cudarc::driver::sys as cu;
 use crate::host::{self, GpuDtype, Packed, StepGeometry};
 use crate::plan::{
     self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan, fused_form_fits,
-    mma_attention_shared,
+    mma_attention_shared, tc_gemm_covers,
 };
 
 /// Bytes of the cuBLAS workspace set before capture (32 MiB: NVIDIA's recommendation for
@@ -45,11 +45,13 @@ pub struct GpuModelOptions {
     pub cache_dir: Option<PathBuf>,
     /// Replay one captured graph per bucket (false: the same launches, uncaptured).
     pub use_graphs: bool,
-    /// Every bucket in the fused form (see `fused_max_tokens`: the crate's own projections,
-    /// each output's reduction order fixed by its row alone) and the LM head through
-    /// `bgs_proj`, instead of cuBLAS: batch-invariant by construction. Slower for large
-    /// buckets (weights are read once per 8 tokens, no tensor cores); refused when the model's
-    /// widths do not fit the form.
+    /// Every projection through the crate's own kernels, whose reduction order is fixed by the
+    /// output's row alone, instead of cuBLAS: batch-invariant by construction. 16-bit models
+    /// whose widths the tensor-core GEMM covers (`bgs_gemm_tc`; the served shapes) run it for
+    /// every bucket (sm_80+, else refused); others (f32) run every bucket in the fused form
+    /// (see `fused_max_tokens`; weights read once per 8 tokens on CUDA cores) and the LM head
+    /// through `bgs_proj`, refused when the model's widths do not fit that form. Slower than
+    /// cuBLAS beyond a few tokens (docs/gpu-model.md).
     pub batch_invariant_gemm: bool,
     /// Buckets of at most this many tokens (decode at small batch) run the fused form: the
     /// projections are the crate's own kernels with the layer's other steps fused into them
@@ -64,8 +66,11 @@ pub struct GpuModelOptions {
     /// tensor cores in the crate's own GEMM (`bgs_gemm_tc`) instead of cuBLAS: 16-bit models
     /// on sm_80+, input widths in whole 32-value chunks (else cuBLAS). Its reduction order is
     /// fixed by the input width alone, so within these buckets a request's tokens do not
-    /// depend on what else is in the step. Buckets the fused form takes keep it. 0: cuBLAS
-    /// for every projection.
+    /// depend on what else is in the step. Buckets the fused form takes keep it. 0 (the
+    /// default): cuBLAS for every projection. On the H200 it is faster than cuBLAS at 1-4
+    /// tokens only (1.118 against 1.142 ms a Qwen2.5-0.5B-shape step at batch 1), and mixing
+    /// it with cuBLAS for larger buckets changes a request's bits with the batch size; the
+    /// invariant option runs it for every bucket.
     pub tensor_core_gemm_max_tokens: usize,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
@@ -107,7 +112,7 @@ impl Default for GpuModelOptions {
             use_graphs: true,
             batch_invariant_gemm: false,
             fused_max_tokens: 0,
-            tensor_core_gemm_max_tokens: 64,
+            tensor_core_gemm_max_tokens: 0,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -358,9 +363,12 @@ impl GpuModel {
                 opts.attention_warps
             )));
         }
+        // The invariant option on a 16-bit model the tensor-core GEMM covers runs every
+        // projection there (the device must be sm_80+: checked below); else the fused form.
+        let invariant_tc = opts.batch_invariant_gemm && tc_gemm_covers(&cfg, opts.dtype);
         let fused_max_tokens = match fused_form_fits(&cfg, opts.dtype) {
             Ok(()) => opts.fused_max_tokens,
-            Err(why) if opts.batch_invariant_gemm => {
+            Err(why) if opts.batch_invariant_gemm && !invariant_tc => {
                 return Err(GpuModelError::Config(format!(
                     "batch_invariant_gemm runs every projection in the fused form, which \
                      cannot run this model: {why}"
@@ -375,15 +383,24 @@ impl GpuModel {
         };
 
         let env = init(opts.device, opts.cuda_home.as_deref())?;
+        if invariant_tc && env.cc.0 < 8 {
+            return Err(GpuModelError::Config(format!(
+                "batch_invariant_gemm needs tensor cores for 16-bit values (sm_80+) on this \
+                 model; {} is sm_{}{}",
+                env.name, env.cc.0, env.cc.1
+            )));
+        }
         let mut m = GpuModel {
             cfg,
             dtype: opts.dtype,
             geo: pre,
             use_graphs: opts.use_graphs,
             device_launch: opts.device_launch,
-            invariant_gemm: opts.batch_invariant_gemm,
+            invariant_gemm: opts.batch_invariant_gemm && !invariant_tc,
             fused_max_tokens,
-            tc_gemm_max_tokens: if env.cc.0 >= 8 {
+            tc_gemm_max_tokens: if invariant_tc {
+                usize::MAX
+            } else if env.cc.0 >= 8 {
                 opts.tensor_core_gemm_max_tokens
             } else {
                 0

@@ -340,6 +340,19 @@ pub(crate) fn tc_gemm_applies(dtype: GpuDtype, inp: usize) -> bool {
     dtype != GpuDtype::F32 && inp % TC_CHUNK == 0 && inp > 0
 }
 
+/// Whether `bgs_gemm_tc` covers every projection of `cfg` in `dtype` (QKV, o_proj, gate/up,
+/// down_proj and the LM head: their input widths are hidden, heads × head_dim and
+/// intermediate).
+pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
+    [
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    ]
+    .into_iter()
+    .all(|inp| tc_gemm_applies(dtype, inp))
+}
+
 /// Blocks per multiprocessor of the fused norm kernels (see `Plan::sms`).
 pub(crate) const PROJ_NORM_BLOCKS_PER_SM: usize = 2;
 

@@ -70,8 +70,9 @@ struct DeviceArgs {
     /// Run the step's launches without CUDA graphs (debugging).
     #[arg(long)]
     no_graphs: bool,
-    /// Every bucket in the fused form (own projections with a fixed reduction order) and the
-    /// LM head through `bgs_proj`, instead of cuBLAS: batch-invariant by construction.
+    /// Every projection through the crate's own kernels with a fixed reduction order (the
+    /// tensor-core GEMM on 16-bit models, else the fused form), instead of cuBLAS:
+    /// batch-invariant by construction.
     #[arg(long)]
     invariant_gemm: bool,
     /// Buckets of at most this many tokens run the fused form (0: cuBLAS for every bucket).
