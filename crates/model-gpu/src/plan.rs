@@ -337,7 +337,7 @@ pub(crate) fn mma_attention_shared(cfg: &ModelConfig, dtype: GpuDtype, warps: u3
 /// cores multiply 16-bit values; the input is read in whole 32-value chunks). The device must
 /// be sm_80 or later (the host checks).
 pub(crate) fn tc_gemm_applies(dtype: GpuDtype, inp: usize) -> bool {
-    dtype != GpuDtype::F32 && inp % TC_CHUNK == 0 && inp > 0
+    dtype != GpuDtype::F32 && inp.is_multiple_of(TC_CHUNK) && inp > 0
 }
 
 /// Whether `bgs_gemm_tc` covers every projection of `cfg` in `dtype` (QKV, o_proj, gate/up,
