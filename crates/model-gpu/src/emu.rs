@@ -1401,19 +1401,10 @@ mod tests {
         let xd = e.upload(&GpuDtype::Bf16.encode(&xv), "x").unwrap();
         let y40 = e.alloc(40 * out * 4, "y40").unwrap();
         let y4 = e.alloc(4 * out * 4, "y4").unwrap();
-        let gemm = |y: u64, n: usize| Op::Launch {
-            kernel: Kernel::GemmTc,
-            grid: (out.div_ceil(16) as u32, n.div_ceil(plan::TC_TOKENS) as u32),
-            block: (plan::TC_WARPS * 32) as u32,
-            shared: 0,
-            args: vec![
-                Arg::P(wd),
-                Arg::P(xd),
-                Arg::P(y),
-                Arg::I(out as i32),
-                Arg::I(inp as i32),
-                Arg::I(n as i32),
-            ],
+        let gemm = |y: u64, n: usize| {
+            let args = [wd, xd, y].map(Arg::P);
+            let dims = [out, inp, n].map(|v| Arg::I(v as i32));
+            plan::tc_gemm_launch(out, n, &[args, dims].concat())
         };
         e.run(&[gemm(y40, 40), gemm(y4, 4)]);
         assert_eq!(e.f32s(y40, 4 * out), e.f32s(y4, 4 * out));

@@ -353,6 +353,18 @@ pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
     .all(|inp| tc_gemm_applies(dtype, inp))
 }
 
+/// A `bgs_gemm_tc` launch over `out` rows and `n` tokens with its parameters `args` (w, x, y,
+/// out, in, n).
+pub(crate) fn tc_gemm_launch(out: usize, n: usize, args: &[Arg]) -> Op {
+    Op::Launch {
+        kernel: Kernel::GemmTc,
+        grid: (out.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
+        block: (TC_WARPS * 32) as u32,
+        shared: 0,
+        args: args.to_vec(),
+    }
+}
+
 /// Blocks per multiprocessor of the fused norm kernels (see `Plan::sms`).
 pub(crate) const PROJ_NORM_BLOCKS_PER_SM: usize = 2;
 
@@ -412,38 +424,20 @@ pub(crate) struct Plan<'a> {
 
 impl Plan<'_> {
     fn gemm(&self, w: u64, x: u64, y: u64, [out, inp, n]: [usize; 3], what: &'static str) -> Op {
+        // y = x · wᵀ: the parameters of bgs_proj and bgs_gemm_tc alike.
+        let args = [
+            Arg::P(w),
+            Arg::P(x),
+            Arg::P(y),
+            Arg::I(out as i32),
+            Arg::I(inp as i32),
+            Arg::I(n as i32),
+        ];
         if self.invariant_gemm {
-            return proj_launch(
-                Kernel::Proj,
-                out,
-                n,
-                usize::MAX,
-                0,
-                &[
-                    Arg::P(w),
-                    Arg::P(x),
-                    Arg::P(y),
-                    Arg::I(out as i32),
-                    Arg::I(inp as i32),
-                    Arg::I(n as i32),
-                ],
-            );
+            return proj_launch(Kernel::Proj, out, n, usize::MAX, 0, &args);
         }
         if n <= self.tc_gemm_max_tokens && tc_gemm_applies(self.dtype, inp) {
-            return Op::Launch {
-                kernel: Kernel::GemmTc,
-                grid: (out.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
-                block: (TC_WARPS * 32) as u32,
-                shared: 0,
-                args: vec![
-                    Arg::P(w),
-                    Arg::P(x),
-                    Arg::P(y),
-                    Arg::I(out as i32),
-                    Arg::I(inp as i32),
-                    Arg::I(n as i32),
-                ],
-            };
+            return tc_gemm_launch(out, n, &args);
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
         // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B
