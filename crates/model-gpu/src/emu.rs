@@ -537,7 +537,7 @@ impl Emu {
                 let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
                 assert_ne!(self.dtype, GpuDtype::F32, "bgs_gemm_tc: 16-bit types only");
                 assert_eq!(block as usize, plan::TC_WARPS * 32, "bgs_gemm_tc: block");
-                assert!(gx * plan::tc_rows() >= out, "bgs_gemm_tc: grid misses rows");
+                assert!(gx * plan::TC_ROWS >= out, "bgs_gemm_tc: grid misses rows");
                 assert!(gy * plan::TC_TOKENS >= n, "bgs_gemm_tc: grid misses tokens");
                 assert_eq!(inp % plan::TC_CHUNK, 0, "bgs_gemm_tc: partial chunk");
                 let xs = self.wts(x, n * inp);
@@ -1368,7 +1368,7 @@ mod tests {
         else {
             panic!("no tensor-core LM head");
         };
-        assert_eq!(*grid, (vocab.div_ceil(plan::tc_rows()) as u32, 1));
+        assert_eq!(*grid, (vocab.div_ceil(16) as u32, 1));
         assert_eq!(*block as usize, plan::TC_WARPS * 32);
         assert_eq!(args[3..], [Arg::I(vocab as i32), Arg::I(64), Arg::I(4)]);
         let off = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [4, 64, 32, 4], false)

@@ -44,7 +44,6 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         // The tensor-core GEMM's block shape, which the plan's grids are sized by.
         format!("-DBGS_TC_WARPS={}", plan::TC_WARPS),
         format!("-DBGS_TC_TOKENS={}", plan::TC_TOKENS),
-        format!("-DBGS_TC_MTILES={}", plan::tc_mtiles()),
     ];
     // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`); part of the
     // cache key like every option.

@@ -1137,15 +1137,8 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
 #if !defined(BGS_TC_WARPS) || !defined(BGS_TC_TOKENS) || BGS_TC_TOKENS % 8 != 0
 #error "BGS_TC_WARPS and BGS_TC_TOKENS (a multiple of 8) must be defined"
 #endif
-#ifndef BGS_TC_MTILES
-#error "BGS_TC_MTILES (16-row tiles a warp: 1 or 2) must be defined"
-#endif
 #define BGS_TC_TILES (BGS_TC_TOKENS / 8)
-#define BGS_TC_ROWS (16 * BGS_TC_MTILES)
-// Chunks whose weights a warp has in flight (experiments: BGS_LLM_KERNEL_DEFINES).
-#ifndef BGS_TC_UNROLL
-#define BGS_TC_UNROLL (4 / BGS_TC_MTILES)
-#endif
+#define BGS_TC_UNROLL 4
 #if BGS_HAVE_MMA
 // 16 read-only bytes (the weights: never written while a step runs).
 __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
@@ -1158,38 +1151,26 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
 #endif
 extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int out, int in, int n) {
 #if BGS_HAVE_MMA
-    // The warps' sums, reduced in warp order, within 48 KB of static shared memory.
-    static_assert(BGS_TC_WARPS * BGS_TC_ROWS * (BGS_TC_TOKENS + 1) * 4 <= 48 * 1024,
-                  "bgs_gemm_tc's reduction exceeds 48 KB of shared memory");
-    __shared__ float red[BGS_TC_WARPS][BGS_TC_ROWS][BGS_TC_TOKENS + 1];
+    __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, q = lane % 4;
-    const int r0 = blockIdx.x * BGS_TC_ROWS, t0 = blockIdx.y * BGS_TC_TOKENS;
+    const int r0 = blockIdx.x * 16, t0 = blockIdx.y * BGS_TC_TOKENS;
     const int chunks = in / 32;
-    // Rows past `out` read the last row (never stored). Tile m: rows r0 + 16 m + g, + 8.
-    const bgs_u4 *wr[BGS_TC_MTILES][2];
-#pragma unroll
-    for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-            wr[m][h] =
-                (const bgs_u4 *)(w + (size_t)min(r0 + 16 * m + 8 * h + g, out - 1) * in) + q;
+    // Rows past `out` read the last row (never stored).
+    const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(r0 + g, out - 1) * in) + q;
+    const bgs_u4 *wb = (const bgs_u4 *)(w + (size_t)min(r0 + g + 8, out - 1) * in) + q;
     const int tiles = min(BGS_TC_TILES, (n - t0 + 7) / 8);
-    float acc[BGS_TC_MTILES][BGS_TC_TILES][4];
+    float acc[BGS_TC_TILES][4];
 #pragma unroll
-    for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-        for (int j = 0; j < BGS_TC_TILES; j++)
-            acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
-    bgs_u4 a[BGS_TC_UNROLL][BGS_TC_MTILES][2];
+    for (int j = 0; j < BGS_TC_TILES; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    bgs_u4 a[BGS_TC_UNROLL][2];
 #pragma unroll
     for (int u = 0; u < BGS_TC_UNROLL; u++) {
         const int c = warp + u * BGS_TC_WARPS;
-        if (c < chunks)
-#pragma unroll
-            for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) a[u][m][h] = ld_nc16(wr[m][h] + 4 * c);
+        if (c < chunks) {
+            a[u][0] = ld_nc16(wa + 4 * c);
+            a[u][1] = ld_nc16(wb + 4 * c);
+        }
     }
     BGS_PDL_BEGIN();
     for (int c0 = warp; c0 < chunks; c0 += BGS_TC_UNROLL * BGS_TC_WARPS) {
@@ -1208,42 +1189,36 @@ extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int o
 #pragma unroll
         for (int u = 0; u < BGS_TC_UNROLL; u++) {
             if (c0 + u * BGS_TC_WARPS >= chunks) break;
+            const unsigned s0[4] = {a[u][0].a, a[u][1].a, a[u][0].b, a[u][1].b};
+            const unsigned s1[4] = {a[u][0].c, a[u][1].c, a[u][0].d, a[u][1].d};
 #pragma unroll
-            for (int m = 0; m < BGS_TC_MTILES; m++) {
-                const unsigned s0[4] = {a[u][m][0].a, a[u][m][1].a, a[u][m][0].b, a[u][m][1].b};
-                const unsigned s1[4] = {a[u][m][0].c, a[u][m][1].c, a[u][m][0].d, a[u][m][1].d};
-#pragma unroll
-                for (int j = 0; j < BGS_TC_TILES; j++) {
-                    if (j >= tiles) break;
-                    mma_16816(acc[m][j], s0, b[u][j].a, b[u][j].b);
-                    mma_16816(acc[m][j], s1, b[u][j].c, b[u][j].d);
-                }
+            for (int j = 0; j < BGS_TC_TILES; j++) {
+                if (j >= tiles) break;
+                mma_16816(acc[j], s0, b[u][j].a, b[u][j].b);
+                mma_16816(acc[j], s1, b[u][j].c, b[u][j].d);
             }
         }
         // The next chunks' weights (in flight while the next x loads go out).
 #pragma unroll
         for (int u = 0; u < BGS_TC_UNROLL; u++) {
             const int c = c0 + (BGS_TC_UNROLL + u) * BGS_TC_WARPS;
-            if (c < chunks)
-#pragma unroll
-                for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) a[u][m][h] = ld_nc16(wr[m][h] + 4 * c);
+            if (c < chunks) {
+                a[u][0] = ld_nc16(wa + 4 * c);
+                a[u][1] = ld_nc16(wb + 4 * c);
+            }
         }
     }
     // The accumulator fragments: c0, c1 at (row g, tokens 2q, 2q+1), c2, c3 at row g + 8.
 #pragma unroll
-    for (int m = 0; m < BGS_TC_MTILES; m++)
-#pragma unroll
-        for (int j = 0; j < BGS_TC_TILES; j++) {
-            red[warp][16 * m + g][8 * j + 2 * q] = acc[m][j][0];
-            red[warp][16 * m + g][8 * j + 2 * q + 1] = acc[m][j][1];
-            red[warp][16 * m + g + 8][8 * j + 2 * q] = acc[m][j][2];
-            red[warp][16 * m + g + 8][8 * j + 2 * q + 1] = acc[m][j][3];
-        }
+    for (int j = 0; j < BGS_TC_TILES; j++) {
+        red[warp][g][8 * j + 2 * q] = acc[j][0];
+        red[warp][g][8 * j + 2 * q + 1] = acc[j][1];
+        red[warp][g + 8][8 * j + 2 * q] = acc[j][2];
+        red[warp][g + 8][8 * j + 2 * q + 1] = acc[j][3];
+    }
     __syncthreads();
-    for (int e = threadIdx.x; e < BGS_TC_ROWS * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
-        const int row = e % BGS_TC_ROWS, col = e / BGS_TC_ROWS;
+    for (int e = threadIdx.x; e < 16 * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
+        const int row = e % 16, col = e / 16;
         const int r = r0 + row, t = t0 + col;
         if (r >= out || t >= n) continue;
         float s = red[0][row][col];

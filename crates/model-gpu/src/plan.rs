@@ -26,25 +26,8 @@ const PROJ_STATIC_SHARED: usize = PROJ_TOKENS * NORM_THREADS as usize * 4;
 pub const TC_WARPS: usize = 8;
 /// Tokens of a `bgs_gemm_tc` block (`-DBGS_TC_TOKENS`, a multiple of 8: the MMA's columns).
 pub const TC_TOKENS: usize = 32;
-/// 16-row MMA tiles a `bgs_gemm_tc` warp computes (`-DBGS_TC_MTILES`): each token fragment it
-/// loads serves that many weight tiles, so the activations are read fewer times. 1 or 2 (the
-/// warps' sums of more would not fit 48 KB of shared memory); `BGS_TC_MTILES` overrides the
-/// default for experiments (read once per process).
-pub fn tc_mtiles() -> usize {
-    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *M.get_or_init(|| {
-        std::env::var("BGS_TC_MTILES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|m| [1, 2].contains(m))
-            .unwrap_or(TC_MTILES_DEFAULT)
-    })
-}
-const TC_MTILES_DEFAULT: usize = 1;
-/// Output rows of a `bgs_gemm_tc` block.
-pub(crate) fn tc_rows() -> usize {
-    16 * tc_mtiles()
-}
+/// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
+pub(crate) const TC_ROWS: usize = 16;
 /// Values of one `bgs_gemm_tc` chunk: a projection's input width must be a multiple of it.
 pub(crate) const TC_CHUNK: usize = 32;
 /// Shared memory a block may use without an opt-in.
@@ -375,7 +358,7 @@ pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
 pub(crate) fn tc_gemm_launch(out: usize, n: usize, args: &[Arg]) -> Op {
     Op::Launch {
         kernel: Kernel::GemmTc,
-        grid: (out.div_ceil(tc_rows()) as u32, n.div_ceil(TC_TOKENS) as u32),
+        grid: (out.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
         block: (TC_WARPS * 32) as u32,
         shared: 0,
         args: args.to_vec(),
