@@ -466,6 +466,37 @@ fn fd_count() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// What the process's descriptors are (`socket:[…]`, `anon_inode:[eventpoll]`, …).
+fn fd_targets() -> Vec<String> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|t| t.display().to_string())
+        .collect()
+}
+
+/// The tests of this file one at a time: they count the process's descriptors to see that the
+/// server closed every connection, and a test running beside another would count the other's
+/// sockets, rings and maps opening and closing.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A test that failed holding the lock poisons it; the next one still runs alone.
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Wait (up to 20 s) until the process holds no more descriptors than `base`; how many more
+/// it held at the last look.
+fn fds_left_after(base: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = fd_count().saturating_sub(base);
+        if left == 0 || Instant::now() >= deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 fn request(id: u32, words: &[u32]) -> Vec<u8> {
     let mut out = Vec::new();
     bgs_protocol::encode_request(
@@ -567,6 +598,17 @@ fn start() -> Server {
     let addr = transport.local_addr();
     let handle = transport.shutdown_handle();
     let thread = std::thread::spawn(move || transport.run().unwrap());
+    // The transport creates its epoll descriptor when it starts running: wait for it, so that
+    // a test's count of descriptors taken now is the running server's (it raced: one
+    // descriptor "left" at the end, the epoll the transport had opened after the count).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !fd_targets().iter().any(|t| t == "anon_inode:[eventpoll]") {
+        assert!(
+            Instant::now() < deadline,
+            "the transport did not start in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     Server {
         addr,
         monitor,
@@ -594,6 +636,7 @@ impl Server {
 
 #[test]
 fn gpu_sends_and_host_sends_share_connections_in_order() {
+    let _serial = serial();
     let server = start();
     // Idle, the stage sleeps on its futex instead of spinning (a shared futex on the BPF
     // map's memory would fail at once and never sleep).
@@ -652,10 +695,7 @@ fn gpu_sends_and_host_sends_share_connections_in_order() {
     // connection's entries when its socket reaches TCP_CLOSE, which can come after the
     // descriptor is gone (the peer's last ACK).
     let deadline = Instant::now() + Duration::from_secs(20);
-    while fd_count() > base_fds && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let fds_left = fd_count().saturating_sub(base_fds);
+    let fds_left = fds_left_after(base_fds);
     let maps_settled = |m: &KernelMonitor| m.sockhash_entries() == 0 && m.conn_states() == 0;
     while !maps_settled(&server.monitor) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(2));
@@ -786,6 +826,7 @@ fn mixed_client(addr: SocketAddr, c: u32, rounds: u32) {
 
 #[test]
 fn streams_stay_host_sent_between_gpu_sends() {
+    let _serial = serial();
     let server = start();
     let base_fds = fd_count();
     const CONNS: u32 = 8;
@@ -795,11 +836,7 @@ fn streams_stay_host_sent_between_gpu_sends() {
             s.spawn(move || mixed_client(addr, c, 10));
         }
     });
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while fd_count() > base_fds && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let fds_left = fd_count().saturating_sub(base_fds);
+    let fds_left = fds_left_after(base_fds);
     let (stats, dev, _owner) = server.stop();
     eprintln!(
         "{stats}\ndevice: {} sends, {} deferred, {} cancels",
@@ -834,6 +871,7 @@ fn streams_stay_host_sent_between_gpu_sends() {
 
 #[test]
 fn gpu_sends_need_the_executor_sqe_reply_path() {
+    let _serial = serial();
     let e = KernelTransport::bind(config(ReplyMode::Loop {
         timer: Duration::from_micros(60),
     }))
