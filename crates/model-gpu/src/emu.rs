@@ -1325,8 +1325,8 @@ mod tests {
     /// `tensor_core_gemm_max_tokens` tokens (the LM head by its sampled rows) whose input width
     /// is whole 32-value chunks, with a grid covering every row and token; cuBLAS elsewhere
     /// (larger buckets, f32, other widths). Its logits through the emulator are held to the
-    /// bf16/f16 tolerance of the CPU oracle by
-    /// `emulated_plan_stays_within_the_bf16_and_f16_tolerance` (it is the default there).
+    /// bf16 tolerance of the CPU oracle by `emulated_invariant_gemm_matches_the_cpu_oracle`
+    /// (the invariant option runs it for every bucket).
     #[test]
     fn tensor_core_gemm_is_planned_where_it_applies() {
         let ops = |m: &EmuModel, body: usize, head: usize| -> (usize, usize) {

@@ -1117,9 +1117,9 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
 }
 
 // bgs_gemm_tc (16-bit models on sm_80+, where `plan::tc_gemm_applies`): y[t][r] = w[r] · x[t]
-// in f32 on tensor cores, for the buckets of decode at small batch, where cuBLAS's kernels
-// stay far below the memory bandwidth (7-10 us a projection on the H200 against 1-6 us of
-// weight bytes). A block of BGS_TC_WARPS warps owns 16 output rows and up to BGS_TC_TOKENS
+// in f32 on tensor cores: the batch-invariant form of every projection (`batch_invariant_gemm`)
+// and, optionally, the small buckets' GEMM (`tensor_core_gemm_max_tokens`; on the H200 about
+// as fast as cuBLAS at 1-4 tokens, slower beyond: docs/gpu-model.md). A block of BGS_TC_WARPS warps owns 16 output rows and up to BGS_TC_TOKENS
 // tokens. The input width is cut into chunks of 32 values; warp w takes chunks w, w + WARPS,
 // w + 2 WARPS, ... and accumulates them in that order with m16n8k16 MMAs (f32), then the warps'
 // partial sums are added in warp order through shared memory. That split depends on the input

@@ -68,7 +68,7 @@ pub struct GpuModelOptions {
     /// fixed by the input width alone, so within these buckets a request's tokens do not
     /// depend on what else is in the step. Buckets the fused form takes keep it. 0 (the
     /// default): cuBLAS for every projection. On the H200 it is faster than cuBLAS at 1-4
-    /// tokens only (1.118 against 1.142 ms a Qwen2.5-0.5B-shape step at batch 1), and mixing
+    /// tokens only (1.119 against 1.143 ms a Qwen2.5-0.5B-shape step at batch 1), and mixing
     /// it with cuBLAS for larger buckets changes a request's bits with the batch size; the
     /// invariant option runs it for every bucket.
     pub tensor_core_gemm_max_tokens: usize,
