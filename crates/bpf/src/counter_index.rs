@@ -22,4 +22,11 @@ pub const CLAIM_CONTENDED: usize = 16;
 pub const INTERNAL: usize = 17;
 pub const STATUS_BASE: usize = 20;
 pub const HTTP_BASE: usize = 52;
-pub const NUM: usize = 64;
+/// Completion watch (`watch_index.rs`): watches armed for a request published while the
+/// reply loop slept, looks that found a completion and rang the doorbell, looks that found
+/// none, and requests that found a look already scheduled.
+pub const WATCH_ARMS: usize = 64;
+pub const WATCH_RINGS: usize = 65;
+pub const WATCH_MISSES: usize = 66;
+pub const WATCH_COVERED: usize = 67;
+pub const NUM: usize = 68;

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use bgs_ring::{RingConfig, RingRegion, SLOT_WORDS};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
@@ -122,6 +123,14 @@ mod idx {
     include!("counter_index.rs");
 }
 
+/// Word indices of the completion watch's control block (`watch_ctl` in `rx.bpf.c`).
+// The words only BPF uses are named here too: the header BPF includes is generated from this
+// file, and the loader's words are checked against the same list.
+#[allow(dead_code)]
+mod watch {
+    include!("watch_index.rs");
+}
+
 /// HTTP codes counted by [`KernelCounters::rejects_by_http`], in order (then "other").
 pub const COUNTED_HTTP_CODES: [u16; 6] = [400, 404, 405, 411, 413, 431];
 
@@ -164,6 +173,15 @@ pub struct KernelCounters {
     pub claim_contended: u64,
     /// Helper failures (should stay 0).
     pub internal: u64,
+    /// Completion watch ([`KernelRx::start_completion_watch`]): looks scheduled for a request
+    /// published while the reply loop slept.
+    pub watch_arms: u64,
+    /// Looks that found a completion and rang the doorbell.
+    pub watch_rings: u64,
+    /// Looks that found none.
+    pub watch_misses: u64,
+    /// Requests published while a look was already scheduled (it covers them).
+    pub watch_covered: u64,
     /// Rejections by frame status (index = status; 0 = HTTP error without a frame).
     pub rejects_by_status: Vec<(u16, u64)>,
     /// Rejections by HTTP code ([`COUNTED_HTTP_CODES`], 0 for any other).
@@ -204,6 +222,10 @@ impl KernelCounters {
             marker_failed: v[idx::MARKER_FAILED],
             claim_contended: v[idx::CLAIM_CONTENDED],
             internal: v[idx::INTERNAL],
+            watch_arms: v[idx::WATCH_ARMS],
+            watch_rings: v[idx::WATCH_RINGS],
+            watch_misses: v[idx::WATCH_MISSES],
+            watch_covered: v[idx::WATCH_COVERED],
             rejects_by_status,
             rejects_by_http,
         }
@@ -234,6 +256,13 @@ impl fmt::Display for KernelCounters {
             self.claim_contended,
             self.internal,
         )?;
+        if self.watch_arms + self.watch_covered > 0 {
+            write!(
+                f,
+                " | watch arms {} rings {} misses {} covered {}",
+                self.watch_arms, self.watch_rings, self.watch_misses, self.watch_covered
+            )?;
+        }
         if !self.rejects_by_status.is_empty() {
             write!(f, " | by status")?;
             for (s, n) in &self.rejects_by_status {
@@ -369,6 +398,23 @@ impl Doorbell {
     }
 }
 
+/// The completion watch's control block: `watch::NUM` words of the mmapable `watch_ctl` map,
+/// shared with BPF (which reads the loader's words and writes its own; `watch_index.rs`).
+#[derive(Debug)]
+struct WatchCtl {
+    map: Mapping,
+}
+
+impl WatchCtl {
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!(i < watch::NUM);
+        // SAFETY: the mapping is one page, page aligned, holding the map's value (NUM u64
+        // words, NUM * 8 <= 4096); BPF accesses the words concurrently, so they are only
+        // accessed atomically here.
+        unsafe { &*self.map.ptr.as_ptr().cast::<AtomicU64>().add(i) }
+    }
+}
+
 /// The loaded and attached receive path. Dropping it detaches everything.
 pub struct KernelRx {
     cfg: KernelRxConfig,
@@ -383,6 +429,9 @@ pub struct KernelRx {
     _ring_map: MapHandle,
     _side_map: MapHandle,
     doorbell: Doorbell,
+    watch: WatchCtl,
+    _watch_map: MapHandle,
+    _watch_timer: MapHandle,
     /// BPF's own completions (busy, direct rejections, EOF/RESET markers); its request ring
     /// is unused.
     side: Arc<RingRegion>,
@@ -457,9 +506,8 @@ impl KernelRx {
         let side_value_size = u32::try_from(side_size).map_err(|_| {
             BpfError::Config(format!("side region of {side_size} bytes is too large"))
         })?;
-        let comp_off = bgs_ring::HEADER_SIZE
-            + (side_cfg.request_slots as usize * bgs_ring::REQUEST_SLOT_SIZE)
-                .next_multiple_of(bgs_ring::layout::PAGE_SIZE);
+        let comp_off = RingRegion::completion_offset_for(&side_cfg);
+        let main_comp_off = RingRegion::completion_offset_for(&ring_cfg);
         let cgroup = cgroup2_root().ok_or(BpfError::NoCgroup2)?;
         // Closing sockets keep their entries until TCP_CLOSE: leave room for them.
         let entries = cfg.max_connections.saturating_mul(2).saturating_add(256);
@@ -480,6 +528,7 @@ impl KernelRx {
             ro.cfg_req_mask = u64::from(cfg.request_slots - 1);
             ro.cfg_comp_mask = u64::from(cfg.completion_slots - 1);
             ro.cfg_comp_off = comp_off as u64;
+            ro.cfg_main_comp_off = main_comp_off as u64;
         }
         open.maps
             .ring_map
@@ -514,6 +563,10 @@ impl KernelRx {
         let failed = map_handle(&skel.maps.failed_conns, "failed map fd")?;
         let doorbell_map = map_handle(&skel.maps.doorbell, "doorbell fd")?;
         let doorbell_size = doorbell_map.max_entries() as usize;
+        let watch_map = map_handle(&skel.maps.watch_ctl, "watch control fd")?;
+        // Held for the transport's lifetime: the kernel arms timers only in maps that user
+        // space holds (bpf_timer_init answers -EPERM once the last user reference is gone).
+        let watch_timer = map_handle(&skel.maps.watch_timer, "watch timer fd")?;
 
         let ring_mapping =
             Mapping::new(ring_map.as_fd(), size, 0, true).map_err(|source| BpfError::Os {
@@ -539,6 +592,12 @@ impl KernelRx {
                 source,
             })?;
 
+        let watch = WatchCtl {
+            map: Mapping::new(watch_map.as_fd(), PAGE, 0, true).map_err(|source| BpfError::Os {
+                step: "mmap of the completion watch's control block",
+                source,
+            })?,
+        };
         let verdict_prog = skel
             .progs
             .bgs_verdict
@@ -576,6 +635,9 @@ impl KernelRx {
             _ring_map: ring_map,
             _side_map: side_map,
             doorbell,
+            watch,
+            _watch_map: watch_map,
+            _watch_timer: watch_timer,
             side: Arc::new(side),
             _ring_mapping: ring_mapping,
             _side_mapping: side_mapping,
@@ -614,6 +676,42 @@ impl KernelRx {
     /// Consume pending doorbell records (returns how many).
     pub fn drain_doorbell(&self) -> usize {
         self.doorbell.drain()
+    }
+
+    /// Turn on the completion watch for a reply loop whose executor cannot wake it (the GPU):
+    /// while the loop is announced in `request_waiters`, BPF no longer rings the doorbell when
+    /// it publishes a request; it looks at the completion ring `first` after the publish
+    /// (learned from then on) and every gap up to `max` after that, and rings when a
+    /// completion is there. The loop must keep [`KernelRx::watch_answered`] current.
+    pub fn start_completion_watch(&self, first: Duration, max: Duration) {
+        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1);
+        self.watch
+            .word(watch::MAX_NS)
+            .store(ns(max), Ordering::Relaxed);
+        self.watch
+            .word(watch::FIRST_NS)
+            .store(ns(first.min(max)), Ordering::Relaxed);
+        self.watch.word(watch::ON).store(1, Ordering::SeqCst);
+    }
+
+    /// Tell the watch how many request-ring entries have been answered (it stops looking when
+    /// the ring's tail reaches this).
+    pub fn watch_answered(&self, answered: u64) {
+        self.watch
+            .word(watch::ANSWERED)
+            .store(answered, Ordering::SeqCst);
+    }
+
+    /// Whether a look is scheduled: it keeps looking, as long as the loop is announced as a
+    /// sleeper and requests are unanswered, until a completion is there. Read after the loop
+    /// announced itself (`request_waiters`); false means the loop needs its own timer.
+    pub fn watch_scheduled(&self) -> bool {
+        self.watch.word(watch::ARMED).load(Ordering::SeqCst) != 0
+    }
+
+    /// The learned delay of the first look after a publish.
+    pub fn watch_first(&self) -> Duration {
+        Duration::from_nanos(self.watch.word(watch::FIRST_NS).load(Ordering::Relaxed))
     }
 
     /// Counters summed over CPUs.

@@ -62,8 +62,11 @@ pub enum DispatcherKind {
 pub enum GpuWakeKind {
     /// The native transport looks for each completion when it is expected, learned from the
     /// completions (publish to reap), backing off to `--poll-us` when one is late
-    /// (docs/cost.md, "Paced polling"). The kernel transport's reply loop polls on its timer
-    /// (`--reply-timer-us`) as with `poll`.
+    /// (docs/cost.md, "Paced polling"). The kernel transport's reply loop leaves the looking
+    /// to BPF: a timer armed when a request is published while the loop sleeps looks at the
+    /// completion ring when the reply is expected (learned the same way, backing off to
+    /// `--reply-timer-us`) and wakes the loop once it is there (docs/kernel.md, "The
+    /// completion watch").
     Paced,
     /// The transport polls the completion ring on its short timer (`--poll-us`,
     /// `--reply-timer-us`) while requests are outstanding.
@@ -972,6 +975,8 @@ fn serve_kernel(
         // notifier, for every completion (hence the long timeout instead of the timer).
         executor_wakes: executor_kind == ExecutorKind::Cpu || gpu_interrupt,
         wake_timeout: gpu_interrupt.then_some(EXECUTOR_WAKE_TIMEOUT),
+        completion_watch: executor_kind == ExecutorKind::Gpu
+            && args.gpu_completion_wake == GpuWakeKind::Paced,
         stats_every: stats_every(args)?,
         max_connections: u32::try_from(args.max_connections).unwrap_or(u32::MAX),
         request_slots: args.ring_slots,

@@ -194,6 +194,12 @@ impl RingRegion {
         geometry(cfg).map_or(0, |g| g.total_size)
     }
 
+    /// Byte offset of completion slot 0 in a region with these capacities (0 if the
+    /// capacities are invalid): what BPF code that reads the completion ring is told.
+    pub fn completion_offset_for(cfg: &RingConfig) -> usize {
+        geometry(cfg).map_or(0, |g| g.completion_slots_offset)
+    }
+
     /// Initialize a region in memory owned elsewhere (e.g. the mmap of a `BPF_F_MMAPABLE`
     /// array map): writes the header, zeroes the counters and sets every slot's seq to its
     /// index. Slot payloads are left as they are. The magic is stored last (Release), so an

@@ -1,12 +1,18 @@
-//! What the native transport's wait costs with an executor that cannot wake it (the one-shot
-//! GPU executor in poll mode), without a GPU: a fake executor answers each echo request
+//! What a transport's wait costs with an executor that cannot wake it (the one-shot GPU
+//! executor in poll mode), without a GPU: a fake executor answers each echo request
 //! `--service-us` (25 by default: the H200's gemm8 round trip) after it was published and
 //! never wakes the transport. `--conns` closed-loop clients, each waiting `--think-us` between
-//! requests. Client round trip p50/p99 and the transport thread's CPU (schedstat) per request,
-//! with the fixed 100 us poll and with completion pacing (`NativeConfig::pace_completions`).
+//! requests. Client round trip p50/p99, the transport thread's CPU (schedstat) per request and
+//! the whole host's busy time per request (`/proc/stat`: on loopback the kernel transport's
+//! receive path, BPF included, runs on the clients' CPU), for each of `--transports`:
+//! `native-poll` (the fixed 100 us poll), `native-paced` (`NativeConfig::pace_completions`),
+//! `kernel-loop` (the io_uring reply loop: BPF's doorbell at each request, then its timer) and
+//! `kernel-watch` (BPF watches the completion ring on a timer and rings the doorbell when the
+//! reply is there). The kernel transports need root.
 //!
 //! `cargo run --release -p bgs-transport --example oneshot_poll -- [--service-us N] [--conns N]
-//! [--think-us N] [--secs S]`; transport on CPU 0, executor and clients on CPU 1.
+//! [--think-us N] [--secs S] [--transports a,b,..] [--rounds N]`; transport on CPU 0, executor
+//! and clients on CPU 1.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -14,8 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bgs_protocol::{Op, RequestHeader, encode_request};
+use bgs_protocol::{FramerConfig, Op, RequestHeader, encode_request};
 use bgs_ring::{RingConfig, RingRegion};
+use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
 use bgs_transport::{NativeConfig, NativeTransport};
 
 mod common;
@@ -70,7 +77,10 @@ fn executor(region: &RingRegion, service: Duration, stop: &AtomicBool) {
     }
 }
 
-fn client(addr: std::net::SocketAddr, think: Duration, until: Instant, rtts: &Mutex<Vec<u64>>) {
+/// Round trips as (end instant, nanoseconds).
+type Rtts = Mutex<Vec<(Instant, u64)>>;
+
+fn client(addr: std::net::SocketAddr, think: Duration, until: Instant, rtts: &Rtts) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_nodelay(true).unwrap();
     let mut mine = Vec::new();
@@ -87,28 +97,137 @@ fn client(addr: std::net::SocketAddr, think: Duration, until: Instant, rtts: &Mu
         let t = Instant::now();
         s.write_all(&req).unwrap();
         s.read_exact(&mut buf).unwrap();
-        mine.push(t.elapsed().as_nanos() as u64);
+        mine.push((Instant::now(), t.elapsed().as_nanos() as u64));
         std::thread::sleep(think);
     }
     rtts.lock().unwrap().extend(mine);
 }
 
-fn run(service: Duration, conns: usize, think: Duration, secs: f64, pace: bool) {
-    let region = Arc::new(RingRegion::new(RingConfig::default()).unwrap());
-    let cfg = NativeConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        pace_completions: pace,
-        ..NativeConfig::default()
-    };
-    let t = NativeTransport::bind(cfg, Some(region.clone())).expect("bind");
-    let (addr, handle) = (t.local_addr(), t.shutdown_handle());
-    let tid = Arc::new(Mutex::new(0));
-    let tid2 = tid.clone();
-    let transport = std::thread::spawn(move || {
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Transport {
+    NativePoll,
+    NativePaced,
+    KernelLoop,
+    KernelWatch,
+}
+
+impl Transport {
+    fn parse(s: &str) -> Transport {
+        match s {
+            "native-poll" => Transport::NativePoll,
+            "native-paced" => Transport::NativePaced,
+            "kernel-loop" => Transport::KernelLoop,
+            "kernel-watch" => Transport::KernelWatch,
+            _ => panic!("--transports: native-poll, native-paced, kernel-loop or kernel-watch"),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Transport::NativePoll => "native, 100 us poll",
+            Transport::NativePaced => "native, paced",
+            Transport::KernelLoop => "kernel loop, doorbell + timer",
+            Transport::KernelWatch => "kernel loop, BPF completion watch",
+        }
+    }
+}
+
+/// A started transport: its address, how to stop it, and its thread (returning the waits per
+/// completion it counted).
+struct Started {
+    addr: std::net::SocketAddr,
+    region: Arc<RingRegion>,
+    stop: Box<dyn FnOnce() -> f64>,
+}
+
+fn start(which: Transport, tid: Arc<Mutex<i32>>) -> Started {
+    let record_tid = move || {
         pin(0);
-        *tid2.lock().unwrap() = rustix::thread::gettid().as_raw_nonzero().get();
-        t.run().expect("transport")
-    });
+        *tid.lock().unwrap() = rustix::thread::gettid().as_raw_nonzero().get();
+    };
+    match which {
+        Transport::NativePoll | Transport::NativePaced => {
+            let region = Arc::new(RingRegion::new(RingConfig::default()).unwrap());
+            let cfg = NativeConfig {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                pace_completions: which == Transport::NativePaced,
+                ..NativeConfig::default()
+            };
+            let t = NativeTransport::bind(cfg, Some(region.clone())).expect("bind");
+            let (addr, handle) = (t.local_addr(), t.shutdown_handle());
+            let thread = std::thread::spawn(move || {
+                record_tid();
+                t.run().expect("transport")
+            });
+            Started {
+                addr,
+                region,
+                stop: Box::new(move || {
+                    handle.shutdown();
+                    let s = thread.join().unwrap();
+                    s.epoll_waits as f64 / s.completions.max(1) as f64
+                }),
+            }
+        }
+        Transport::KernelLoop | Transport::KernelWatch => {
+            let t = KernelTransport::bind(KernelConfig {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                reply: ReplyMode::Loop {
+                    timer: Duration::from_micros(60),
+                },
+                framer: FramerConfig::default(),
+                max_connections: 1024,
+                executor_wakes: false,
+                completion_watch: which == Transport::KernelWatch,
+                stats_every: None,
+                request_slots: 4096,
+                completion_slots: 8192,
+                gpu_sends: false,
+                limits: bgs_transport::conn::ConnLimits::default(),
+                cancel_markers: false,
+                wake_timeout: None,
+            })
+            .expect("kernel transport (needs root, BPF and a cgroup2 mount)");
+            let (addr, handle, region) = (t.local_addr(), t.shutdown_handle(), t.region());
+            let thread = std::thread::spawn(move || {
+                record_tid();
+                t.run().expect("transport")
+            });
+            Started {
+                addr,
+                region,
+                stop: Box::new(move || {
+                    handle.shutdown();
+                    let s = thread.join().unwrap();
+                    eprintln!("{}", s.bpf);
+                    s.wakeups as f64 / s.reply.completions.max(1) as f64
+                }),
+            }
+        }
+    }
+}
+
+/// Busy and total jiffies of the whole host (`/proc/stat`'s first line).
+fn host_jiffies() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().sum();
+    // idle and iowait
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+fn run(which: Transport, service: Duration, conns: usize, think: Duration, secs: f64) {
+    let tid = Arc::new(Mutex::new(0));
+    let started = start(which, tid.clone());
+    let (addr, region) = (started.addr, started.region.clone());
     let stop = Arc::new(AtomicBool::new(false));
     let (r2, s2) = (region.clone(), stop.clone());
     let exec = std::thread::spawn(move || {
@@ -128,31 +247,40 @@ fn run(service: Duration, conns: usize, think: Duration, secs: f64, pace: bool) 
         })
         .collect();
     std::thread::sleep(warm);
-    rtts.lock().unwrap().clear();
     let tid = *tid.lock().unwrap();
-    let (run0, t0) = (thread_run_ns(tid), Instant::now());
+    let (run0, host0, t0) = (thread_run_ns(tid), host_jiffies(), Instant::now());
     std::thread::sleep(Duration::from_secs_f64(secs));
-    let run1 = thread_run_ns(tid);
-    let elapsed = t0.elapsed().as_secs_f64();
+    let (run1, host1, t1) = (thread_run_ns(tid), host_jiffies(), Instant::now());
+    let elapsed = (t1 - t0).as_secs_f64();
     for c in clients {
         c.join().unwrap();
     }
-    handle.shutdown();
-    let stats = transport.join().unwrap();
+    let waits = (started.stop)();
     stop.store(true, Ordering::Release);
     exec.join().unwrap();
-    let mut r = rtts.lock().unwrap().clone();
+    // The round trips that ended inside the measured interval.
+    let mut r: Vec<u64> = rtts
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(end, _)| (t0..t1).contains(end))
+        .map(|&(_, ns)| ns)
+        .collect();
     r.sort_unstable();
     let n = r.len().max(1);
     let q = |f: f64| r[((n as f64 * f) as usize).min(n - 1)] as f64 / 1e3;
+    let served = n as f64;
+    let ticks = 100.0; // USER_HZ
+    let host_busy_us = (host1.0 - host0.0) as f64 / ticks * 1e6;
     println!(
-        "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.2} |",
-        if pace { "paced" } else { "100 us poll" },
-        n as f64 / elapsed,
+        "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} |",
+        which.name(),
+        served / elapsed,
         q(0.5),
         q(0.99),
-        (run1 - run0) as f64 / 1e3 / n as f64,
-        stats.epoll_waits as f64 / stats.completions.max(1) as f64,
+        (run1 - run0) as f64 / 1e3 / served,
+        host_busy_us / served,
+        waits,
     );
 }
 
@@ -161,12 +289,26 @@ fn main() {
     let conns = arg("--conns", 16) as usize;
     let think = Duration::from_micros(arg("--think-us", 15_000));
     let secs = arg("--secs", 4) as f64;
+    let rounds = arg("--rounds", 2);
+    let argv: Vec<String> = std::env::args().collect();
+    let transports: Vec<Transport> = argv
+        .iter()
+        .position(|a| a == "--transports")
+        .and_then(|i| argv.get(i + 1))
+        .map_or("native-poll,native-paced", String::as_str)
+        .split(',')
+        .map(Transport::parse)
+        .collect();
     println!(
         "executor answers {service:?} after publish, never wakes; {conns} closed-loop clients, {think:?} think time, {secs} s\n"
     );
-    println!("| transport wait | req/s | p50 us | p99 us | transport us/req | epoll waits/req |");
-    println!("| --- | --- | --- | --- | --- | --- |");
-    for pace in [false, true, false, true] {
-        run(service, conns, think, secs, pace);
+    println!(
+        "| transport wait | req/s | p50 us | p99 us | transport us/req | host us/req | waits/req |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for _ in 0..rounds {
+        for &t in &transports {
+            run(t, service, conns, think, secs);
+        }
     }
 }

@@ -48,6 +48,7 @@ fn config(reply: ReplyMode) -> KernelConfig {
         framer: FramerConfig::default(),
         max_connections: 256,
         executor_wakes: false,
+        completion_watch: false,
         stats_every: None,
         request_slots: 1024,
         completion_slots: 16384,

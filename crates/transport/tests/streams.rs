@@ -356,6 +356,7 @@ fn start(kind: Kind, limits: ConnLimits) -> Server {
                     framer: framer(),
                     max_connections: 64,
                     executor_wakes: true,
+                    completion_watch: false,
                     stats_every: None,
                     // Room for the flood test's requests: few busy answers, so its replies
                     // are large.

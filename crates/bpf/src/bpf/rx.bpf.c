@@ -42,6 +42,8 @@ const volatile __u32 cfg_max_head = 8192;
 const volatile __u64 cfg_req_mask = 1;      /* request capacity - 1 */
 const volatile __u64 cfg_comp_mask = 1;     /* side region: completion capacity - 1 */
 const volatile __u64 cfg_comp_off = 8192;   /* side region: completion_slots_offset */
+const volatile __u64 cfg_main_comp_off = 8192; /* ring region: completion_slots_offset (same
+                                                * capacity as the side region's) */
 
 /* ---- counters (per-CPU; indices generated from crates/bpf/src/counter_index.rs) ---- */
 #include "bgs_counters.h"
@@ -215,6 +217,37 @@ struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 4096 * 4);
 } doorbell SEC(".maps");
+
+/* ---- completion watch (docs/kernel.md, "The completion watch") ----
+ * With an executor that cannot wake the reply loop (the GPU), BPF looks at the completion ring
+ * on a timer instead of ringing the doorbell when a request arrives: the loop then wakes once,
+ * when the reply is there, instead of at the request and again at its own timer. Control words
+ * (indices generated from crates/bpf/src/watch_index.rs) in an mmapable array the loader
+ * writes; the timer itself in a map of its own (a bpf_timer cannot live in mmapable memory). */
+#include "bgs_watch.h"
+
+struct watch_ctl {
+	__u64 v[W_NUM];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct watch_ctl);
+} watch_ctl SEC(".maps");
+
+struct watch_timer {
+	struct bpf_timer t;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct watch_timer);
+} watch_timer SEC(".maps");
 
 /* Connections that lost an item because both rings were full (cookie -> 1). */
 struct {
@@ -409,12 +442,134 @@ static __always_inline void ring_doorbell(__u32 ring, __u64 cookie)
 	cnt_add(C_DOORBELLS, 1);
 }
 
+#define CLOCK_MONOTONIC 1
+/* Shortest gap between looks (ns): below it a look costs more than it can save. */
+#define WATCH_MIN_NS 2000ULL
+
+/* Whether the executor's completion ring (in the ring region) has a published entry at its
+ * head: the consumer's next pop would succeed (docs/ring.md, "Pop"). */
+static __always_inline int completion_ready(void *region)
+{
+	struct bgs_ring_header *h = region;
+	__u64 head = READ_ONCE(h->completion_head);
+	__u64 off = cfg_main_comp_off + (head & cfg_comp_mask) * BGS_RING_COMPLETION_SLOT_SIZE;
+	struct bgs_completion_slot *s = (struct bgs_completion_slot *)(region + off);
+	return READ_ONCE(s->seq) == head + 1;
+}
+
+static int watch_fire(void *map, __u32 *key, struct watch_timer *t);
+
+/* Schedule the next look `delay` ns from now. The caller holds W_ARMED (it set it 0 -> 1).
+ * Returns 0 if the timer runs; otherwise W_ARMED is released and the caller must ring. */
+static __always_inline int watch_start(struct watch_ctl *w, __u64 delay)
+{
+	__u32 zero = 0;
+	struct watch_timer *t = bpf_map_lookup_elem(&watch_timer, &zero);
+	if (!t)
+		goto fail;
+	/* The first arm initializes; later ones get -EBUSY (the loader holds the map's fd: a
+	 * timer map nobody in user space holds refuses with -EPERM). The callback is set every time: a
+	 * concurrent first arm may not have set it yet, and starting a timer without one fails. */
+	bpf_timer_init(&t->t, &watch_timer, CLOCK_MONOTONIC);
+	if (bpf_timer_set_callback(&t->t, watch_fire))
+		goto fail;
+	w->v[W_DELAY_NS] = delay;
+	if (bpf_timer_start(&t->t, delay, 0))
+		goto fail;
+	return 0;
+fail:
+	__atomic_exchange_n(&w->v[W_ARMED], 0, __ATOMIC_SEQ_CST);
+	cnt_add(C_INTERNAL, 1);
+	return -1;
+}
+
+/* A look. Ordering (all full barriers): a publisher publishes its request, then reads
+ * request_waiters, then takes W_ARMED; the look releases W_ARMED, then reads the completion
+ * ring, request_waiters and request_tail. So a request whose publisher found the look already
+ * scheduled is seen by the look (or by the loop, awake): none is left unwatched while the
+ * loop sleeps. */
+static int watch_fire(void *map, __u32 *key, struct watch_timer *t)
+{
+	__u32 zero = 0;
+	struct watch_ctl *w = bpf_map_lookup_elem(&watch_ctl, &zero);
+	void *region = region_ptr();
+	if (!w || !region)
+		return 0;
+	struct bgs_ring_header *h = region;
+	__atomic_exchange_n(&w->v[W_ARMED], 0, __ATOMIC_SEQ_CST);
+	__u64 first = READ_ONCE(w->v[W_FIRST_NS]);
+	__u64 max = READ_ONCE(w->v[W_MAX_NS]);
+	if (completion_ready(region)) {
+		/* Learn the first delay like the native transport's pacer: a first look that
+		 * found the reply may have been late, so move earlier by a sixteenth; a reply
+		 * found by a later look moves it a quarter of the way to when that was. */
+		__u64 since = bpf_ktime_get_ns() - READ_ONCE(w->v[W_ARMED_AT]);
+		if (READ_ONCE(w->v[W_LOOKS]) == 0)
+			first -= first / 16;
+		else if (since > first)
+			first += (since - first) / 4;
+		if (first < WATCH_MIN_NS)
+			first = WATCH_MIN_NS;
+		if (first > max)
+			first = max;
+		WRITE_ONCE(w->v[W_FIRST_NS], first);
+		/* An awake loop sees the completion before it sleeps again (it announces itself,
+		 * then checks the ring; or it finds no look scheduled and sets its own timer). */
+		if (READ_ONCE(h->request_waiters)) {
+			ring_doorbell(2, 0);
+			cnt_add(C_WATCH_RINGS, 1);
+		}
+		return 0;
+	}
+	cnt_add(C_WATCH_MISSES, 1);
+	/* The loop is awake: it sees what is executing before it sleeps again. */
+	if (!READ_ONCE(h->request_waiters))
+		return 0;
+	/* Nothing left in the executor (answered lags behind, so this errs towards looking). */
+	if (READ_ONCE(h->request_tail) == READ_ONCE(w->v[W_ANSWERED]))
+		return 0;
+	__u64 delay = READ_ONCE(w->v[W_LOOKS]) == 0 ? first / 4 : READ_ONCE(w->v[W_DELAY_NS]) * 2;
+	if (delay < WATCH_MIN_NS)
+		delay = WATCH_MIN_NS;
+	if (delay > max)
+		delay = max;
+	if (__sync_val_compare_and_swap(&w->v[W_ARMED], 0, 1) != 0)
+		return 0; /* a publisher scheduled a look meanwhile */
+	w->v[W_LOOKS] += 1;
+	if (watch_start(w, delay))
+		ring_doorbell(2, 0);
+	return 0;
+}
+
+/* A request was published and the reply loop may sleep: with the watch on, schedule a look at
+ * the completion ring instead of waking the loop now (or rely on the one scheduled). */
+static __always_inline int watch_request(void)
+{
+	__u32 zero = 0;
+	struct watch_ctl *w = bpf_map_lookup_elem(&watch_ctl, &zero);
+	if (!w || !READ_ONCE(w->v[W_ON]))
+		return -1;
+	if (__sync_val_compare_and_swap(&w->v[W_ARMED], 0, 1) != 0) {
+		cnt_add(C_WATCH_COVERED, 1);
+		return 0;
+	}
+	WRITE_ONCE(w->v[W_ARMED_AT], bpf_ktime_get_ns());
+	WRITE_ONCE(w->v[W_LOOKS], 0);
+	if (watch_start(w, READ_ONCE(w->v[W_FIRST_NS])))
+		return -1;
+	cnt_add(C_WATCH_ARMS, 1);
+	return 0;
+}
+
 static __always_inline void notify(void *region, __u32 ring, __u64 cookie)
 {
 	struct bgs_ring_header *h = region;
 	__u32 w = ring == 1 ? READ_ONCE(h->request_waiters) : READ_ONCE(h->completion_waiters);
-	if (w)
-		ring_doorbell(ring, cookie);
+	if (!w)
+		return;
+	if (ring == 1 && watch_request() == 0)
+		return;
+	ring_doorbell(ring, cookie);
 }
 
 /* A completion published by BPF itself: busy, a rejection that found the request ring full,

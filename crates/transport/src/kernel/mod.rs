@@ -60,6 +60,19 @@ pub const DEFAULT_SQPOLL_ABOVE: u32 = 50_000;
 /// thread itself).
 pub const ADAPTIVE_WATCHDOG: Duration = Duration::from_millis(10);
 
+/// The completion watch's first look after a publish until it has learned the executor's
+/// service time: about the H200's gemm8 round trip (docs/cost.md).
+const WATCH_FIRST: Duration = Duration::from_micros(20);
+
+/// The reply loop's safety timeout while BPF's completion watch looks for it (a look that
+/// fails to ring is a defect: [`KernelStats::wake_timeouts`] counts the waits it ended).
+const WATCH_NET: Duration = Duration::from_millis(10);
+
+/// The reply loop's wait with nothing executing and nothing to send: long, since whatever
+/// comes next wakes it (a request's doorbell or look, the executor's eventfd, an accept); it
+/// still catches the markers BPF publishes (BPF cannot write the eventfd).
+const IDLE_WAIT: Duration = Duration::from_millis(5);
+
 /// Where the reply stage runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReplyMode {
@@ -101,6 +114,12 @@ pub struct KernelConfig {
     /// executor writes an eventfd; a GPU cannot). Without it the loop watches BPF's doorbell
     /// for new requests and polls at its timer while they execute.
     pub executor_wakes: bool,
+    /// `--reply loop` without `executor_wakes`: BPF watches the completion ring for the
+    /// sleeping loop (a timer that looks when the reply is expected) and rings the doorbell
+    /// when a reply is there, instead of ringing when each request arrives; the loop then
+    /// wakes once per reply instead of at the request and again at its timer (docs/kernel.md,
+    /// "The completion watch"). Ignored otherwise.
+    pub completion_watch: bool,
     /// Print the counters to stderr this often (None: only at shutdown).
     pub stats_every: Option<Duration>,
     /// `--reply loop` with `executor_wakes` and an executor that wakes us for *every*
@@ -137,7 +156,9 @@ pub struct KernelStats {
     /// Times the reply loop woke up (loop mode) or the watchdog woke the SQPOLL thread.
     pub wakeups: u64,
     /// Loop mode with [`KernelConfig::wake_timeout`]: waits that ended at that safety timeout
-    /// while requests were in the executor (near zero when the executor's wakes work).
+    /// while requests were in the executor (near zero when the executor's wakes work). With
+    /// [`KernelConfig::completion_watch`]: waits that ended at their timeout although BPF's
+    /// look should have rung (while it looked, or with a reply waiting); zero when it works.
     pub wake_timeouts: u64,
     /// Accepts seen.
     pub accepts: u64,
@@ -1016,6 +1037,13 @@ impl KernelTransport {
         if !self.cfg.executor_wakes {
             driver.watch = Some((self.rx.doorbell_fd().as_raw_fd(), false));
         }
+        // The BPF completion watch: only for an executor that cannot wake us (it replaces the
+        // doorbell at each request and the timer while that request executes).
+        let completion_watch = self.cfg.completion_watch && !self.cfg.executor_wakes;
+        if completion_watch {
+            self.rx
+                .start_completion_watch(WATCH_FIRST.min(timer), timer.max(WATCH_FIRST));
+        }
         driver.stage.set_limits(self.cfg.limits);
         driver.stage.set_cancel_markers(self.cfg.cancel_markers);
         if let Some(m) = &self.metrics {
@@ -1064,24 +1092,44 @@ impl KernelTransport {
             // is its completion latency); otherwise a longer timer still catches markers BPF
             // published (it cannot write the eventfd either).
             let executing = driver.region.requests().produced() > driver.answered();
+            // With the completion watch: a look BPF has scheduled keeps looking while we are
+            // announced and requests are unanswered, and rings when a reply is there; read
+            // after the announcement above (`KernelRx::watch_scheduled`).
+            // The answered count is kept current even while idle: a look that fires then
+            // stops at once instead of looking on for a reply already taken.
+            if completion_watch {
+                self.rx.watch_answered(driver.answered());
+            }
+            let watched = completion_watch && executing && self.rx.watch_scheduled();
             // With an executor that wakes us for every completion, requests that are only
             // executing need no timer: the wake ends the wait (the long timeout is a net).
             let woken = self.cfg.executor_wakes && !driver.stage.busy();
             let t = match self.cfg.wake_timeout {
                 Some(w) if executing && woken => w,
+                _ if watched && !driver.stage.busy() => WATCH_NET,
                 _ if executing || driver.stage.busy() => timer,
-                _ => Duration::from_millis(5),
+                _ => IDLE_WAIT,
             };
-            let wake_wait = executing && woken && self.cfg.wake_timeout.is_some();
+            let wake_wait =
+                (executing && woken && self.cfg.wake_timeout.is_some()) || t == WATCH_NET;
+            let began = Instant::now();
             match self.uring.enter(io.queued, u32::from(idle), Some(t)) {
                 Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(rustix::io::Errno::TIME.raw_os_error()) => {
-                    if wake_wait {
-                        driver.wake_timeouts += 1;
-                    }
-                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
+            }
+            // `enter` answers a wait its timeout ended like any other (and, when it also
+            // submitted, the kernel reports the submissions, not the timeout): the clock says
+            // which waits ran their full time.
+            if began.elapsed() >= t {
+                // With the watch, an idle wait its timeout ended with a reply waiting also
+                // missed the look's doorbell (the request came while we slept idle; its look
+                // should have rung).
+                let missed =
+                    completion_watch && t == IDLE_WAIT && !driver.region.completions().is_empty();
+                if wake_wait || missed {
+                    driver.wake_timeouts += 1;
+                }
             }
             drop(request_guard);
             drop(guard);
