@@ -61,7 +61,7 @@ use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
 mod sqe;
 pub use sqe::{
-    Sqe, accept_multishot, cancel, close, futex_wait, futex_wake, nop, poll_readable, read, send,
+    Sqe, accept_multishot, cancel, close, futex_wait, futex_wake, nop, poll_readable, poll_readable_multishot, read, send,
     send_with_flags, shutdown, timeout,
 };
 

@@ -127,6 +127,17 @@ pub fn poll_readable(fd: RawFd, user_data: u64) -> Sqe {
     sqe
 }
 
+/// Multishot `IORING_OP_POLL_ADD` (`IORING_POLL_ADD_MULTI`): a CQE each time `fd` is woken
+/// readable, flagged `IORING_CQE_F_MORE` while the poll stays armed; one without the flag
+/// means it ended and must be re-armed. It reports wake-ups, not the level: whatever made the
+/// descriptor readable must be consumed before the next wake-up can be told apart.
+pub fn poll_readable_multishot(fd: RawFd, user_data: u64) -> Sqe {
+    let mut sqe = poll_readable(fd, user_data);
+    // IORING_POLL_ADD_MULTI (1 << 0) in the length field.
+    sqe.0.len.len = 1;
+    sqe
+}
+
 /// `IORING_OP_CLOSE` of `fd`.
 ///
 /// The ring takes over the descriptor: nothing else may use (or close) `fd` after this entry is

@@ -568,3 +568,26 @@ fn poll_readable_completes_when_the_fd_becomes_readable() {
     assert_eq!(c.user_data, 9);
     assert!(c.res > 0 && c.res & 0x1 != 0, "POLLIN in {}", c.res);
 }
+
+#[test]
+fn multishot_poll_completes_once_per_wake_up_and_stays_armed() {
+    let ring = Uring::new(&RingOptions::default()).unwrap();
+    let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).unwrap();
+    ring.sq()
+        .push(&bgs_uring::poll_readable_multishot(efd.as_raw_fd(), 7))
+        .unwrap();
+    ring.enter(1, 0, None).unwrap();
+    assert!(ring.cq().is_empty(), "nothing to read yet");
+    for round in 0..3 {
+        rustix::io::write(&efd, &1u64.to_ne_bytes()).unwrap();
+        let c = reap(&ring, 1)[0];
+        assert_eq!(c.user_data, 7, "round {round}");
+        assert!(c.res & 0x1 != 0, "POLLIN in {}", c.res);
+        assert!(c.more(), "round {round}: the poll stays armed");
+        let mut buf = [0u8; 8];
+        rustix::io::read(&efd, &mut buf).unwrap();
+    }
+    // Consumed, and nobody writes: no further completion.
+    ring.enter(0, 1, Some(Duration::from_millis(20))).unwrap();
+    assert!(ring.cq().is_empty(), "a completion without a wake-up");
+}

@@ -521,7 +521,9 @@ impl StageDriver {
         if let Some((fd, armed)) = &mut self.watch
             && !*armed
         {
-            *armed = io.push(&bgs_uring::poll_readable(*fd, UD_WATCH));
+            // Multishot: it stays armed across wake-ups (one poll registration per
+            // connection's life of the loop, not one per request).
+            *armed = io.push(&bgs_uring::poll_readable_multishot(*fd, UD_WATCH));
         }
         if let Some(b) = &mut self.stop
             && !b.armed
@@ -610,7 +612,9 @@ impl StageDriver {
                 }
                 UD_SHUTDOWN => self.stop_requested = true,
                 UD_WATCH => {
-                    if let Some((_, armed)) = &mut self.watch {
+                    if let Some((_, armed)) = &mut self.watch
+                        && !cqe.more()
+                    {
                         *armed = false;
                     }
                     self.watch_fired = true;
