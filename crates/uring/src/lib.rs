@@ -61,8 +61,8 @@ use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
 mod sqe;
 pub use sqe::{
-    Sqe, accept_multishot, cancel, close, futex_wait, futex_wake, nop, poll_readable, poll_readable_multishot, read, send,
-    send_with_flags, shutdown, timeout,
+    Sqe, accept_multishot, cancel, close, futex_wait, futex_wake, nop, poll_readable,
+    poll_readable_multishot, read, send, send_with_flags, shutdown, timeout,
 };
 
 /// The rustix io_uring bindings this crate is built on (flags, opcodes, raw structs).

@@ -1123,6 +1123,28 @@ static __always_inline __u8 get_byte(struct ctx *c)
 	return st->cache[rel & 63];
 }
 
+/* The fast path of the binary header: when a frame starts here and its whole header is in
+ * this skb, load it at once and, if frame_byte would accept every byte of it, take it in one
+ * step instead of 24 (each a bpf_loop iteration: most of the verdict's cost per request). A
+ * header that breaks any rule is left to the byte-wise path, which finds the same error at
+ * the same byte; so the rules stay those of frame_byte alone. Returns 1 if it consumed the
+ * header. */
+static __always_inline int header_at_once(struct ctx *c)
+{
+	struct conn *st = c->st;
+	if (st->fhave != 0 || c->len - c->off < BGS_HEADER_LEN)
+		return 0;
+	if (bpf_skb_load_bytes(c->skb, c->off, &st->hdr.b[0], BGS_HEADER_LEN))
+		return 0;
+	if (st->hdr.h.magic != BGS_REQUEST_MAGIC || st->hdr.h.version != BGS_VERSION ||
+	    st->hdr.h.words > cfg_max_words ||
+	    (st->hdr.h.flags & ~bgs_op_allowed_flags(st->hdr.h.op)))
+		return 0;
+	st->fhave = BGS_HEADER_LEN;
+	c->off += BGS_HEADER_LEN;
+	return 1;
+}
+
 /* Binary mode, one step. */
 static __always_inline void step_binary(struct ctx *c)
 {
@@ -1137,15 +1159,17 @@ static __always_inline void step_binary(struct ctx *c)
 			finish_binary(c, IT_REQ_BUF);
 		return;
 	}
-	__u8 b = get_byte(c);
-	c->off++;
-	__u32 err = frame_byte(st, b);
-	if (err) {
-		set_frame_reject(c, err, st->ferr_id, 0, 0);
-		return;
+	if (!header_at_once(c)) {
+		__u8 b = get_byte(c);
+		c->off++;
+		__u32 err = frame_byte(st, b);
+		if (err) {
+			set_frame_reject(c, err, st->ferr_id, 0, 0);
+			return;
+		}
+		if (st->fhave < BGS_HEADER_LEN)
+			return;
 	}
-	if (st->fhave < BGS_HEADER_LEN)
-		return;
 	__u32 plen = st->hdr.h.words * 4;
 	if (plen == 0) {
 		finish_binary(c, IT_REQ_BUF);
