@@ -30,20 +30,20 @@ const REGISTER_FLAGS: u32 = cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGI
 const CUBLAS_WORKSPACE: usize = 1 << 20;
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the monitor looks for device-side failures. Failures are rare and answering the
-/// remaining requests with Internal 10 ms later is prompt next to any client's timeout; at
-/// 0.5 ms the monitor woke 2,000 times a second for nothing (docs/cost.md). Shutdown and
-/// failures on other threads unpark it at once, and in interrupt mode the notifier sees a
-/// sticky context error in its `cuEventSynchronize` too.
-const MONITOR_PERIOD: Duration = Duration::from_millis(10);
-/// The monitor queries the scheduler's stream (a driver call) on every this many looks; the
-/// error word (mapped host memory) it reads on every look. On the H200 the monitor cost 3.5
-/// ms of CPU a second at 10 ms looks querying every look (~35 us per look, bench/results/
-/// 20261201-lab-cost-native-vs-floor-gpu: 3.46 us per request at 1,000 req/s), and still 2.5
-/// ms a second querying every tenth (bench/results/20261202-lab-cost-kernel-vs-native-gpu-
-/// watch): the query is the cost, not the wake-up. A context that failed without the device
-/// scheduler noticing (it sets the error word on every abnormal end, seen within 10 ms) is
-/// then noticed within a second, which is rare enough not to matter.
-const STREAM_QUERY_EVERY: u32 = 100;
+/// remaining requests with Internal 100 ms later is prompt next to any client's timeout. Each
+/// look is a wake-up, and on the H200 host a wake-up costs the monitor ~24 us of CPU whatever
+/// it then does: 2.4 ms a second at 10 ms looks, 2.4 us per request at 1,000 req/s, 6-7% of a
+/// one-shot request's server CPU (bench/results/20261202-lab-cost-kernel-vs-native-gpu-watch-
+/// fast: unchanged when the stream query below went from every tenth look to every hundredth,
+/// so the wake-up, not the query, is the cost; at 0.5 ms it woke 2,000 times a second,
+/// docs/cost.md). Shutdown and failures on other threads unpark it at once, and in interrupt
+/// mode the notifier sees a sticky context error in its `cuEventSynchronize` too.
+const MONITOR_PERIOD: Duration = Duration::from_millis(100);
+/// The monitor queries the scheduler's stream (a driver call) on every this many looks (once
+/// a second); the error word (mapped host memory) it reads on every look. A context that
+/// failed without the device scheduler noticing (it sets the error word on every abnormal end,
+/// seen within 100 ms) is then noticed within a second, which is rare enough not to matter.
+const STREAM_QUERY_EVERY: u32 = 10;
 /// Longest device-side wait of the completion notifier: the kernel then returns so that the
 /// host re-checks (shutdown, requests that were answered some other way) and relaunches.
 const NOTIFY_BUDGET_NS: u64 = 2_000_000;
