@@ -1,0 +1,202 @@
+//! `--reply executor-sqe`: the reply stage runs inside the executor and writes SEND SQEs into
+//! an SQPOLL ring (or sends itself below `sqpoll_above`); this thread is the watchdog.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::KernelTransport;
+use super::config::{ADAPTIVE_WATCHDOG, KernelStats};
+use super::driver::{StageDriver, StatsTimer, collect_stats};
+use super::reply::ReplyStage;
+use super::submit::{Direct, SqIo};
+
+impl KernelTransport {
+    /// `--reply executor-sqe`: the executor's reply thread runs the stage without system
+    /// calls (SQEs land in SQPOLL ring memory); this thread is the watchdog. With
+    /// `gpu_sends` the stage shares each connection's turn with the GPU, and the watchdog also
+    /// wakes the SQPOLL thread for the GPU's ring.
+    pub(super) fn run_executor_sqe(
+        self,
+        watchdog: Duration,
+        sqpoll_above: u32,
+    ) -> io::Result<KernelStats> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let wakeups = Arc::new(AtomicU64::new(0));
+        let uring = self.uring.clone();
+        let rx = self.rx.clone();
+        let listener_fd = self.listener.as_raw_fd();
+        let stop2 = stop.clone();
+        let wakeups2 = wakeups.clone();
+        let stats_every = self.cfg.stats_every;
+        let gpu = self.gpu.clone();
+        let (limits, cancel_markers) = (self.cfg.limits, self.cfg.cancel_markers);
+        let metrics = self.metrics.clone();
+        let stage_thread = std::thread::Builder::new()
+            .name("bgs-exec-sqe".into())
+            .spawn(move || {
+                let io_region = rx.region();
+                let mut driver = StageDriver::new(rx.clone(), listener_fd, None, None);
+                if let Some(g) = &gpu {
+                    driver.stage = ReplyStage::with_turns(g.table.clone());
+                }
+                driver.stage.set_limits(limits);
+                driver.stage.set_cancel_markers(cancel_markers);
+                if let Some(m) = metrics {
+                    driver.stage.set_metrics(m);
+                }
+                let mut last_sweep = Instant::now();
+                let mut stats_timer = StatsTimer::new(stats_every);
+                // Adaptive submission (`submit` module docs): CPU executors only; a GPU that
+                // writes SENDs shares the SQPOLL thread and needs it awake.
+                let mut direct =
+                    (gpu.is_none() && sqpoll_above > 0).then(|| Direct::new(sqpoll_above));
+                let mut done = Vec::new();
+                while !stop2.load(Ordering::Acquire) {
+                    let now = Instant::now();
+                    if let Some(d) = &mut direct {
+                        d.begin(&uring, now);
+                    }
+                    let mut io = SqIo {
+                        direct: direct.as_mut(),
+                        ..SqIo::ring(&uring, &rx, &io_region)
+                    };
+                    let mut did = driver.pass(&uring, &mut io);
+                    // Operations performed directly completed at once: hand their results to
+                    // the stage as if they were CQEs, and flush what they made ready (the rest
+                    // of a short send, the next replies of a connection).
+                    while let Some(d) = io.direct.as_deref_mut() {
+                        d.swap_done(&mut done);
+                        if done.is_empty() {
+                            break;
+                        }
+                        did = true;
+                        for (user_data, res) in done.drain(..) {
+                            driver.stage.on_cqe(user_data, res);
+                        }
+                        driver.stage.flush(&mut io);
+                    }
+                    if let Some(d) = io.direct {
+                        match d.end(&uring) {
+                            Ok(true) => {
+                                wakeups2.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(false) => {}
+                            Err(e) => tracing::warn!("waking the SQPOLL thread failed: {e}"),
+                        }
+                    }
+                    if now.duration_since(last_sweep) > Duration::from_millis(5) {
+                        driver.stage.sweep(now);
+                        last_sweep = now;
+                    }
+                    if stats_timer.due(now) {
+                        driver.direct = direct.as_ref().map(|d| d.counts);
+                        let w = wakeups2.load(Ordering::Relaxed);
+                        eprintln!(
+                            "bgs: stats\n{}",
+                            collect_stats(&rx, &driver, w, gpu.as_deref())
+                        );
+                    }
+                    if !did {
+                        // Sleep on the completion ring's (private) futex: CPU executors wake
+                        // it, a GPU queues a private FUTEX_WAKE on its ring, which the
+                        // SQPOLL thread (our address space) runs. CQEs are picked up by the
+                        // watchdog's nudge or the timeout.
+                        let t = match &gpu {
+                            None if driver.stage.busy() => Duration::from_micros(100),
+                            None => Duration::from_millis(2),
+                            Some(g) => {
+                                // The GPU cannot wake us when it passes a turn, and its own
+                                // SENDs are finals we never see: poll soon while replies wait
+                                // for a turn or requests are still on the GPU.
+                                let answered = driver.answered() + g.table.gpu_sends();
+                                if driver.stage.busy()
+                                    || driver.region.requests().produced() > answered
+                                {
+                                    Duration::from_micros(50)
+                                } else {
+                                    Duration::from_millis(2)
+                                }
+                            }
+                        };
+                        driver.region.completions().wait_nonempty(t);
+                    }
+                }
+                // The connections still open end with the transport: cancel their streams.
+                driver.stage.end_all();
+                driver
+                    .stage
+                    .publish_cancels(&mut SqIo::ring(&uring, &rx, &io_region));
+                driver.finish(&uring);
+                driver.direct = direct.as_ref().map(|d| d.counts);
+                driver
+            })?;
+        let region = self.rx.region();
+        // The watchdog sleeps in epoll on the shutdown pipe, so a stop is seen at once and
+        // costs no read per round.
+        let epoll = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)?;
+        rustix::event::epoll::add(
+            &epoll,
+            &self.shutdown_rx,
+            rustix::event::epoll::EventData::new_u64(0),
+            rustix::event::epoll::EventFlags::IN,
+        )?;
+        let gpu = self.gpu.clone();
+        let adaptive = gpu.is_none() && sqpoll_above > 0;
+        // With adaptive submission the stage wakes the SQPOLL thread itself after queueing
+        // (`Direct::end`), so the watchdog is only a safety net and need not cost 20,000
+        // wake-ups a second.
+        let watchdog = if adaptive {
+            watchdog.max(ADAPTIVE_WATCHDOG)
+        } else {
+            watchdog
+        };
+        let ts = rustix::event::Timespec {
+            tv_sec: watchdog.as_secs() as _,
+            tv_nsec: watchdog.subsec_nanos() as _,
+        };
+        let mut events = Vec::with_capacity(1);
+        loop {
+            // The only thing this thread does: the stage (the executor) cannot make system
+            // calls, so someone must wake the SQPOLL thread once it went to sleep. The GPU's
+            // ring shares that thread (one wake serves both) unless ATTACH_WQ was refused.
+            // With adaptive submission the stage wakes the thread itself when it queues
+            // operations for it; woken with nothing to do, it would only spin again until its
+            // idle time passes. So only SQEs left waiting count (a safety net).
+            let host_sleeps =
+                self.uring.needs_wakeup() && (!adaptive || self.uring.sq_unconsumed() > 0);
+            let (gpu_sleeps, shared) = gpu
+                .as_ref()
+                .map_or((false, true), |g| (g.ring.needs_wakeup(), g.shared_sqpoll));
+            if host_sleeps || (gpu_sleeps && shared) {
+                self.uring.wake_sqpoll()?;
+                wakeups.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(g) = &gpu
+                && gpu_sleeps
+                && !shared
+            {
+                g.ring.wake_sqpoll()?;
+                wakeups.fetch_add(1, Ordering::Relaxed);
+            }
+            events.clear();
+            match rustix::event::epoll::wait(
+                &epoll,
+                rustix::buffer::spare_capacity(&mut events),
+                Some(&ts),
+            ) {
+                Ok(n) if n > 0 => break,
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        stop.store(true, Ordering::Release);
+        region.completions().notify();
+        let driver = stage_thread
+            .join()
+            .map_err(|_| io::Error::other("reply stage thread panicked"))?;
+        Ok(self.stats(&driver, wakeups.load(Ordering::Relaxed)))
+    }
+}
