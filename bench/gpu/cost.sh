@@ -3,8 +3,10 @@
 # (process and per thread), whole-host CPU per request, p50/p99, at 1,000 and 10,000 req/s
 # (gemm8 x1, 128 connections), and one request at a time on one connection (p50), for:
 #   floor            native transport answering echo itself (--floor): the cost of TCP
+#   native-paced     native + GPU, paced polling (the default)
 #   native-poll      native + GPU, transport polls its 100 us timer while requests are out
 #   native-int       native + GPU, the GPU executor's completion notifier wakes it
+#   kloop-paced      kernel --reply loop + GPU, BPF's completion watch wakes the loop (default)
 #   kloop-poll       kernel --reply loop + GPU, loop polls its 60 us timer
 #   kloop-int        kernel --reply loop + GPU, notifier wakes the loop
 # A strict correctness pass over every GPU condition comes first. Short runs (5 s, 2 rounds
@@ -42,8 +44,10 @@ start() { # name args...
 stop() { kill -TERM "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; }
 declare -A conds=(
   [floor]="--transport native --floor"
+  [native-paced]="--transport native --executor gpu --gpu-completion-wake paced"
   [native-poll]="--transport native --executor gpu --gpu-completion-wake poll"
   [native-int]="--transport native --executor gpu --gpu-completion-wake interrupt"
+  [kloop-paced]="--transport kernel --reply loop --executor gpu --gpu-completion-wake paced"
   [kloop-poll]="--transport kernel --reply loop --executor gpu --gpu-completion-wake poll"
   [kloop-int]="--transport kernel --reply loop --executor gpu --gpu-completion-wake interrupt"
 )
