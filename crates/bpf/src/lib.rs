@@ -709,11 +709,6 @@ impl KernelRx {
         self.watch.word(watch::ARMED).load(Ordering::SeqCst) != 0
     }
 
-    /// The learned delay of the first look after a publish.
-    pub fn watch_first(&self) -> Duration {
-        Duration::from_nanos(self.watch.word(watch::FIRST_NS).load(Ordering::Relaxed))
-    }
-
     /// Counters summed over CPUs.
     pub fn counters(&self) -> KernelCounters {
         let mut sums = [0u64; idx::NUM];

@@ -21,4 +21,6 @@ pub const DELAY_NS: usize = 5;
 pub const ARMED_AT: usize = 6;
 /// BPF: looks since it was armed.
 pub const LOOKS: usize = 7;
-pub const NUM: usize = 8;
+/// BPF: the timer's state: 0 not initialized, 1 being initialized, 2 ready (callback set).
+pub const TIMER_STATE: usize = 8;
+pub const NUM: usize = 9;

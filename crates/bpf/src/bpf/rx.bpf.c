@@ -467,19 +467,27 @@ static __always_inline int watch_start(struct watch_ctl *w, __u64 delay)
 	struct watch_timer *t = bpf_map_lookup_elem(&watch_timer, &zero);
 	if (!t)
 		goto fail;
-	/* The first arm initializes; later ones get -EBUSY (the loader holds the map's fd: a
-	 * timer map nobody in user space holds refuses with -EPERM). The callback is set every time: a
-	 * concurrent first arm may not have set it yet, and starting a timer without one fails. */
-	bpf_timer_init(&t->t, &watch_timer, CLOCK_MONOTONIC);
-	if (bpf_timer_set_callback(&t->t, watch_fire))
-		goto fail;
+	/* Initialize once (both helpers take the timer's lock: not on every arm). The loader
+	 * holds the map's fd: a timer map nobody in user space holds refuses with -EPERM. An arm
+	 * that finds another one initializing rings instead (once, at start). */
+	if (READ_ONCE(w->v[W_TIMER_STATE]) != 2) {
+		if (__sync_val_compare_and_swap(&w->v[W_TIMER_STATE], 0, 1) != 0)
+			goto busy;
+		bpf_timer_init(&t->t, &watch_timer, CLOCK_MONOTONIC);
+		if (bpf_timer_set_callback(&t->t, watch_fire)) {
+			WRITE_ONCE(w->v[W_TIMER_STATE], 0);
+			goto fail;
+		}
+		__atomic_exchange_n(&w->v[W_TIMER_STATE], 2, __ATOMIC_SEQ_CST);
+	}
 	w->v[W_DELAY_NS] = delay;
 	if (bpf_timer_start(&t->t, delay, 0))
 		goto fail;
 	return 0;
 fail:
-	__atomic_exchange_n(&w->v[W_ARMED], 0, __ATOMIC_SEQ_CST);
 	cnt_add(C_INTERNAL, 1);
+busy:
+	__atomic_exchange_n(&w->v[W_ARMED], 0, __ATOMIC_SEQ_CST);
 	return -1;
 }
 

@@ -112,24 +112,21 @@ impl KernelTransport {
             };
             let wake_wait =
                 (executing && woken && self.cfg.wake_timeout.is_some()) || t == WATCH_NET;
-            let began = Instant::now();
+            // Waits whose timeout is a safety net (counted when it ends them): with the watch
+            // that includes the idle wait, since a request that came while we slept idle
+            // should have been rung by its look. `enter` answers a wait its timeout ended like
+            // any other (and, when it also submitted, reports the submissions), so the clock
+            // says which ran their full time; it is read only for these waits.
+            let net_began = (wake_wait || (completion_watch && t == IDLE_WAIT)).then(Instant::now);
             match self.uring.enter(io.queued, u32::from(idle), Some(t)) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
-            // `enter` answers a wait its timeout ended like any other (and, when it also
-            // submitted, the kernel reports the submissions, not the timeout): the clock says
-            // which waits ran their full time.
-            if began.elapsed() >= t {
-                // With the watch, an idle wait its timeout ended with a reply waiting also
-                // missed the look's doorbell (the request came while we slept idle; its look
-                // should have rung).
-                let missed =
-                    completion_watch && t == IDLE_WAIT && !driver.region.completions().is_empty();
-                if wake_wait || missed {
-                    driver.wake_timeouts += 1;
-                }
+            if net_began.is_some_and(|b| b.elapsed() >= t)
+                && (wake_wait || !driver.region.completions().is_empty())
+            {
+                driver.wake_timeouts += 1;
             }
             drop(request_guard);
             drop(guard);
