@@ -12,7 +12,7 @@
 # Runs ON the GPU machine from the repo root. Writes OUT_DIR/summary.json (date, machine,
 # command, revision) and the logs.
 # Usage: bash bench/gpu/generate.sh BIN_DIR OUT_DIR   (BIN_DIR: bgs, bgs-llm-gpu, REVISION)
-# PARTS (default "check hf bench served openai") picks parts, STEP_LOOP (host|device) the step
+# PARTS (default "check hf bench served openai"; also "persistent") picks parts, STEP_LOOP (host|device) the step
 # loop of the served parts; SECS (default 30) is the paper
 # workload's duration per slot count.
 set -uo pipefail
@@ -93,6 +93,35 @@ for m in qwen2.5-0.5b smollm2-135m; do
     --batches 1,2,4,8,16,32,64,128,256,512 --context 128 --invariant-gemm --per-op --json "$work/bench-$m-invariant.json"
   step "bench-$m-fused2" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
     --batches 1,2 --context 128 --fused-max-tokens 2 --json "$work/bench-$m-fused2.json"
+done
+fi
+
+# 3b. The persistent form (a bucket's ops in one cooperative launch, --persistent-max-tokens):
+#     first the checks (bit for bit against the launched ops at every bucket that has it, and
+#     the CPU oracle through it), then the decode step against the launched ops in the same
+#     run, for the invariant tensor-core form, the fused form (1-2 tokens, the LM head on the
+#     tensor-core GEMM) and the prefetch distance and blocks per multiprocessor.
+if want persistent; then
+pm=${PERSIST_MAX:-64}
+step check-tiny-qwen2-bf16-persistent 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 \
+  --invariant-gemm --persistent-max-tokens "$pm" --json "$work/check-tiny-qwen2-bf16-persistent.json"
+step check-tiny-llama-f32-persistent 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-llama" --dtype f32 \
+  --invariant-gemm --persistent-max-tokens "$pm" --json "$work/check-tiny-llama-f32-persistent.json"
+step check-qwen-bf16-persistent 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 \
+  --invariant-gemm --persistent-max-tokens "$pm" --json "$work/check-qwen-bf16-persistent.json"
+step check-qwen-bf16-persistent-fused 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 \
+  --fused-max-tokens 2 --tc-gemm-max-tokens 2 --persistent-max-tokens 2 --json "$work/check-qwen-bf16-persistent-fused.json"
+for m in qwen2.5-0.5b smollm2-135m; do
+  step "bench-$m-persistent" 300 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 --invariant-gemm \
+    --persistent-max-tokens "$pm" --batches 1,2,4,8,16,32,64 --context 128 --json "$work/bench-$m-persistent.json"
+  step "bench-$m-persistent-fused" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 --fused-max-tokens 2 \
+    --tc-gemm-max-tokens 2 --persistent-max-tokens 2 --batches 1,2 --context 128 --json "$work/bench-$m-persistent-fused.json"
+done
+for v in "0 1" "2 1" "1 2" "1 0"; do
+  read -r pf bps <<<"$v"
+  step "bench-qwen2.5-0.5b-persistent-pf$pf-b$bps" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 \
+    --invariant-gemm --persistent-max-tokens 8 --persistent-prefetch "$pf" --persistent-blocks-per-sm "$bps" \
+    --batches 1,8 --context 128 --json "$work/bench-qwen2.5-0.5b-persistent-pf$pf-b$bps.json"
 done
 fi
 

@@ -1481,6 +1481,66 @@ mod tests {
         }
     }
 
+    /// The persistent form takes every op of the own-kernel plans (the invariant tensor-core
+    /// form, the fused form, f32's invariant form) at every bucket, refuses the cuBLAS plan,
+    /// and its table decodes back to the very ops (each argument in its signature's kind).
+    #[test]
+    fn persistent_tables_round_trip_every_own_kernel_plan() {
+        use crate::persistent;
+        for (arch, dtype, inv, fused) in [
+            (SynthArch::TinyQwen2, GpuDtype::Bf16, true, 0),
+            (SynthArch::TinyLlama, GpuDtype::F32, true, 0),
+            // The fused form's buckets, with the LM head on the tensor-core GEMM (cuBLAS's
+            // otherwise).
+            (SynthArch::TinyQwen2, GpuDtype::F16, false, 8),
+        ] {
+            let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
+            let mut m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv).with_attention_warps(4);
+            if fused > 0 {
+                m = m.with_fused_max_tokens(fused).with_tc_gemm_max_tokens(8);
+            }
+            let buckets: &[usize] = if fused > 0 { &[1, 8] } else { &[1, 8, 64] };
+            for &n in buckets {
+                for ops in [m.plan().body(n), m.plan().head(n.min(8))] {
+                    let recs = persistent::encode(&ops, dtype, 1)
+                        .unwrap_or_else(|e| panic!("{arch:?} {dtype:?} bucket {n}: {e}"));
+                    let kinds: Vec<Vec<char>> = recs
+                        .iter()
+                        .map(|r| signature(Kernel::ALL[r.kernel as usize].name()))
+                        .collect();
+                    assert_eq!(persistent::decode(&recs, &kinds), ops);
+                    assert_eq!(
+                        persistent::table_bytes(&recs).len(),
+                        recs.len() * persistent::RECORD_BYTES
+                    );
+                    // Every projection's weights are prefetched one op ahead.
+                    let weighted = ops
+                        .iter()
+                        .skip(1)
+                        .filter(|op| {
+                            matches!(
+                                op,
+                                Op::Launch {
+                                    kernel: Kernel::GemmTc
+                                        | Kernel::Proj
+                                        | Kernel::ProjAdd
+                                        | Kernel::ProjNormSilu
+                                        | Kernel::ProjNormRopeKv,
+                                    ..
+                                }
+                            )
+                        })
+                        .count();
+                    assert_eq!(recs.iter().filter(|r| r.pf_bytes > 0).count(), weighted);
+                }
+            }
+        }
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 1, DType::F32);
+        let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 8, 64, 8], false);
+        let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
+        assert!(e.contains("cuBLAS GEMM (qkv)"), "{e}");
+    }
+
     #[test]
     fn emulator_catches_out_of_bounds_access() {
         let mut e = Emu::new(GpuDtype::F32);

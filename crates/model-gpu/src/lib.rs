@@ -17,6 +17,7 @@ pub mod gen_exec;
 pub mod host;
 mod model;
 mod pacer;
+pub mod persistent;
 mod plan;
 
 pub use gen_exec::{GenLoopConfig, GenLoopStats, GpuGenError, GpuGenExecutor};
@@ -25,6 +26,15 @@ pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
 
 /// The kernels' CUDA C++ source.
 pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
+
+/// The generated header the kernels include (`include/bgs_llm_ops.h`, kept equal to
+/// [`persistent::render_ops_header`] by `tests/c_header.rs`).
+pub const OPS_HEADER: &str = include_str!("../../../include/bgs_llm_ops.h");
+
+/// The headers NVRTC compiles [`KERNEL_SOURCE`] with, by include name.
+pub fn kernel_headers() -> [(&'static str, &'static str); 1] {
+    [(persistent::OPS_HEADER_NAME, OPS_HEADER)]
+}
 
 /// NVRTC options for compute capability `major.minor`, `dtype` and the model's `head_dim`
 /// (attention's fast form is compiled for that head size alone; no `-rdc`: the kernels
@@ -62,13 +72,14 @@ pub fn attention_mma_built(major: i32, dtype: GpuDtype, head_dim: usize) -> bool
     major >= 8 && plan::mma_form_covers(dtype, head_dim)
 }
 
-/// The kernel cache key: a 128-bit hash of the source, options, device name and the driver
+/// The kernel cache key: a 128-bit hash of the source and its header, options, device name and the driver
 /// and NVRTC versions.
 pub fn cache_key(options: &[String], device: &str, versions: &str) -> String {
     let opts = options.join("\u{1}");
-    let parts: [&[u8]; 5] = [
+    let parts: [&[u8]; 6] = [
         b"bgs-model-gpu",
         KERNEL_SOURCE.as_bytes(),
+        OPS_HEADER.as_bytes(),
         opts.as_bytes(),
         device.as_bytes(),
         versions.as_bytes(),

@@ -158,13 +158,40 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
     } while (0)
 #endif
 
+// The block a kernel's body runs as. A launch of the kernel runs its body as the launched
+// block (BGS_LAUNCH_BLK); the persistent kernel (bgs_persistent, below) runs the same bodies as
+// the virtual blocks of each op of its table, so both compute the same bits. Bodies read their
+// block's index and the grid from here, never from blockIdx / gridDim / blockDim.
+struct bgs_blk {
+    int x, y;   // the block's index in the op's grid
+    int gx, gy; // the op's grid
+    int nt;     // the op's threads per block (blockDim.x in a launch)
+    int pt;     // threads actually running it: nt, except bgs_argmax in the persistent kernel
+    bool pdl;   // a launch (wait on the previous grid where the body says, BGS_PDL_BEGIN)
+};
+#define BGS_LAUNCH_BLK                                                                     \
+    bgs_blk {                                                                              \
+        (int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x, (int)gridDim.y, (int)blockDim.x, \
+            (int)blockDim.x, true                                                          \
+    }
+// A barrier of the block's first n threads (a multiple of 32): the bodies that the persistent
+// kernel runs with fewer threads than its own (attention) synchronize with it, since the other
+// warps are not there. In a launch, n = blockDim.x: the same as __syncthreads.
+__device__ __forceinline__ void bgs_bar(int n) {
+    asm volatile("bar.sync 1, %0;" ::"r"(n) : "memory");
+}
+
 // x[t] = embed[tok[t]] (as f32).
-extern "C" __global__ void bgs_embed(const unsigned *tok, const wt *embed, float *x, int hidden) {
-    BGS_PDL_BEGIN();
-    const int t = blockIdx.x;
+__device__ __forceinline__ void embed_body(const bgs_blk &bk, const unsigned *tok,
+                                           const wt *embed, float *x, int hidden) {
+    const int t = bk.x;
     const wt *src = embed + (size_t)tok[t] * hidden;
     float *dst = x + (size_t)t * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = ld(src[i]);
+    for (int i = threadIdx.x; i < hidden; i += bk.nt) dst[i] = ld(src[i]);
+}
+extern "C" __global__ void bgs_embed(const unsigned *tok, const wt *embed, float *x, int hidden) {
+    BGS_PDL_BEGIN();
+    embed_body(BGS_LAUNCH_BLK, tok, embed, x, hidden);
 }
 
 // Sum of `v` over the block's BGS_NORM_THREADS threads in a fixed tree (value i += value
@@ -215,11 +242,11 @@ __device__ __forceinline__ wt silu_times(float g, float u) {
 
 // x[t] += delta[t] (when delta is not null), then out[t] = w * (x[t] / rms(x[t])), in `wt`.
 // One block of BGS_NORM_THREADS threads per token.
-extern "C" __global__ void bgs_add_rmsnorm(float *x, const float *delta, const float *w,
-                                           wt *out, int hidden, float eps) {
-    BGS_PDL_BEGIN();
+__device__ __forceinline__ void add_rmsnorm_body(const bgs_blk &bk, float *x, const float *delta,
+                                                 const float *w, wt *out, int hidden,
+                                                 float eps) {
     __shared__ float sh[BGS_NORM_THREADS];
-    const int t = blockIdx.x;
+    const int t = bk.x;
     float *xr = x + (size_t)t * hidden;
     float acc = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += BGS_NORM_THREADS) {
@@ -234,17 +261,22 @@ extern "C" __global__ void bgs_add_rmsnorm(float *x, const float *delta, const f
     wt *o = out + (size_t)t * hidden;
     for (int i = threadIdx.x; i < hidden; i += BGS_NORM_THREADS) o[i] = rms_scale(w[i], xr[i], inv);
 }
+extern "C" __global__ void bgs_add_rmsnorm(float *x, const float *delta, const float *w,
+                                           wt *out, int hidden, float eps) {
+    BGS_PDL_BEGIN();
+    add_rmsnorm_body(BGS_LAUNCH_BLK, x, delta, w, out, hidden, eps);
+}
 
 // After the fused QKV GEMM: add the fused bias (when not null), rotate q and k ("rotate
 // half", angle = pos * inv_freq[i]), write q back in place (f32) and k, v into the paged cache
 // at slot[t] (nothing for a padding token, slot -1). One block per token.
 //   qkv: [T][q_dim + 2 * kv_dim] f32, cache: this layer's base, block_stride in elements.
-extern "C" __global__ void bgs_rope_kv(float *qkv, const float *bias, const int *pos,
-                                       const int *slot, const float *inv_freq, wt *cache,
-                                       int num_heads, int num_kv_heads, int head_dim,
-                                       int block_size, long long block_stride) {
-    BGS_PDL_BEGIN();
-    const int t = blockIdx.x;
+__device__ __forceinline__ void rope_kv_body(const bgs_blk &bk, float *qkv, const float *bias,
+                                             const int *pos, const int *slot,
+                                             const float *inv_freq, wt *cache, int num_heads,
+                                             int num_kv_heads, int head_dim, int block_size,
+                                             long long block_stride) {
+    const int t = bk.x;
     const int half = head_dim / 2;
     const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
     float *row = qkv + (size_t)t * (qd + 2 * kvd);
@@ -258,7 +290,7 @@ extern "C" __global__ void bgs_rope_kv(float *qkv, const float *bias, const int 
         vc = kc + (long long)num_kv_heads * block_size * head_dim;
     }
     const int pairs = (num_heads + num_kv_heads) * half;
-    for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+    for (int j = threadIdx.x; j < pairs; j += bk.nt) {
         const int h = j / half, i = j % half;
         // Heads 0..num_heads are q, the rest k (k starts right after q in the row).
         const int base = h * head_dim;
@@ -280,13 +312,21 @@ extern "C" __global__ void bgs_rope_kv(float *qkv, const float *bias, const int 
         }
     }
     if (vc) {
-        for (int j = threadIdx.x; j < kvd; j += blockDim.x) {
+        for (int j = threadIdx.x; j < kvd; j += bk.nt) {
             float v = row[qd + kvd + j];
             if (bias) v = v + bias[qd + kvd + j];
             const int kh = j / head_dim, d = j % head_dim;
             vc[(long long)kh * block_size * head_dim + d] = st(v);
         }
     }
+}
+extern "C" __global__ void bgs_rope_kv(float *qkv, const float *bias, const int *pos,
+                                       const int *slot, const float *inv_freq, wt *cache,
+                                       int num_heads, int num_kv_heads, int head_dim,
+                                       int block_size, long long block_stride) {
+    BGS_PDL_BEGIN();
+    rope_kv_body(BGS_LAUNCH_BLK, qkv, bias, pos, slot, inv_freq, cache, num_heads, num_kv_heads,
+                 head_dim, block_size, block_stride);
 }
 
 // Butterfly sum over the warp: the same fixed tree for every lane, so every lane holds the
@@ -307,12 +347,13 @@ __device__ __forceinline__ float warp_max(float v) {
 // over the head, in dimension order), then every lane accumulates the group's values for its
 // dimensions (l, l + 32, ...) in position order. Leaves the warp's accumulator in acc_out
 // (head_dim floats) and its max and sum in m, l (every lane).
-__device__ __forceinline__ void attention_scalar(const float *qs, const wt *cache, const int *table,
+__device__ __forceinline__ void attention_scalar(int warps, const float *qs, const wt *cache,
+                                                 const int *table,
                                                  int last, long long block_stride,
                                                  long long head_off, long long v_off,
                                                  int head_dim, int block_size, float scale,
                                                  float *acc_out, float &m_out, float &l_out) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float acc[BGS_MAX_HEAD_DIM / 32];
 #pragma unroll
     for (int r = 0; r < BGS_MAX_HEAD_DIM / 32; r++) acc[r] = 0.0f;
@@ -392,13 +433,14 @@ __device__ __forceinline__ void load_rows(bgs_u4 *rows, const wt *base, int blk,
 //   in an xor butterfly (lane offsets 16 .. LR). Every split and tree depends only on the
 //   positions and head_dim, never on the batch.
 template <int LR>
-__device__ __forceinline__ void attention_rows(const float *qs, const wt *cache, const int *table,
+__device__ __forceinline__ void attention_rows(int warps, const float *qs, const wt *cache,
+                                               const int *table,
                                                int last, long long block_stride,
                                                long long head_off, long long v_off,
                                                int head_dim, int block_size, float scale,
                                                float *acc_out, float &m_out, float &l_out) {
     constexpr int RP = 32 / LR;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int sub = lane / LR, part = lane % LR;
     float q[BGS_PER16], acc[BGS_PER16];
 #pragma unroll
@@ -480,22 +522,22 @@ __device__ __forceinline__ void attention_rows(const float *qs, const wt *cache,
 // split depends only on the positions and W, so a token's result is the same whatever else
 // is in the batch; W only sets how many warps wait on memory at once.
 // out: [T][num_heads * head_dim] in `wt`.
-extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, const int *pos,
-                                         const int *seq, const int *bt_off, const int *bt,
-                                         wt *out, int num_heads, int num_kv_heads,
-                                         int head_dim, int block_size, long long block_stride,
-                                         float scale) {
-    BGS_PDL_BEGIN();
+__device__ __forceinline__ void attention_body(const bgs_blk &bk, const float *qkv,
+                                               const wt *cache, const int *pos, const int *seq,
+                                               const int *bt_off, const int *bt, wt *out,
+                                               int num_heads, int num_kv_heads, int head_dim,
+                                               int block_size, long long block_stride,
+                                               float scale) {
     __shared__ float qs[BGS_MAX_HEAD_DIM];
     __shared__ float part_acc[BGS_ATTN_MAX_WARPS][BGS_MAX_HEAD_DIM];
     __shared__ float part_m[BGS_ATTN_MAX_WARPS], part_l[BGS_ATTN_MAX_WARPS];
-    const int head = blockIdx.x, t = blockIdx.y;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int head = bk.x, t = bk.y;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = bk.nt / 32;
     const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
     const int kvh = head / (num_heads / num_kv_heads);
     const float *q = qkv + (size_t)t * (qd + 2 * kvd) + head * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[d];
-    __syncthreads();
+    for (int d = threadIdx.x; d < head_dim; d += bk.nt) qs[d] = q[d];
+    bgs_bar(bk.nt);
     const int *table = bt + bt_off[seq[t]];
     const int last = pos[t];
     const long long head_off = (long long)kvh * block_size * head_dim;
@@ -506,17 +548,17 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
     // The row-split form for the head size this cubin was built for (a 16-byte aligned cache,
     // as every device allocation is); anything else takes the scalar form.
     if (head_dim == BGS_HEAD_DIM && ((unsigned long long)cache & 15ull) == 0)
-        attention_rows<BGS_ATTN_LR>(qs, cache, table, last, block_stride, head_off, v_off,
+        attention_rows<BGS_ATTN_LR>(warps, qs, cache, table, last, block_stride, head_off, v_off,
                                     head_dim, block_size, scale, acc, m, l);
     else
 #endif
-        attention_scalar(qs, cache, table, last, block_stride, head_off, v_off, head_dim,
+        attention_scalar(warps, qs, cache, table, last, block_stride, head_off, v_off, head_dim,
                          block_size, scale, acc, m, l);
     if (lane == 0) {
         part_m[warp] = m;
         part_l[warp] = l;
     }
-    __syncthreads();
+    bgs_bar(bk.nt);
     if (warp != 0) return;
     wt *o = out + (size_t)t * qd + head * head_dim;
     if (warps == 1) {
@@ -544,6 +586,15 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
         const int d = lane + 32 * r;
         if (d < head_dim) o[d] = st(oo[r] / ll);
     }
+}
+extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, const int *pos,
+                                         const int *seq, const int *bt_off, const int *bt,
+                                         wt *out, int num_heads, int num_kv_heads,
+                                         int head_dim, int block_size, long long block_stride,
+                                         float scale) {
+    BGS_PDL_BEGIN();
+    attention_body(BGS_LAUNCH_BLK, qkv, cache, pos, seq, bt_off, bt, out, num_heads,
+                   num_kv_heads, head_dim, block_size, block_stride, scale);
 }
 
 // ---- Attention on tensor cores: one block per (kv head, token) ----
@@ -647,16 +698,17 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 #endif
 
-extern "C" __global__ void bgs_attention_mma(const float *qkv, const wt *cache, const int *pos,
-                                             const int *seq, const int *bt_off, const int *bt,
-                                             wt *out, int num_heads, int num_kv_heads,
-                                             int head_dim, int block_size,
-                                             long long block_stride, float scale) {
-    BGS_PDL_BEGIN();
+__device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const float *qkv,
+                                                   const wt *cache, const int *pos,
+                                                   const int *seq, const int *bt_off,
+                                                   const int *bt, wt *out, int num_heads,
+                                                   int num_kv_heads, int head_dim,
+                                                   int block_size, long long block_stride,
+                                                   float scale) {
 #if BGS_ATTN_MMA
     extern __shared__ __align__(16) unsigned char attn_smem[];
-    const int kvh = blockIdx.x, t = blockIdx.y;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int kvh = bk.x, t = bk.y;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = bk.nt / 32;
     const int group = num_heads / num_kv_heads;
     const int qd = num_heads * MMA_HD, kvd = num_kv_heads * MMA_HD;
     // Fragment coordinates: rows g and g + 8 (query heads), columns 2 * tq, 2 * tq + 1.
@@ -786,7 +838,7 @@ extern "C" __global__ void bgs_attention_mma(const float *qkv, const wt *cache, 
         }
         __syncwarp();  // every lane's ldmatrix is done before the next group's copies land
     }
-    __syncthreads();  // the tiles' space becomes the combine's
+    bgs_bar(bk.nt);  // the tiles' space becomes the combine's
     float *pacc = (float *)attn_smem + warp * 16 * (MMA_HD + 2);
     float *pml = pacc + 16 * MMA_HD;
 #pragma unroll
@@ -802,9 +854,9 @@ extern "C" __global__ void bgs_attention_mma(const float *qkv, const wt *cache, 
         pml[2 * (g + 8)] = m1;
         pml[2 * (g + 8) + 1] = l1;
     }
-    __syncthreads();
+    bgs_bar(bk.nt);
     // Each output value: the warps' states combined in warp order (as bgs_attention does).
-    for (int i = threadIdx.x; i < group * MMA_HD; i += blockDim.x) {
+    for (int i = threadIdx.x; i < group * MMA_HD; i += bk.nt) {
         const int h = i / MMA_HD, d = i % MMA_HD;
         float mm = BGS_NEG_INF;
         for (int w = 0; w < warps; w++)
@@ -824,6 +876,15 @@ extern "C" __global__ void bgs_attention_mma(const float *qkv, const wt *cache, 
     // Not built for this dtype, head size or device: the host never launches it here.
     __trap();
 #endif
+}
+extern "C" __global__ void bgs_attention_mma(const float *qkv, const wt *cache, const int *pos,
+                                             const int *seq, const int *bt_off, const int *bt,
+                                             wt *out, int num_heads, int num_kv_heads,
+                                             int head_dim, int block_size,
+                                             long long block_stride, float scale) {
+    BGS_PDL_BEGIN();
+    attention_mma_body(BGS_LAUNCH_BLK, qkv, cache, pos, seq, bt_off, bt, out, num_heads,
+                       num_kv_heads, head_dim, block_size, block_stride, scale);
 }
 
 // ---- Projections of the fused form (small buckets; every bucket with the invariant option) --
@@ -938,11 +999,11 @@ __device__ __forceinline__ void proj_norm_prologue(const float *x, const float *
 // y[t][r] = w[r] · x[t] (ADD: y[t][r] += it) for the block's token group: the fused form's
 // plain projection and its residual-add variant.
 template <bool ADD>
-__device__ __forceinline__ void proj_rows(const wt *w, const wt *x, float *y, int out, int in,
-                                          int n) {
+__device__ __forceinline__ void proj_rows(const bgs_blk &bk, const wt *w, const wt *x, float *y,
+                                          int out, int in, int n) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
-    for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < out; u += gridDim.x * BGS_PROJ_WARPS) {
+    const int t0 = bk.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
+    for (int u = bk.x * BGS_PROJ_WARPS + warp; u < out; u += bk.gx * BGS_PROJ_WARPS) {
         float acc[1][BGS_PROJ_TOKENS] = {};
         const wt *wr[1] = {w + (size_t)u * in};
         proj_dot<1, 4>(wr, x + (size_t)t0 * in, in, nt, acc);
@@ -959,7 +1020,7 @@ __device__ __forceinline__ void proj_rows(const wt *w, const wt *x, float *y, in
 // invariant option).
 extern "C" __global__ void bgs_proj(const wt *w, const wt *x, float *y, int out, int in, int n) {
     BGS_PDL_BEGIN();
-    proj_rows<false>(w, x, y, out, in, n);
+    proj_rows<false>(BGS_LAUNCH_BLK, w, x, y, out, in, n);
 }
 
 // res[t][r] += w[r] · x[t]: o_proj and down_proj with the residual add (one writer per
@@ -967,22 +1028,22 @@ extern "C" __global__ void bgs_proj(const wt *w, const wt *x, float *y, int out,
 extern "C" __global__ void bgs_proj_add(const wt *w, const wt *x, float *res, int out, int in,
                                         int n) {
     BGS_PDL_BEGIN();
-    proj_rows<true>(w, x, res, out, in, n);
+    proj_rows<true>(BGS_LAUNCH_BLK, w, x, res, out, in, n);
 }
 
 // act[t][i] = silu(g) * u with g = w[i] · xn[t], u = w[inter + i] · xn[t], xn = the
 // post-attention norm of the residual (prologue; dynamic shared memory: BGS_PROJ_TOKENS *
 // in elements of `wt`).
-extern "C" __global__ void bgs_proj_norm_silu(const wt *w, const float *res, const float *nw,
-                                              float eps, wt *act, int inter, int in, int n) {
-    BGS_PDL_BEGIN();
+__device__ __forceinline__ void proj_norm_silu_body(const bgs_blk &bk, const wt *w,
+                                                    const float *res, const float *nw,
+                                                    float eps, wt *act, int inter, int in,
+                                                    int n) {
     extern __shared__ __attribute__((aligned(16))) unsigned char proj_smem[];
     wt *xs = (wt *)proj_smem;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
+    const int t0 = bk.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
     proj_norm_prologue(res + (size_t)t0 * in, nw, eps, xs, in, nt);
-    for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < inter;
-         u += gridDim.x * BGS_PROJ_WARPS) {
+    for (int u = bk.x * BGS_PROJ_WARPS + warp; u < inter; u += bk.gx * BGS_PROJ_WARPS) {
         float acc[2][BGS_PROJ_TOKENS] = {};
         const wt *wr[2] = {w + (size_t)u * in, w + (size_t)(inter + u) * in};
         proj_dot<2, 4>(wr, xs, in, nt, acc);
@@ -991,27 +1052,31 @@ extern "C" __global__ void bgs_proj_norm_silu(const wt *w, const float *res, con
         if (lane < nt) act[(size_t)(t0 + lane) * inter + u] = silu_times(mine[0], mine[1]);
     }
 }
+extern "C" __global__ void bgs_proj_norm_silu(const wt *w, const float *res, const float *nw,
+                                              float eps, wt *act, int inter, int in, int n) {
+    BGS_PDL_BEGIN();
+    proj_norm_silu_body(BGS_LAUNCH_BLK, w, res, nw, eps, act, inter, in, n);
+}
 
 // The fused QKV step: xn = the input norm of the residual (prologue), then for unit j (head h =
 // j / half, i = j % half of the q, k and v heads in the fused weight's row order) rows base + i
 // and base + i + half, and bgs_rope_kv's epilogue: + bias, q and k rotated at pos[t], q into
 // qkv ([T][q + 2 kv] f32, where attention reads it), k and v into the paged cache at slot[t]
 // (nothing for -1).
-extern "C" __global__ void bgs_proj_norm_rope_kv(
-    const wt *w, const float *res, const float *nw, float eps, float *qkv, const float *bias,
-    const int *pos, const int *slot, const float *inv_freq, wt *cache, int num_heads,
-    int num_kv_heads, int head_dim, int block_size, long long block_stride, int in, int n) {
-    BGS_PDL_BEGIN();
+__device__ __forceinline__ void proj_norm_rope_kv_body(
+    const bgs_blk &bk, const wt *w, const float *res, const float *nw, float eps, float *qkv,
+    const float *bias, const int *pos, const int *slot, const float *inv_freq, wt *cache,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, long long block_stride,
+    int in, int n) {
     extern __shared__ __attribute__((aligned(16))) unsigned char proj_smem[];
     wt *xs = (wt *)proj_smem;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int t0 = blockIdx.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
+    const int t0 = bk.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
     proj_norm_prologue(res + (size_t)t0 * in, nw, eps, xs, in, nt);
     const int half = head_dim / 2;
     const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
     const int units = (num_heads + 2 * num_kv_heads) * half;
-    for (int u = blockIdx.x * BGS_PROJ_WARPS + warp; u < units;
-         u += gridDim.x * BGS_PROJ_WARPS) {
+    for (int u = bk.x * BGS_PROJ_WARPS + warp; u < units; u += bk.gx * BGS_PROJ_WARPS) {
         const int h = u / half, i = u % half, base = h * head_dim;
         float acc[2][BGS_PROJ_TOKENS] = {};
         const wt *wr[2] = {w + (size_t)(base + i) * in, w + (size_t)(base + i + half) * in};
@@ -1051,26 +1116,43 @@ extern "C" __global__ void bgs_proj_norm_rope_kv(
         }
     }
 }
+extern "C" __global__ void bgs_proj_norm_rope_kv(
+    const wt *w, const float *res, const float *nw, float eps, float *qkv, const float *bias,
+    const int *pos, const int *slot, const float *inv_freq, wt *cache, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, long long block_stride, int in, int n) {
+    BGS_PDL_BEGIN();
+    proj_norm_rope_kv_body(BGS_LAUNCH_BLK, w, res, nw, eps, qkv, bias, pos, slot, inv_freq,
+                           cache, num_heads, num_kv_heads, head_dim, block_size, block_stride,
+                           in, n);
+}
 
 // gu: [T][2 * inter] f32 (gate then up, the fused GEMM's output); out[t][i] = silu(g) * u.
-extern "C" __global__ void bgs_silu_mul(const float *gu, wt *out, int inter, int tokens) {
-    BGS_PDL_BEGIN();
-    // blockIdx.y = the token (no 64-bit division per element), x strides over `inter`.
-    const int t = blockIdx.y;
+__device__ __forceinline__ void silu_mul_body(const bgs_blk &bk, const float *gu, wt *out,
+                                              int inter, int tokens) {
+    // y = the token (no 64-bit division per element), x strides over `inter`.
+    const int t = bk.y;
     if (t >= tokens) return;
     const float *g = gu + (size_t)t * 2 * inter;
     wt *o = out + (size_t)t * inter;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < inter; i += gridDim.x * blockDim.x)
+    for (int i = bk.x * bk.nt + threadIdx.x; i < inter; i += bk.gx * bk.nt)
         o[i] = silu_times(g[i], g[inter + i]);
+}
+extern "C" __global__ void bgs_silu_mul(const float *gu, wt *out, int inter, int tokens) {
+    BGS_PDL_BEGIN();
+    silu_mul_body(BGS_LAUNCH_BLK, gu, out, inter, tokens);
 }
 
 // out[s] = xn[rows[s]]: the sampled tokens' normed rows, the LM head's input.
-extern "C" __global__ void bgs_gather_rows(const wt *xn, const int *rows, wt *out, int hidden) {
-    BGS_PDL_BEGIN();
-    const int s = blockIdx.x;
+__device__ __forceinline__ void gather_rows_body(const bgs_blk &bk, const wt *xn, const int *rows,
+                                                 wt *out, int hidden) {
+    const int s = bk.x;
     const wt *src = xn + (size_t)rows[s] * hidden;
     wt *dst = out + (size_t)s * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
+    for (int i = threadIdx.x; i < hidden; i += bk.nt) dst[i] = src[i];
+}
+extern "C" __global__ void bgs_gather_rows(const wt *xn, const int *rows, wt *out, int hidden) {
+    BGS_PDL_BEGIN();
+    gather_rows_body(BGS_LAUNCH_BLK, xn, rows, out, hidden);
 }
 
 // The better of two candidates: the larger value, the lower index among equal values (NaN
@@ -1083,37 +1165,48 @@ __device__ __forceinline__ void better(float &bv, unsigned &bi, float v, unsigne
 }
 
 // next[s] = argmax(logits[s]) with ties to the lowest id; one block of BGS_ARGMAX_THREADS
-// threads per row: strided scan in index order, then a fixed shared-memory tree.
-extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int vocab) {
-    BGS_PDL_BEGIN();
+// (virtual) threads per row: strided scan in index order, then a fixed shared-memory tree.
+// bk.pt physical threads run the BGS_ARGMAX_THREADS virtual ones (vt = tid, tid + pt, ...; in
+// a launch pt = BGS_ARGMAX_THREADS, one each): every virtual thread computes what a real one
+// would, so the result does not depend on pt.
+__device__ __forceinline__ void argmax_body(const bgs_blk &bk, const float *logits,
+                                            unsigned *next, int vocab) {
     __shared__ float sv[BGS_ARGMAX_THREADS];
     __shared__ unsigned si[BGS_ARGMAX_THREADS];
-    const int s = blockIdx.x;
+    const int s = bk.x;
     const float *row = logits + (size_t)s * vocab;
-    float bv = BGS_NEG_INF;
-    unsigned bi = 0xffffffffu;
-    for (int i = threadIdx.x; i < vocab; i += BGS_ARGMAX_THREADS) {
-        const float v = row[i];
-        if (v > bv) {
-            bv = v;
-            bi = (unsigned)i;
+    for (int vt = threadIdx.x; vt < BGS_ARGMAX_THREADS; vt += bk.pt) {
+        float bv = BGS_NEG_INF;
+        unsigned bi = 0xffffffffu;
+        for (int i = vt; i < vocab; i += BGS_ARGMAX_THREADS) {
+            const float v = row[i];
+            if (v > bv) {
+                bv = v;
+                bi = (unsigned)i;
+            }
         }
+        sv[vt] = bv;
+        si[vt] = bi;
     }
-    sv[threadIdx.x] = bv;
-    si[threadIdx.x] = bi;
     __syncthreads();
     for (int h = BGS_ARGMAX_THREADS / 2; h > 0; h >>= 1) {
-        if ((int)threadIdx.x < h) {
-            float v = sv[threadIdx.x];
-            unsigned i = si[threadIdx.x];
-            better(v, i, sv[threadIdx.x + h], si[threadIdx.x + h]);
-            sv[threadIdx.x] = v;
-            si[threadIdx.x] = i;
+        // Level h reads entries >= h and writes entries < h: no virtual thread's write is
+        // another's read within a level.
+        for (int vt = threadIdx.x; vt < h; vt += bk.pt) {
+            float v = sv[vt];
+            unsigned i = si[vt];
+            better(v, i, sv[vt + h], si[vt + h]);
+            sv[vt] = v;
+            si[vt] = i;
         }
         __syncthreads();
     }
     // No value above -inf (all -inf or NaN): id 0, as the CPU's argmax gives.
     if (threadIdx.x == 0) next[s] = si[0] == 0xffffffffu ? 0u : si[0];
+}
+extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int vocab) {
+    BGS_PDL_BEGIN();
+    argmax_body(BGS_LAUNCH_BLK, logits, next, vocab);
 }
 
 // bgs_gemm_tc (16-bit models on sm_80+, where `plan::tc_gemm_applies`): y[t][r] = w[r] · x[t]
@@ -1149,12 +1242,13 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
     return v;
 }
 #endif
-extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int out, int in, int n) {
+__device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, const wt *x, float *y,
+                                             int out, int in, int n) {
 #if BGS_HAVE_MMA
     __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, q = lane % 4;
-    const int r0 = blockIdx.x * 16, t0 = blockIdx.y * BGS_TC_TOKENS;
+    const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
     const int chunks = in / 32;
     // Rows past `out` read the last row (never stored).
     const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(r0 + g, out - 1) * in) + q;
@@ -1172,7 +1266,7 @@ extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int o
             a[u][1] = ld_nc16(wb + 4 * c);
         }
     }
-    BGS_PDL_BEGIN();
+    if (bk.pdl) BGS_PDL_BEGIN();
     for (int c0 = warp; c0 < chunks; c0 += BGS_TC_UNROLL * BGS_TC_WARPS) {
         bgs_u4 b[BGS_TC_UNROLL][BGS_TC_TILES];
 #pragma unroll
@@ -1230,4 +1324,142 @@ extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int o
     // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
     __trap();
 #endif
+}
+extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int out, int in, int n) {
+    gemm_tc_body(BGS_LAUNCH_BLK, w, x, y, out, in, n);
+}
+
+// ---- The persistent form: a whole op list in one launch ----
+//
+// bgs_persistent runs a table of ops (struct bgs_op, include/bgs_llm_ops.h, written by
+// `persistent::encode` from the same op list the host would launch one kernel at a time):
+// for each op, the grid's blocks take the op's virtual blocks v = blockIdx.x, + gridDim.x, ...
+// and run the kernel's body as block (v % gx, v / gx) of the op's grid, then every block
+// waits at a grid barrier before the next op. Each body computes exactly what its launch
+// would (same blocks, same threads per block, same reductions), so the step's bits are
+// those of the launched ops; what goes is a launch and its drain per op. The host launches it
+// cooperatively, so every block of the grid is resident (a grid barrier needs that) or the
+// launch fails.
+//
+// While an op runs, the grid also prefetches into L2 the weights of a later op (the table's
+// pf_ptr / pf_bytes, chosen by the host): weights never change during a step, so they can
+// stream from memory while the barriers and the small ops run.
+#include "bgs_llm_ops.h"
+
+// One table argument, converted to the body's parameter type by the call (pointers whole, a
+// 4-byte int or float from the low bytes, long long whole): the body's signature, which is
+// its kernel's, decides; the host wrote the arguments in that order and kind.
+struct bgs_op_arg {
+    bgs_u64 v;
+    template <class T> __device__ __forceinline__ operator T *() const { return (T *)v; }
+    __device__ __forceinline__ operator int() const { return (int)(unsigned)v; }
+    __device__ __forceinline__ operator float() const { return __uint_as_float((unsigned)v); }
+    __device__ __forceinline__ operator long long() const { return (long long)v; }
+};
+
+__device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_blk &bk) {
+    const bgs_op_arg *a = (const bgs_op_arg *)op->args;
+    switch (op->kernel) {
+    case BGS_OP_EMBED:
+        embed_body(bk, a[0], a[1], a[2], a[3]);
+        break;
+    case BGS_OP_ADD_RMSNORM:
+        add_rmsnorm_body(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
+        break;
+    case BGS_OP_ROPE_KV:
+        rope_kv_body(bk, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]);
+        break;
+    case BGS_OP_ATTENTION:
+        attention_body(bk, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10],
+                       a[11], a[12]);
+        break;
+    case BGS_OP_ATTENTION_MMA:
+        attention_mma_body(bk, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9],
+                           a[10], a[11], a[12]);
+        break;
+    case BGS_OP_SILU_MUL:
+        silu_mul_body(bk, a[0], a[1], a[2], a[3]);
+        break;
+    case BGS_OP_GATHER_ROWS:
+        gather_rows_body(bk, a[0], a[1], a[2], a[3]);
+        break;
+    case BGS_OP_ARGMAX:
+        argmax_body(bk, a[0], a[1], a[2]);
+        break;
+    case BGS_OP_PROJ:
+        proj_rows<false>(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
+        break;
+    case BGS_OP_PROJ_ADD:
+        proj_rows<true>(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
+        break;
+    case BGS_OP_PROJ_NORM_SILU:
+        proj_norm_silu_body(bk, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+        break;
+    case BGS_OP_PROJ_NORM_ROPE_KV:
+        proj_norm_rope_kv_body(bk, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9],
+                               a[10], a[11], a[12], a[13], a[14], a[15], a[16]);
+        break;
+    case BGS_OP_GEMM_TC:
+        gemm_tc_body(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
+        break;
+    default:
+        __trap();  // the host encodes only the kernels above
+    }
+}
+
+// Every block of the grid arrives, then leaves once all have: the count reaches `target` (the
+// barrier's number times the grid). Thread 0's release add publishes the block's writes
+// (ordered before it by the first __syncthreads), its acquire loads make every other block's
+// visible before the second __syncthreads lets the block's threads on.
+__device__ __forceinline__ void bgs_grid_sync(unsigned *count, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+        unsigned seen;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+        } while (seen < target);
+    }
+    __syncthreads();
+}
+
+// Prefetch [p, p + bytes) into L2, one 128-byte line per thread and step across the grid.
+__device__ __forceinline__ void bgs_prefetch_l2(bgs_u64 p, bgs_u64 bytes) {
+    const bgs_u64 step = 128ull * gridDim.x * blockDim.x;
+    for (bgs_u64 off = 128ull * (blockIdx.x * blockDim.x + threadIdx.x); off < bytes; off += step)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+
+// sync: two words, zero at launch (the last block out zeroes them again for the next replay):
+// [0] the barriers' arrivals, [1] the blocks that have finished.
+extern "C" __global__ void __launch_bounds__(BGS_OP_THREADS)
+    bgs_persistent(const struct bgs_op *ops, int n_ops, unsigned *sync) {
+    for (int k = 0; k < n_ops; k++) {
+        const struct bgs_op *op = ops + k;
+        if (op->pf_bytes) bgs_prefetch_l2(op->pf_ptr, op->pf_bytes);
+        bgs_blk bk;
+        bk.gx = (int)op->gx;
+        bk.gy = (int)op->gy;
+        bk.nt = (int)op->block;
+        bk.pt = min(bk.nt, BGS_OP_THREADS);
+        bk.pdl = false;
+        const int nv = bk.gx * bk.gy;
+        for (int v = blockIdx.x; v < nv; v += gridDim.x) {
+            bk.x = v % bk.gx;
+            bk.y = v / bk.gx;
+            if ((int)threadIdx.x < bk.pt) bgs_run_op(op, bk);
+            // The next virtual block reuses the shared memory this one may still read.
+            __syncthreads();
+        }
+        if (k + 1 < n_ops) bgs_grid_sync(sync, (unsigned)(k + 1) * gridDim.x);
+    }
+    if (threadIdx.x == 0) {
+        // Every block has passed the last barrier before any adds here, so the last one out
+        // may zero both words: no block reads them again in this launch.
+        if (atomicAdd(sync + 1, 1u) == gridDim.x - 1) {
+            sync[0] = 0u;
+            sync[1] = 0u;
+            __threadfence();
+        }
+    }
 }

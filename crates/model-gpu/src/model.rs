@@ -10,6 +10,7 @@ use cudarc::cublas::sys as cublas;
 use cudarc::driver::sys as cu;
 
 use crate::host::{self, GpuDtype, Packed, StepGeometry};
+use crate::persistent;
 use crate::plan::{
     self, Arg, Bufs, DevWeights, DeviceMem, Gemm, Kernel, Op, Plan, fused_form_fits,
     mma_attention_shared, tc_gemm_covers,
@@ -95,6 +96,23 @@ pub struct GpuModelOptions {
     /// `use_graphs`. Host replay (`step`) keeps working: a device-launchable graph can still be
     /// launched from the host.
     pub device_launch: bool,
+    /// Buckets of at most this many tokens (and LM heads of at most this many rows) also get
+    /// the **persistent form**: the bucket's whole op list in one cooperative launch of
+    /// `bgs_persistent`, which runs each op's kernel body over the op's blocks with a grid
+    /// barrier between ops (`crate::persistent`, docs/gpu-model.md). The same bits as the
+    /// launched ops; what goes is a launch and its drain per op. Only buckets whose ops are all
+    /// the crate's kernels have it (`batch_invariant_gemm`, `fused_max_tokens`,
+    /// `tensor_core_gemm_max_tokens`); with cuBLAS projections it is skipped with a log line.
+    /// Host replay uses it while [`GpuModel::set_persistent`] is on (the default when any
+    /// bucket has it); the device-launched graphs (`device_launch`) stay the launched form.
+    /// 0 (the default): none.
+    pub persistent_max_tokens: usize,
+    /// While op i of a persistent step runs, the grid prefetches into L2 the weights of op i +
+    /// this (0: no prefetch).
+    pub persistent_prefetch_distance: usize,
+    /// Blocks of the persistent kernel per multiprocessor (at most what fits; 0: as many as
+    /// fit).
+    pub persistent_blocks_per_sm: u32,
 }
 
 impl Default for GpuModelOptions {
@@ -117,6 +135,9 @@ impl Default for GpuModelOptions {
             attention_warps: 4,
             tensor_core_attention: true,
             device_launch: false,
+            persistent_max_tokens: 0,
+            persistent_prefetch_distance: 1,
+            persistent_blocks_per_sm: 1,
         }
     }
 }
@@ -228,8 +249,12 @@ fn kernels(
     if let Some(c) = dir.as_deref().and_then(|d| compile::cache_read(d, &key)) {
         return Ok((c, true));
     }
-    let cubin =
-        compile::nvrtc_compile_source("llm_kernels.cu", crate::KERNEL_SOURCE, &[], &options)?;
+    let cubin = compile::nvrtc_compile_source(
+        "llm_kernels.cu",
+        crate::KERNEL_SOURCE,
+        &crate::kernel_headers(),
+        &options,
+    )?;
     if let Some(d) = dir.as_deref() {
         compile::cache_write(d, &key, &cubin);
     }
@@ -288,6 +313,40 @@ pub struct GpuModel {
     body_graphs: Vec<(usize, cu::CUgraphExec)>,
     head_graphs: Vec<(usize, cu::CUgraphExec)>,
     graphs: Vec<cu::CUgraph>,
+    /// The persistent form (`GpuModelOptions::persistent_max_tokens`).
+    persist: Persist,
+}
+
+/// One op list as a persistent table on the device.
+#[derive(Debug, Clone, Copy)]
+struct PersistTable {
+    /// The bucket (tokens for a body, rows for a head).
+    bucket: usize,
+    head: bool,
+    table: u64,
+    ops: u32,
+    /// Two zeroed u32: the grid barrier's arrivals and the blocks done.
+    sync: u64,
+}
+
+/// The persistent form's kernel, tables and graphs.
+#[derive(Debug, Default)]
+struct Persist {
+    max_tokens: usize,
+    prefetch_distance: usize,
+    blocks_per_sm: u32,
+    /// Replay the persistent graphs where a bucket has one.
+    on: std::cell::Cell<bool>,
+    func: Option<cu::CUfunction>,
+    grid: u32,
+    shared: u32,
+    /// The kernel's registers a thread, static shared and local memory bytes (reported).
+    regs: i32,
+    static_shared: i32,
+    local_bytes: i32,
+    tables: Vec<PersistTable>,
+    body_graphs: Vec<(usize, cu::CUgraphExec)>,
+    head_graphs: Vec<(usize, cu::CUgraphExec)>,
 }
 
 // SAFETY: the model owns its context, stream, handles and memory exclusively; every method
@@ -432,6 +491,12 @@ impl GpuModel {
             body_graphs: Vec::new(),
             head_graphs: Vec::new(),
             graphs: Vec::new(),
+            persist: Persist {
+                max_tokens: opts.persistent_max_tokens,
+                prefetch_distance: opts.persistent_prefetch_distance,
+                blocks_per_sm: opts.persistent_blocks_per_sm,
+                ..Default::default()
+            },
         };
         // Before the build: the step graphs are captured with the attention form chosen here.
         m.set_tensor_core_attention(opts.tensor_core_attention);
@@ -614,6 +679,7 @@ impl GpuModel {
             }
             self.sync("graph upload")?;
         }
+        self.build_persistent(&tb, &sb)?;
         tracing::info!(
             device = %self.device_name,
             dtype = self.dtype.name(),
@@ -927,6 +993,243 @@ impl GpuModel {
         list.iter().find(|(b, _)| *b == n).map(|(_, e)| *e)
     }
 
+    /// The persistent form of every body bucket in `tb` and head bucket in `sb` up to
+    /// `persistent_max_tokens` whose ops the persistent kernel can run: tables uploaded, each
+    /// run once uncaptured (errors surface with their names), then captured.
+    fn build_persistent(&mut self, tb: &[usize], sb: &[usize]) -> Result<(), GpuModelError> {
+        let max = self.persist.max_tokens;
+        if max == 0 {
+            return Ok(());
+        }
+        if self.device_launch {
+            // The resident step loop launches the device graphs, which stay the launched ops.
+            tracing::info!("persistent form off: the step graphs are launched from the device");
+            return Ok(());
+        }
+        let mut lists = Vec::new();
+        for &n in tb.iter().filter(|&&n| n <= max) {
+            lists.push((n, false, self.plan().body(n)));
+        }
+        for &n in sb.iter().filter(|&&n| n <= max) {
+            lists.push((n, true, self.plan().head(n)));
+        }
+        let mut shared = 0u32;
+        for (bucket, head, ops) in lists {
+            let what = if head { "LM head" } else { "step body" };
+            match persistent::encode(&ops, self.dtype, self.persist.prefetch_distance) {
+                Ok(recs) => {
+                    shared = recs.iter().map(|r| r.shared).fold(shared, u32::max);
+                    let table = self.upload(
+                        &persistent::table_bytes(&recs),
+                        &format!("persistent table ({what}, {bucket})"),
+                    )?;
+                    let sync = self.alloc(8, "persistent barrier")?;
+                    self.persist.tables.push(PersistTable {
+                        bucket,
+                        head,
+                        table,
+                        ops: recs.len() as u32,
+                        sync,
+                    });
+                }
+                Err(why) => {
+                    tracing::info!("no persistent form for the {what} of {bucket}: {why}");
+                }
+            }
+        }
+        if self.persist.tables.is_empty() {
+            return Ok(());
+        }
+        let f = get_function(self.module, "bgs_persistent")?;
+        let attr = |a: cu::CUfunction_attribute, what: &str| -> Result<i32, GpuError> {
+            let mut v = 0i32;
+            // SAFETY: `f` is a kernel of the loaded module; out-pointer valid.
+            ck(unsafe { cu::cuFuncGetAttribute(&mut v, a, f) }, what)?;
+            Ok(v)
+        };
+        use cu::CUfunction_attribute::{
+            CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES as LOCAL,
+            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYN,
+            CU_FUNC_ATTRIBUTE_NUM_REGS as REGS, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES as STATIC,
+        };
+        ck(
+            // SAFETY: as above; `shared` is what the ops planned (each within 48 KB).
+            unsafe { cu::cuFuncSetAttribute(f, MAX_DYN, shared as i32) },
+            "cuFuncSetAttribute(bgs_persistent, max dynamic shared memory)",
+        )?;
+        let mut fit = 0i32;
+        ck(
+            // SAFETY: as above.
+            unsafe {
+                cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut fit,
+                    f,
+                    persistent::THREADS as i32,
+                    shared as usize,
+                )
+            },
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor(bgs_persistent)",
+        )?;
+        if fit < 1 {
+            return Err(GpuModelError::Config(format!(
+                "bgs_persistent does not fit a multiprocessor ({} bytes of dynamic shared                  memory, {} registers a thread)",
+                shared,
+                attr(REGS, "cuFuncGetAttribute(bgs_persistent, registers)")?
+            )));
+        }
+        let per_sm = match self.persist.blocks_per_sm {
+            0 => fit as u32,
+            n => n.min(fit as u32),
+        };
+        self.persist.func = Some(f);
+        self.persist.shared = shared;
+        self.persist.grid = per_sm * self.sms;
+        self.persist.regs = attr(REGS, "cuFuncGetAttribute(bgs_persistent, registers)")?;
+        self.persist.static_shared =
+            attr(STATIC, "cuFuncGetAttribute(bgs_persistent, static shared)")?;
+        self.persist.local_bytes = attr(LOCAL, "cuFuncGetAttribute(bgs_persistent, local memory)")?;
+        tracing::info!(
+            grid = self.persist.grid,
+            blocks_per_sm = per_sm,
+            fit,
+            dynamic_shared = shared,
+            static_shared = self.persist.static_shared,
+            registers = self.persist.regs,
+            local_bytes = self.persist.local_bytes,
+            tables = self.persist.tables.len(),
+            "persistent form"
+        );
+        let tables = self.persist.tables.clone();
+        for t in &tables {
+            self.launch_persistent(t)?;
+        }
+        self.sync("warm-up of the persistent form")?;
+        if self.use_graphs {
+            for t in &tables {
+                let what = format!(
+                    "persistent {}, {}",
+                    if t.head { "LM head" } else { "step body" },
+                    t.bucket
+                );
+                let e = self.capture(&what, |m| m.launch_persistent(t))?;
+                if t.head {
+                    self.persist.head_graphs.push((t.bucket, e));
+                } else {
+                    self.persist.body_graphs.push((t.bucket, e));
+                }
+            }
+            self.sync("persistent graph upload")?;
+        }
+        self.persist.on.set(true);
+        Ok(())
+    }
+
+    /// Enqueue one cooperative launch of `bgs_persistent` over table `t`.
+    fn launch_persistent(&self, t: &PersistTable) -> Result<(), GpuError> {
+        let f = self
+            .persist
+            .func
+            .ok_or_else(|| GpuError::Failed("bgs_persistent not loaded".into()))?;
+        let mut cells: [u64; 3] = [t.table, u64::from(t.ops), t.sync];
+        let mut ptrs: Vec<*mut c_void> = cells
+            .iter_mut()
+            .map(|c| (c as *mut u64).cast::<c_void>())
+            .collect();
+        // Cooperative: every block resident at once (the grid barrier waits for all of them),
+        // or the launch fails instead of hanging.
+        let mut attr = cu::CUlaunchAttribute {
+            id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
+            pad: [0; 4],
+            // SAFETY: an all-zero union is a valid value of every member (plain integers).
+            value: unsafe { std::mem::zeroed() },
+        };
+        attr.value.cooperative = 1;
+        let config = cu::CUlaunchConfig {
+            gridDimX: self.persist.grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: persistent::THREADS,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: self.persist.shared,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        ck(
+            // SAFETY: `f` is `bgs_persistent(const bgs_op *, int, unsigned *)`: the table (its
+            // `ops` records uploaded and never freed before the model), the count in the low 4
+            // bytes of its cell, and two zeroed words of the model's; the cells, `config` and
+            // the attribute live through the call; the dynamic shared memory was allowed with
+            // cuFuncSetAttribute and the grid fits the device (occupancy).
+            unsafe { cu::cuLaunchKernelEx(&config, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) },
+            &format!(
+                "cuLaunchKernelEx(bgs_persistent, {} ops, cooperative grid of {})",
+                t.ops, self.persist.grid
+            ),
+        )
+    }
+
+    /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),
+    /// or always the launched ops (false). Returns whether any bucket has a persistent form.
+    /// The same bits either way; the checks compare the two.
+    pub fn set_persistent(&mut self, on: bool) -> bool {
+        self.persist.on.set(on && !self.persist.tables.is_empty());
+        !self.persist.tables.is_empty()
+    }
+
+    /// The persistent kernel's launch, when any bucket has the form: one line for logs and
+    /// results (grid, dynamic and static shared memory, registers, local memory).
+    pub fn persistent_launch(&self) -> Option<String> {
+        let p = &self.persist;
+        p.func.map(|_| {
+            format!(
+                "grid {} x {} threads, dynamic shared {} B, static shared {} B, {} registers, \
+                 {} B local",
+                p.grid,
+                persistent::THREADS,
+                p.shared,
+                p.static_shared,
+                p.regs,
+                p.local_bytes
+            )
+        })
+    }
+
+    /// Buckets (tokens) whose step body has a persistent form.
+    pub fn persistent_buckets(&self) -> Vec<usize> {
+        self.persist
+            .tables
+            .iter()
+            .filter(|t| !t.head)
+            .map(|t| t.bucket)
+            .collect()
+    }
+
+    /// The persistent table for a body (`head` false) or head bucket, when it is on.
+    fn persistent_table(&self, head: bool, bucket: usize) -> Option<PersistTable> {
+        if !self.persist.on.get() {
+            return None;
+        }
+        self.persist
+            .tables
+            .iter()
+            .find(|t| t.head == head && t.bucket == bucket)
+            .copied()
+    }
+
+    fn persistent_graph(&self, head: bool, bucket: usize) -> Option<cu::CUgraphExec> {
+        if !self.persist.on.get() {
+            return None;
+        }
+        let list = if head {
+            &self.persist.head_graphs
+        } else {
+            &self.persist.body_graphs
+        };
+        Self::graph_for(list, bucket)
+    }
+
     /// Copy the packed inputs and enqueue the step's body and head (graphs or launches).
     fn enqueue_step(&self, p: &Packed) -> Result<(), GpuError> {
         ck(
@@ -938,7 +1241,9 @@ impl GpuModel {
             "cuMemcpyHtoDAsync(step inputs)",
         )?;
         if self.use_graphs {
-            let e = Self::graph_for(&self.body_graphs, p.bucket)
+            let e = self
+                .persistent_graph(false, p.bucket)
+                .or_else(|| Self::graph_for(&self.body_graphs, p.bucket))
                 .ok_or_else(|| GpuError::Failed(format!("no graph for bucket {}", p.bucket)))?;
             ck(
                 // SAFETY: `e` is an instantiated, uploaded graph of this context.
@@ -946,9 +1251,12 @@ impl GpuModel {
                 &format!("cuGraphLaunch(step body, {} tokens)", p.bucket),
             )?;
             if p.sample_bucket > 0 {
-                let e = Self::graph_for(&self.head_graphs, p.sample_bucket).ok_or_else(|| {
-                    GpuError::Failed(format!("no LM head graph for {} rows", p.sample_bucket))
-                })?;
+                let e = self
+                    .persistent_graph(true, p.sample_bucket)
+                    .or_else(|| Self::graph_for(&self.head_graphs, p.sample_bucket))
+                    .ok_or_else(|| {
+                        GpuError::Failed(format!("no LM head graph for {} rows", p.sample_bucket))
+                    })?;
                 ck(
                     // SAFETY: as above.
                     unsafe { cu::cuGraphLaunch(e, self.stream) },
@@ -956,9 +1264,15 @@ impl GpuModel {
                 )?;
             }
         } else {
-            self.enqueue_body(p.bucket)?;
+            match self.persistent_table(false, p.bucket) {
+                Some(t) => self.launch_persistent(&t)?,
+                None => self.enqueue_body(p.bucket)?,
+            }
             if p.sample_bucket > 0 {
-                self.enqueue_head(p.sample_bucket)?;
+                match self.persistent_table(true, p.sample_bucket) {
+                    Some(t) => self.launch_persistent(&t)?,
+                    None => self.enqueue_head(p.sample_bucket)?,
+                }
             }
         }
         Ok(())
@@ -1335,7 +1649,13 @@ impl Drop for GpuModel {
             if !self.stream.is_null() {
                 let _ = cu::cuStreamSynchronize(self.stream);
             }
-            for (_, e) in self.body_graphs.drain(..).chain(self.head_graphs.drain(..)) {
+            for (_, e) in self
+                .body_graphs
+                .drain(..)
+                .chain(self.head_graphs.drain(..))
+                .chain(self.persist.body_graphs.drain(..))
+                .chain(self.persist.head_graphs.drain(..))
+            {
                 let _ = cu::cuGraphExecDestroy(e);
             }
             for g in self.graphs.drain(..) {

@@ -98,3 +98,64 @@ fn c_compiler_accepts_the_rendered_header_and_agrees_on_offsets() {
     );
     assert_eq!(String::from_utf8_lossy(&run.stdout), want);
 }
+
+#[test]
+fn committed_ops_header_is_current() {
+    use bgs_model_gpu::persistent;
+    let path = include_dir().join(persistent::OPS_HEADER_NAME);
+    let rendered = persistent::render_ops_header();
+    if std::env::var_os("BGS_BLESS").is_some() {
+        std::fs::write(&path, &rendered).unwrap();
+        return;
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == rendered,
+        "include/{} differs from the header rendered from the Rust definitions; regenerate it \
+         with `BGS_BLESS=1 cargo test -p bgs-model-gpu --test c_header` and commit it",
+        persistent::OPS_HEADER_NAME
+    );
+}
+
+/// The ops header compiles as C11 with its static asserts on (struct bgs_op's size and every
+/// field offset against the Rust record).
+#[test]
+fn c_compiler_accepts_the_rendered_ops_header() {
+    use bgs_model_gpu::persistent;
+    let dir = std::env::temp_dir().join(format!("bgs-llm-ops-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join(persistent::OPS_HEADER_NAME),
+        persistent::render_ops_header(),
+    )
+    .unwrap();
+    let probe = dir.join("probe.c");
+    std::fs::write(
+        &probe,
+        "#include \"bgs_llm_ops.h\"\n\
+         int main(void) { return (int)(sizeof(struct bgs_op) != 200u) + BGS_OP_EMBED; }\n",
+    )
+    .unwrap();
+    let exe = dir.join("probe");
+    let out = match Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-o"])
+        .arg(&exe)
+        .arg(&probe)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            assert!(std::env::var_os("CI").is_none(), "cc not found: {e}");
+            println!("NOTICE: no C compiler ({e}); the header check did not run");
+            return;
+        }
+    };
+    assert!(
+        out.status.success(),
+        "cc rejected the generated ops header:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = Command::new(&exe).status().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(run.code(), Some(0), "sizeof(struct bgs_op) is not 200 in C");
+}

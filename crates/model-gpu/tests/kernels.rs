@@ -13,7 +13,7 @@ use std::process::Command;
 
 use bgs_executor_gpu::tool_checks::{clang, missing, wheel_lib_dir};
 use bgs_executor_gpu::{compile, libs};
-use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, nvrtc_options};
+use bgs_model_gpu::{GpuDtype, KERNEL_SOURCE, kernel_headers, nvrtc_options};
 
 const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 
@@ -21,7 +21,7 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 12] = [
+const ENTRY_POINTS: [&str; 14] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -34,6 +34,8 @@ const ENTRY_POINTS: [&str; 12] = [
     "bgs_proj_add",
     "bgs_proj_norm_silu",
     "bgs_proj_norm_rope_kv",
+    "bgs_gemm_tc",
+    "bgs_persistent",
 ];
 
 #[test]
@@ -55,7 +57,7 @@ fn kernels_compile_with_nvrtc_for_sm90_in_every_dtype() {
         let cubin = compile::nvrtc_compile_source(
             "llm_kernels.cu",
             KERNEL_SOURCE,
-            &[],
+            &kernel_headers(),
             &nvrtc_options(9, 0, dt, head_dim),
         )
         .unwrap_or_else(|e| panic!("{} head_dim {head_dim}: {e}", dt.name()));
@@ -95,6 +97,7 @@ const STUB_PRELUDE: &str = r#"
 #define __shared__ __attribute__((shared))
 #define __forceinline__ __attribute__((always_inline)) inline
 #define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(n) __attribute__((launch_bounds(n)))
 struct bgs_stub_dim3 { unsigned x, y, z; };
 extern __device__ const bgs_stub_dim3 bgs_stub_tid, bgs_stub_bid, bgs_stub_bdim, bgs_stub_gdim;
 #define threadIdx bgs_stub_tid
@@ -118,6 +121,8 @@ __device__ float sinf(float);
 __device__ float fmaxf(float, float);
 __device__ size_t __cvta_generic_to_shared(const void *);
 __device__ void __trap();
+__device__ unsigned atomicAdd(unsigned *, unsigned);
+__device__ void __threadfence();
 "#;
 
 fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Output> {
@@ -134,6 +139,9 @@ fn clang_check(dt: u32, head_dim: usize, extra: &str) -> Option<std::process::Ou
     ));
     std::fs::create_dir_all(&tmp).unwrap();
     std::fs::write(tmp.join("stub.h"), STUB_PRELUDE).unwrap();
+    for (name, text) in kernel_headers() {
+        std::fs::write(tmp.join(name), text).unwrap();
+    }
     std::fs::write(tmp.join("k.cu"), format!("{KERNEL_SOURCE}\n{extra}\n")).unwrap();
     let out = Command::new(cc)
         .args([

@@ -92,6 +92,18 @@ struct DeviceArgs {
     /// (`bgs_attention_mma`, the default where the model and device allow it).
     #[arg(long)]
     attention_per_head: bool,
+    /// Buckets of at most this many tokens also get the persistent form (the step's ops in
+    /// one launch; needs the crate's own projections: --invariant-gemm, --fused-max-tokens or
+    /// --tc-gemm-max-tokens). The check compares it with the launched ops bit for bit; the
+    /// bench times both.
+    #[arg(long, default_value_t = GpuModelOptions::default().persistent_max_tokens)]
+    persistent_max_tokens: usize,
+    /// The persistent form prefetches into L2 the weights of the op this many ahead (0: off).
+    #[arg(long, default_value_t = GpuModelOptions::default().persistent_prefetch_distance)]
+    persistent_prefetch: usize,
+    /// Blocks of the persistent kernel per multiprocessor (0: as many as fit).
+    #[arg(long, default_value_t = GpuModelOptions::default().persistent_blocks_per_sm)]
+    persistent_blocks_per_sm: u32,
 }
 
 #[derive(Args, Debug)]
@@ -190,6 +202,9 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
+        persistent_max_tokens: dev.persistent_max_tokens,
+        persistent_prefetch_distance: dev.persistent_prefetch,
+        persistent_blocks_per_sm: dev.persistent_blocks_per_sm,
         ..Default::default()
     }
 }
@@ -459,6 +474,54 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         }
     }
 
+    // (f) The persistent form against the launched ops: the same bits at every bucket that has
+    //     it (decode steps of b sequences at position 20 over whatever their blocks hold; the
+    //     two runs see the same cache, since each writes the same K/V).
+    for b in gpu.persistent_buckets() {
+        if b > 33 {
+            continue;
+        }
+        let tables: Vec<Vec<u32>> = (0..b)
+            .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..b)
+            .map(|i| [(7 + 13 * i) as u32 % vocab as u32])
+            .collect();
+        let items: Vec<StepItem<'_>> = (0..b)
+            .map(|i| StepItem {
+                tokens: &toks[i],
+                pos: 20,
+                blocks: &tables[i],
+                sample: true,
+            })
+            .collect();
+        gpu.set_persistent(false);
+        let launched = gpu.step_logits(&items).map_err(|e| e.to_string());
+        gpu.set_persistent(true);
+        let persistent = gpu.step_logits(&items).map_err(|e| e.to_string())?;
+        let launched = launched?;
+        let d = compare_logits(&launched, &persistent, tol);
+        let bitwise = launched.len() == persistent.len()
+            && launched
+                .iter()
+                .zip(&persistent)
+                .all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+        ok &= bitwise;
+        println!(
+            "[{}] persistent form vs launched ops, decode step of {b}: {} ({})",
+            if bitwise { "PASS" } else { "FAIL" },
+            d.describe(tol, "launched", "persistent"),
+            if bitwise {
+                "bitwise equal"
+            } else {
+                "NOT bitwise equal"
+            },
+        );
+        let mut j = d.json(&format!("persistent_vs_launched_{b}"), bitwise, tol);
+        j["bitwise_equal"] = json!(bitwise);
+        results.push(j);
+    }
+
     // (b) Greedy tokens, CPU vs GPU, 1 and 8 concurrent sequences (chunked prefill).
     for n in [1usize, 8] {
         let prompts: Vec<Vec<u32>> = (0..n).map(|i| prompt(&mut rng, vocab, 3 + 9 * i)).collect();
@@ -544,6 +607,10 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": gpu.tensor_core_attention(),
+        "persistent_buckets": gpu.persistent_buckets(),
+        "persistent_launch": gpu.persistent_launch(),
+        "persistent_prefetch": a.dev.persistent_prefetch,
+        "persistent_blocks_per_sm": a.dev.persistent_blocks_per_sm,
         "pass": ok, "checks": results,
     });
     write_json(&a.json, &v)?;
@@ -651,6 +718,15 @@ fn argmax(v: &[f32]) -> usize {
     best
 }
 
+/// The token-count bucket a step of `n` tokens runs in.
+fn bucket_of(n: usize) -> usize {
+    bgs_model_gpu::host::BUCKETS
+        .iter()
+        .copied()
+        .find(|&b| b >= n)
+        .unwrap_or(n)
+}
+
 /// Median and 90th percentile of `v` (sorted in place).
 fn median_p90(v: &mut [f64]) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
@@ -708,6 +784,9 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         bw / 1e12,
         a.copy_bytes / 1_000_000
     );
+    if let Some(l) = m.persistent_launch() {
+        println!("persistent form: {l}, buckets {:?}", m.persistent_buckets());
+    }
     let mut rows = Vec::new();
     println!("| batch | step median ms | p90 ms | tokens/s | floor ms | step / floor |");
     println!("| --- | --- | --- | --- | --- | --- |");
@@ -724,10 +803,32 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
                 sample: true,
             })
             .collect();
+        // The launched ops, then the persistent form where the bucket has one (the row's
+        // step is the faster, the form the model would replay).
+        let has_persistent = m.persistent_buckets().contains(&bucket_of(b));
+        m.set_persistent(false);
         let mut t = m
             .time_steps(&items, a.warmup, a.iters)
             .map_err(|e| e.to_string())?;
-        let (med, p90) = median_p90(&mut t);
+        let (launched_med, launched_p90) = median_p90(&mut t);
+        m.set_persistent(true);
+        let persistent = if has_persistent {
+            let mut t = m
+                .time_steps(&items, a.warmup, a.iters)
+                .map_err(|e| e.to_string())?;
+            Some(median_p90(&mut t))
+        } else {
+            None
+        };
+        let (med, p90) = match persistent {
+            Some((pm, pp)) => {
+                println!(
+                    "  batch {b}: launched ops {launched_med:.4} ms, persistent form {pm:.4} ms"
+                );
+                (pm, pp)
+            }
+            None => (launched_med, launched_p90),
+        };
         let floor_bytes = m.weight_bytes() + b * (a.context + 1) * m.kv_bytes_per_position();
         let floor_ms = floor_bytes as f64 / bw * 1e3;
         let tps = b as f64 / (med / 1e3);
@@ -758,6 +859,9 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
             "batch": b, "context": a.context, "step_ms_median": med, "step_ms_p90": p90,
             "tokens_per_s": tps, "floor_bytes": floor_bytes, "floor_ms": floor_ms,
             "step_over_floor": med / floor_ms, "per_op": per_op,
+            "launched_ms_median": launched_med, "launched_ms_p90": launched_p90,
+            "persistent_ms_median": persistent.map(|p| p.0),
+            "persistent_ms_p90": persistent.map(|p| p.1),
         }));
     }
     let prefill = {
@@ -786,6 +890,10 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": m.tensor_core_attention(),
+        "persistent_buckets": m.persistent_buckets(),
+        "persistent_launch": m.persistent_launch(),
+        "persistent_prefetch": a.dev.persistent_prefetch,
+        "persistent_blocks_per_sm": a.dev.persistent_blocks_per_sm,
         "weight_bytes": m.weight_bytes(),
         "kv_bytes_per_position": m.kv_bytes_per_position(),
         "copy_bandwidth_bytes_per_s": bw, "decode": rows, "prefill": prefill,
