@@ -99,8 +99,11 @@ fi
 # 3b. The persistent form (a bucket's ops in one cooperative launch, --persistent-max-tokens):
 #     first the checks (bit for bit against the launched ops at every bucket that has it, and
 #     the CPU oracle through it), then the decode step against the launched ops in the same
-#     run, for the invariant tensor-core form, the fused form (1-2 tokens, the LM head on the
-#     tensor-core GEMM) and the prefetch distance and blocks per multiprocessor.
+#     run (with where the persistent step's time goes, per kernel, and what its barriers cost
+#     alone), for the invariant tensor-core form and the fused form (1-2 tokens, the LM head on
+#     the tensor-core GEMM); then variants: kernel defines (BGS_LLM_KERNEL_DEFINES: the
+#     register cap BGS_OP_MIN_BLOCKS, the barrier's form BGS_OP_BARRIER) and flags (blocks per
+#     multiprocessor, L2 prefetch distance).
 if want persistent; then
 pm=${PERSIST_MAX:-64}
 step check-tiny-qwen2-bf16-persistent 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 \
@@ -113,16 +116,27 @@ step check-qwen-bf16-persistent-fused 240 "$bin/bgs-llm-gpu" check --model "$wor
   --fused-max-tokens 2 --tc-gemm-max-tokens 2 --persistent-max-tokens 2 --json "$work/check-qwen-bf16-persistent-fused.json"
 for m in qwen2.5-0.5b smollm2-135m; do
   step "bench-$m-persistent" 300 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 --invariant-gemm \
-    --persistent-max-tokens "$pm" --batches 1,2,4,8,16,32,64 --context 128 --json "$work/bench-$m-persistent.json"
+    --persistent-max-tokens "$pm" --batches 1,2,4,8,16,32,64 --context 128 --per-op --json "$work/bench-$m-persistent.json"
   step "bench-$m-persistent-fused" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 --fused-max-tokens 2 \
-    --tc-gemm-max-tokens 2 --persistent-max-tokens 2 --batches 1,2 --context 128 --json "$work/bench-$m-persistent-fused.json"
+    --tc-gemm-max-tokens 2 --persistent-max-tokens 2 --batches 1,2 --context 128 --per-op --json "$work/bench-$m-persistent-fused.json"
 done
-for v in "0 1" "2 1" "1 2" "1 0"; do
-  read -r pf bps <<<"$v"
-  step "bench-qwen2.5-0.5b-persistent-pf$pf-b$bps" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 \
-    --invariant-gemm --persistent-max-tokens 8 --persistent-prefetch "$pf" --persistent-blocks-per-sm "$bps" \
-    --batches 1,8 --context 128 --json "$work/bench-qwen2.5-0.5b-persistent-pf$pf-b$bps.json"
-done
+# name | kernel defines | bench flags
+variants=${PERSIST_VARIANTS:-"regs128-b2|BGS_OP_MIN_BLOCKS=2|--persistent-blocks-per-sm 2
+regs128-b1|BGS_OP_MIN_BLOCKS=2|--persistent-blocks-per-sm 1
+regs85-b3|BGS_OP_MIN_BLOCKS=3|--persistent-blocks-per-sm 3
+fence-barrier|BGS_OP_BARRIER=1|
+no-prefetch||--persistent-prefetch 0"}
+while IFS='|' read -r name defs flags; do
+  [ -n "$name" ] || continue
+  # shellcheck disable=SC2086 # flags are words
+  step "check-tiny-qwen2-bf16-persistent-$name" 120 env BGS_LLM_KERNEL_DEFINES="$defs" "$bin/bgs-llm-gpu" check \
+    --model "$work/tiny-qwen2" --dtype bf16 --invariant-gemm --persistent-max-tokens 8 $flags \
+    --json "$work/check-tiny-qwen2-bf16-persistent-$name.json"
+  # shellcheck disable=SC2086
+  step "bench-qwen2.5-0.5b-persistent-$name" 240 env BGS_LLM_KERNEL_DEFINES="$defs" "$bin/bgs-llm-gpu" bench \
+    --arch qwen2.5-0.5b --dtype bf16 --invariant-gemm --persistent-max-tokens 8 $flags \
+    --batches 1,8 --context 128 --per-op --json "$work/bench-qwen2.5-0.5b-persistent-$name.json"
+done <<<"$variants"
 fi
 
 # 4. Served over TCP.

@@ -1402,6 +1402,8 @@ __device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_bl
     case BGS_OP_GEMM_TC:
         gemm_tc_body(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
         break;
+    case BGS_OP_NOP:  // measures the barriers alone (GpuModel::persistent_barrier_ms)
+        break;
     default:
         __trap();  // the host encodes only the kernels above
     }
@@ -1411,14 +1413,28 @@ __device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_bl
 // barrier's number times the grid). Thread 0's release add publishes the block's writes
 // (ordered before it by the first __syncthreads), its acquire loads make every other block's
 // visible before the second __syncthreads lets the block's threads on.
+// BGS_OP_BARRIER=1 (experiments): a fence, a relaxed add, relaxed polls and a fence after
+// (cooperative groups' form) instead of the release add and acquire polls.
+#ifndef BGS_OP_BARRIER
+#define BGS_OP_BARRIER 0
+#endif
 __device__ __forceinline__ void bgs_grid_sync(unsigned *count, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
         unsigned seen;
+#if BGS_OP_BARRIER == 1
+        __threadfence();
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+        do {
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+        } while (seen < target);
+        __threadfence();
+#else
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
         do {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
         } while (seen < target);
+#endif
     }
     __syncthreads();
 }
@@ -1430,12 +1446,27 @@ __device__ __forceinline__ void bgs_prefetch_l2(bgs_u64 p, bgs_u64 bytes) {
         asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
 }
 
+__device__ __forceinline__ bgs_u64 bgs_globaltimer() {
+    bgs_u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Blocks a multiprocessor must fit (__launch_bounds__' second argument: it caps the
+// registers a thread may use at 65536 / (256 * this)). Experiments set it through
+// BGS_LLM_KERNEL_DEFINES.
+#ifndef BGS_OP_MIN_BLOCKS
+#define BGS_OP_MIN_BLOCKS 1
+#endif
+
 // sync: two words, zero at launch (the last block out zeroes them again for the next replay):
-// [0] the barriers' arrivals, [1] the blocks that have finished.
-extern "C" __global__ void __launch_bounds__(BGS_OP_THREADS)
-    bgs_persistent(const struct bgs_op *ops, int n_ops, unsigned *sync) {
+// [0] the barriers' arrivals, [1] the blocks that have finished. stamps (profiling, may be
+// null): block 0 writes the global timer as it starts each op, and once more at its end.
+extern "C" __global__ void __launch_bounds__(BGS_OP_THREADS, BGS_OP_MIN_BLOCKS)
+    bgs_persistent(const struct bgs_op *ops, int n_ops, unsigned *sync, bgs_u64 *stamps) {
     for (int k = 0; k < n_ops; k++) {
         const struct bgs_op *op = ops + k;
+        if (stamps && blockIdx.x == 0 && threadIdx.x == 0) stamps[k] = bgs_globaltimer();
         if (op->pf_bytes) bgs_prefetch_l2(op->pf_ptr, op->pf_bytes);
         bgs_blk bk;
         bk.gx = (int)op->gx;
@@ -1451,8 +1482,15 @@ extern "C" __global__ void __launch_bounds__(BGS_OP_THREADS)
             // The next virtual block reuses the shared memory this one may still read.
             __syncthreads();
         }
-        if (k + 1 < n_ops) bgs_grid_sync(sync, (unsigned)(k + 1) * gridDim.x);
+        if (k + 1 < n_ops) {
+            // The next record's two lines into L1 while the barrier waits (the table never
+            // changes), so its fields are not an L2 round trip after it.
+            if (threadIdx.x < 2)
+                asm volatile("prefetch.global.L1 [%0];" ::"l"((const char *)(op + 1) + 128 * threadIdx.x));
+            bgs_grid_sync(sync, (unsigned)(k + 1) * gridDim.x);
+        }
     }
+    if (stamps && blockIdx.x == 0 && threadIdx.x == 0) stamps[n_ops] = bgs_globaltimer();
     if (threadIdx.x == 0) {
         // Every block has passed the last barrier before any adds here, so the last one out
         // may zero both words: no block reads them again in this launch.

@@ -318,7 +318,7 @@ pub struct GpuModel {
 }
 
 /// One op list as a persistent table on the device.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct PersistTable {
     /// The bucket (tokens for a body, rows for a head).
     bucket: usize,
@@ -327,6 +327,8 @@ struct PersistTable {
     ops: u32,
     /// Two zeroed u32: the grid barrier's arrivals and the blocks done.
     sync: u64,
+    /// The ops' kernel ids (`persistent::OpRecord::kernel`), for the profile.
+    kernels: Vec<u32>,
 }
 
 /// The persistent form's kernel, tables and graphs.
@@ -1030,6 +1032,7 @@ impl GpuModel {
                         table,
                         ops: recs.len() as u32,
                         sync,
+                        kernels: recs.iter().map(|r| r.kernel).collect(),
                     });
                 }
                 Err(why) => {
@@ -1101,7 +1104,7 @@ impl GpuModel {
         );
         let tables = self.persist.tables.clone();
         for t in &tables {
-            self.launch_persistent(t)?;
+            self.launch_persistent(t, 0)?;
         }
         self.sync("warm-up of the persistent form")?;
         if self.use_graphs {
@@ -1111,7 +1114,7 @@ impl GpuModel {
                     if t.head { "LM head" } else { "step body" },
                     t.bucket
                 );
-                let e = self.capture(&what, |m| m.launch_persistent(t))?;
+                let e = self.capture(&what, |m| m.launch_persistent(t, 0))?;
                 if t.head {
                     self.persist.head_graphs.push((t.bucket, e));
                 } else {
@@ -1124,13 +1127,14 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Enqueue one cooperative launch of `bgs_persistent` over table `t`.
-    fn launch_persistent(&self, t: &PersistTable) -> Result<(), GpuError> {
+    /// Enqueue one cooperative launch of `bgs_persistent` over table `t` (`stamps`: 0, or
+    /// `t.ops + 1` u64 that block 0 fills with the global timer at each op).
+    fn launch_persistent(&self, t: &PersistTable, stamps: u64) -> Result<(), GpuError> {
         let f = self
             .persist
             .func
             .ok_or_else(|| GpuError::Failed("bgs_persistent not loaded".into()))?;
-        let mut cells: [u64; 3] = [t.table, u64::from(t.ops), t.sync];
+        let mut cells: [u64; 4] = [t.table, u64::from(t.ops), t.sync, stamps];
         let mut ptrs: Vec<*mut c_void> = cells
             .iter_mut()
             .map(|c| (c as *mut u64).cast::<c_void>())
@@ -1157,9 +1161,10 @@ impl GpuModel {
             numAttrs: 1,
         };
         ck(
-            // SAFETY: `f` is `bgs_persistent(const bgs_op *, int, unsigned *)`: the table (its
-            // `ops` records uploaded and never freed before the model), the count in the low 4
-            // bytes of its cell, and two zeroed words of the model's; the cells, `config` and
+            // SAFETY: `f` is `bgs_persistent(const bgs_op *, int, unsigned *, u64 *)`: the table
+            // (its `ops` records uploaded and never freed before the model), the count in the
+            // low 4 bytes of its cell, two zeroed words of the model's, and null or `ops + 1`
+            // u64 of the caller's (`profile_persistent`); the cells, `config` and
             // the attribute live through the call; the dynamic shared memory was allowed with
             // cuFuncSetAttribute and the grid fits the device (occupancy).
             unsafe { cu::cuLaunchKernelEx(&config, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) },
@@ -1215,7 +1220,106 @@ impl GpuModel {
             .tables
             .iter()
             .find(|t| t.head == head && t.bucket == bucket)
-            .copied()
+            .cloned()
+    }
+
+    /// Where a persistent step body's time goes: it runs the body over `items` `iters` times
+    /// (uncaptured, after one warm-up) with block 0 stamping the global timer at each op, and
+    /// returns per kernel `(name, ops per step, ms per step)` in order of first appearance.
+    /// An op's time runs from block 0's start of it to its start of the next, so it holds the
+    /// op's slowest block and the barrier after it.
+    pub fn profile_persistent(
+        &mut self,
+        items: &[StepItem<'_>],
+        iters: usize,
+    ) -> Result<Vec<(String, usize, f64)>, GpuModelError> {
+        self.make_current()?;
+        let want: Vec<bool> = items.iter().map(|it| it.sample).collect();
+        let p = self.pack(items, &want)?;
+        let t = self
+            .persist
+            .tables
+            .iter()
+            .find(|t| !t.head && t.bucket == p.bucket)
+            .cloned()
+            .ok_or_else(|| {
+                GpuModelError::Step(format!("bucket {} has no persistent form", p.bucket))
+            })?;
+        let n = t.ops as usize;
+        let stamps = self.alloc((n + 1) * 8, "persistent profile stamps")?;
+        ck(
+            // SAFETY: as in `enqueue_step`.
+            unsafe {
+                cu::cuMemcpyHtoDAsync_v2(self.inputs, self.staging.cast(), p.words * 4, self.stream)
+            },
+            "cuMemcpyHtoDAsync(step inputs)",
+        )?;
+        let mut sums = vec![0f64; n];
+        let mut host = vec![0u64; n + 1];
+        for i in 0..=iters {
+            self.launch_persistent(&t, stamps)?;
+            self.sync("persistent profile")?;
+            ck(
+                // SAFETY: `stamps` holds n + 1 u64 written by the launch; synchronized.
+                unsafe { cu::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), stamps, (n + 1) * 8) },
+                "cuMemcpyDtoH(stamps)",
+            )?;
+            if i > 0 {
+                for (k, s) in sums.iter_mut().enumerate() {
+                    *s += host[k + 1].saturating_sub(host[k]) as f64;
+                }
+            }
+        }
+        let mut out: Vec<(String, usize, f64)> = Vec::new();
+        for (k, ns) in sums.iter().enumerate() {
+            let name = Kernel::ALL
+                .get(t.kernels[k] as usize)
+                .map_or("?", |k| k.name());
+            let ms = ns / iters.max(1) as f64 / 1e6;
+            match out.iter_mut().find(|(n, _, _)| n == name) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.2 += ms;
+                }
+                None => out.push((name.to_string(), 1, ms)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Milliseconds of one launch of `n` ops that do nothing (`persistent::nop_table`): the
+    /// grid barriers' cost at the persistent grid, median of `iters` after a warm-up.
+    pub fn persistent_barrier_ms(&mut self, n: usize, iters: usize) -> Result<f64, GpuModelError> {
+        if self.persist.func.is_none() {
+            return Err(GpuModelError::Step("no persistent form built".into()));
+        }
+        let iters = iters.max(1);
+        self.make_current()?;
+        let recs = persistent::nop_table(n.max(1));
+        let table = self.upload(&persistent::table_bytes(&recs), "persistent nop table")?;
+        let sync = self.alloc(8, "persistent nop barrier")?;
+        let t = PersistTable {
+            bucket: 0,
+            head: false,
+            table,
+            ops: recs.len() as u32,
+            sync,
+            kernels: recs.iter().map(|r| r.kernel).collect(),
+        };
+        self.launch_persistent(&t, 0)?;
+        self.sync("barrier warm-up")?;
+        let events = Events::new(iters + 1)?;
+        events.record(0, self.stream)?;
+        for i in 0..iters {
+            self.launch_persistent(&t, 0)?;
+            events.record(i + 1, self.stream)?;
+        }
+        self.sync("barrier timing")?;
+        let mut v: Vec<f64> = (0..iters)
+            .map(|i| events.elapsed_ms(i, i + 1))
+            .collect::<Result<_, _>>()?;
+        v.sort_by(f64::total_cmp);
+        Ok(v[v.len() / 2])
     }
 
     fn persistent_graph(&self, head: bool, bucket: usize) -> Option<cu::CUgraphExec> {
@@ -1265,12 +1369,12 @@ impl GpuModel {
             }
         } else {
             match self.persistent_table(false, p.bucket) {
-                Some(t) => self.launch_persistent(&t)?,
+                Some(t) => self.launch_persistent(&t, 0)?,
                 None => self.enqueue_body(p.bucket)?,
             }
             if p.sample_bucket > 0 {
                 match self.persistent_table(true, p.sample_bucket) {
-                    Some(t) => self.launch_persistent(&t)?,
+                    Some(t) => self.launch_persistent(&t, 0)?,
                     None => self.enqueue_head(p.sample_bucket)?,
                 }
             }

@@ -33,6 +33,10 @@ pub const THREADS: u32 = 256;
 /// (`bgs_proj_norm_rope_kv`).
 pub const MAX_ARGS: usize = 20;
 
+/// The id of an op that does nothing (`BGS_OP_NOP`): a table of them times the grid
+/// barriers alone.
+pub const NOP_KERNEL: u32 = 0xffff;
+
 /// At most this many bytes of one op's weights are prefetched into L2 (the LM head's hundreds
 /// of megabytes would only evict what the next ops need; the H200's L2 is 60 MiB).
 pub const MAX_PREFETCH_BYTES: u64 = 16 << 20;
@@ -124,6 +128,12 @@ pub fn render_ops_header() -> String {
     for (i, k) in Kernel::ALL.iter().enumerate() {
         define(&mut out, &kernel_id_name(k.name()), i.to_string(), k.name());
     }
+    define(
+        &mut out,
+        "BGS_OP_NOP",
+        NOP_KERNEL.to_string(),
+        "nothing: the barrier alone",
+    );
     out.push('\n');
     emit_struct(&mut out, &op_struct());
     out.push_str("#endif /* BGS_LLM_OPS_H */\n");
@@ -252,6 +262,20 @@ pub(crate) fn encode(
         }
     }
     Ok(out)
+}
+
+/// A table of `n` ops that do nothing, one virtual block each: what the grid barriers cost.
+pub(crate) fn nop_table(n: usize) -> Vec<OpRecord> {
+    vec![
+        OpRecord {
+            kernel: NOP_KERNEL,
+            block: THREADS,
+            gx: 1,
+            gy: 1,
+            ..Default::default()
+        };
+        n
+    ]
 }
 
 /// The table as the bytes to upload (`OpRecord` is plain `repr(C)` integers, little-endian

@@ -784,8 +784,20 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         bw / 1e12,
         a.copy_bytes / 1_000_000
     );
+    let mut barrier = Value::Null;
     if let Some(l) = m.persistent_launch() {
         println!("persistent form: {l}, buckets {:?}", m.persistent_buckets());
+        // What the grid barriers cost alone: a launch of 1 and of 201 ops that do nothing.
+        let one = m.persistent_barrier_ms(1, 50).map_err(|e| e.to_string())?;
+        let many = m
+            .persistent_barrier_ms(201, 50)
+            .map_err(|e| e.to_string())?;
+        let each_us = (many - one) * 1e3 / 200.0;
+        println!(
+            "persistent barriers: a launch of 1 op {one:.4} ms, of 201 ops {many:.4} ms: \
+             {each_us:.2} us a barrier"
+        );
+        barrier = json!({"one_op_ms": one, "ops_201_ms": many, "per_barrier_us": each_us});
     }
     let mut rows = Vec::new();
     println!("| batch | step median ms | p90 ms | tokens/s | floor ms | step / floor |");
@@ -855,6 +867,28 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         } else {
             Vec::new()
         };
+        let persistent_ops = if a.per_op && has_persistent {
+            let ops = m
+                .profile_persistent(&items, a.iters.min(50))
+                .map_err(|e| e.to_string())?;
+            let total: f64 = ops.iter().map(|o| o.2).sum();
+            println!(
+                "  persistent form at batch {b}, per kernel (block 0's op starts, ms per step, \
+                 {total:.4} in all):"
+            );
+            for (name, n, ms) in &ops {
+                println!(
+                    "    {name:<24} x{n:<4} {ms:.4} ms ({:.1}%, {:.2} us each)",
+                    100.0 * ms / total.max(1e-12),
+                    1e3 * ms / *n as f64
+                );
+            }
+            ops.iter()
+                .map(|(name, n, ms)| json!({"op": name, "ops": n, "ms": ms}))
+                .collect::<Vec<_>>()
+        } else {
+            Vec::new()
+        };
         rows.push(json!({
             "batch": b, "context": a.context, "step_ms_median": med, "step_ms_p90": p90,
             "tokens_per_s": tps, "floor_bytes": floor_bytes, "floor_ms": floor_ms,
@@ -862,6 +896,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
             "launched_ms_median": launched_med, "launched_ms_p90": launched_p90,
             "persistent_ms_median": persistent.map(|p| p.0),
             "persistent_ms_p90": persistent.map(|p| p.1),
+            "persistent_per_op": persistent_ops,
         }));
     }
     let prefill = {
@@ -892,6 +927,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "tensor_core_attention": m.tensor_core_attention(),
         "persistent_buckets": m.persistent_buckets(),
         "persistent_launch": m.persistent_launch(),
+        "persistent_barrier": barrier,
         "persistent_prefetch": a.dev.persistent_prefetch,
         "persistent_blocks_per_sm": a.dev.persistent_blocks_per_sm,
         "weight_bytes": m.weight_bytes(),
