@@ -102,8 +102,7 @@ fi
 #     run (with where the persistent step's time goes, per kernel, and what its barriers cost
 #     alone), for the invariant tensor-core form and the fused form (1-2 tokens, the LM head on
 #     the tensor-core GEMM); then variants: kernel defines (BGS_LLM_KERNEL_DEFINES: the
-#     register cap BGS_OP_MIN_BLOCKS, the barrier's form BGS_OP_BARRIER) and flags (blocks per
-#     multiprocessor, L2 prefetch distance).
+#     register cap BGS_OP_MIN_BLOCKS) and flags (blocks per multiprocessor, L2 prefetch).
 if want persistent; then
 pm=${PERSIST_MAX:-64}
 step check-tiny-qwen2-bf16-persistent 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 \
@@ -124,8 +123,7 @@ done
 variants=${PERSIST_VARIANTS:-"regs128-b2|BGS_OP_MIN_BLOCKS=2|--persistent-blocks-per-sm 2
 regs128-b1|BGS_OP_MIN_BLOCKS=2|--persistent-blocks-per-sm 1
 regs85-b3|BGS_OP_MIN_BLOCKS=3|--persistent-blocks-per-sm 3
-fence-barrier|BGS_OP_BARRIER=1|
-no-prefetch||--persistent-prefetch 0"}
+prefetch||--persistent-prefetch 1"}
 while IFS='|' read -r name defs flags; do
   [ -n "$name" ] || continue
   # shellcheck disable=SC2086 # flags are words

@@ -1413,28 +1413,14 @@ __device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_bl
 // barrier's number times the grid). Thread 0's release add publishes the block's writes
 // (ordered before it by the first __syncthreads), its acquire loads make every other block's
 // visible before the second __syncthreads lets the block's threads on.
-// BGS_OP_BARRIER=1 (experiments): a fence, a relaxed add, relaxed polls and a fence after
-// (cooperative groups' form) instead of the release add and acquire polls.
-#ifndef BGS_OP_BARRIER
-#define BGS_OP_BARRIER 0
-#endif
 __device__ __forceinline__ void bgs_grid_sync(unsigned *count, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned seen;
-#if BGS_OP_BARRIER == 1
-        __threadfence();
-        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
-        do {
-            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
-        } while (seen < target);
-        __threadfence();
-#else
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
         do {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
         } while (seen < target);
-#endif
     }
     __syncthreads();
 }

@@ -108,7 +108,7 @@ pub struct GpuModelOptions {
     /// 0 (the default): none.
     pub persistent_max_tokens: usize,
     /// While op i of a persistent step runs, the grid prefetches into L2 the weights of op i +
-    /// this (0: no prefetch).
+    /// this (0, the default: no prefetch; on the H200 it changed nothing, docs/gpu-model.md).
     pub persistent_prefetch_distance: usize,
     /// Blocks of the persistent kernel per multiprocessor (at most what fits; 0: as many as
     /// fit).
@@ -136,7 +136,7 @@ impl Default for GpuModelOptions {
             tensor_core_attention: true,
             device_launch: false,
             persistent_max_tokens: 0,
-            persistent_prefetch_distance: 1,
+            persistent_prefetch_distance: 0,
             persistent_blocks_per_sm: 1,
         }
     }

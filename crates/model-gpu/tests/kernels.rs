@@ -97,7 +97,7 @@ const STUB_PRELUDE: &str = r#"
 #define __shared__ __attribute__((shared))
 #define __forceinline__ __attribute__((always_inline)) inline
 #define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(n) __attribute__((launch_bounds(n)))
+#define __launch_bounds__(...) __attribute__((launch_bounds(__VA_ARGS__)))
 struct bgs_stub_dim3 { unsigned x, y, z; };
 extern __device__ const bgs_stub_dim3 bgs_stub_tid, bgs_stub_bid, bgs_stub_bdim, bgs_stub_gdim;
 #define threadIdx bgs_stub_tid
