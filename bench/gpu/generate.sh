@@ -82,8 +82,10 @@ fi
 # 3. Step times against the memory floor: the defaults (cuBLAS, programmatic dependent
 #    launch, tensor-core attention) at batch 1..512 (384 and 512 are the buckets of a full
 #    256-slot table with prefill riding along), with per-kernel times; every projection on the
-#    tensor-core GEMM (--invariant-gemm: batch-invariant by construction), and buckets of up
-#    to 2 tokens in the fused form (--fused-max-tokens 2). BENCH_FLAGS adds flags to all.
+#    tensor-core GEMM (--invariant-gemm: batch-invariant by construction; SiLU·up is the
+#    gate/up GEMM's epilogue, and once more launched apart with --no-tc-epilogues), and
+#    buckets of up to 2 tokens in the fused form (--fused-max-tokens 2). BENCH_FLAGS adds flags
+#    to all.
 if want bench; then
 bf=${BENCH_FLAGS:-}
 for m in qwen2.5-0.5b smollm2-135m; do
@@ -93,6 +95,9 @@ for m in qwen2.5-0.5b smollm2-135m; do
     --batches 1,2,4,8,16,32,64,128,256,512 --context 128 --invariant-gemm --per-op --json "$work/bench-$m-invariant.json"
   step "bench-$m-fused2" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
     --batches 1,2 --context 128 --fused-max-tokens 2 --json "$work/bench-$m-fused2.json"
+  step "bench-$m-invariant-apart" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
+    --batches 1,2,4,8,16,32,64,128,256,512 --context 128 --invariant-gemm --no-tc-epilogues \
+    --json "$work/bench-$m-invariant-apart.json"
 done
 fi
 
@@ -120,7 +125,7 @@ for m in qwen2.5-0.5b smollm2-135m; do
     --tc-gemm-max-tokens 2 --persistent-max-tokens 2 --batches 1,2 --context 128 --per-op --json "$work/bench-$m-persistent-fused.json"
 done
 # name | kernel defines | bench flags
-variants=${PERSIST_VARIANTS:-"regs128-b2|BGS_OP_MIN_BLOCKS=2|--persistent-blocks-per-sm 2
+variants=${PERSIST_VARIANTS-"regs128-b2|BGS_OP_MIN_BLOCKS=2|--persistent-blocks-per-sm 2
 regs128-b1|BGS_OP_MIN_BLOCKS=2|--persistent-blocks-per-sm 1
 regs85-b3|BGS_OP_MIN_BLOCKS=3|--persistent-blocks-per-sm 3
 prefetch||--persistent-prefetch 1"}

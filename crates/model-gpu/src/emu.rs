@@ -550,6 +550,39 @@ impl Emu {
                 }
                 self.put_f32s(y, &ys);
             }
+            Kernel::GemmTcSilu => {
+                let (w, x, act, inter, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
+                assert_ne!(
+                    self.dtype,
+                    GpuDtype::F32,
+                    "bgs_gemm_tc_silu: 16-bit types only"
+                );
+                assert_eq!(
+                    block as usize,
+                    plan::TC_WARPS * 32,
+                    "bgs_gemm_tc_silu: block"
+                );
+                assert!(
+                    gx * plan::TC_ROWS >= inter,
+                    "bgs_gemm_tc_silu: grid misses rows"
+                );
+                assert!(
+                    gy * plan::TC_TOKENS >= n,
+                    "bgs_gemm_tc_silu: grid misses tokens"
+                );
+                assert_eq!(inp % plan::TC_CHUNK, 0, "bgs_gemm_tc_silu: partial chunk");
+                let xs = self.wts(x, n * inp);
+                let mut o = vec![0f32; n * inter];
+                for i in 0..inter {
+                    let wg = self.wts(w + (i * inp) as u64 * es, inp);
+                    let wu = self.wts(w + ((inter + i) * inp) as u64 * es, inp);
+                    for t in 0..n {
+                        let xt = &xs[t * inp..(t + 1) * inp];
+                        o[t * inter + i] = silu_times(tc_dot(&wg, xt), tc_dot(&wu, xt));
+                    }
+                }
+                self.put_wts(act, &o);
+            }
             Kernel::ProjNormSilu => {
                 let (w, res, nw, eps, act) = (p(0), p(1), p(2), fl(3), p(4));
                 let (inter, inp, n) = (int(5), int(6), int(7));
@@ -745,6 +778,7 @@ pub(crate) struct EmuModel {
     tc_gemm_max_tokens: usize,
     attention_warps: u32,
     tensor_core_attention: bool,
+    tc_epilogues: bool,
 }
 
 impl EmuModel {
@@ -793,7 +827,15 @@ impl EmuModel {
             // As `GpuModelOptions`' default: every test plans tensor-core attention where the
             // model allows it.
             tensor_core_attention: true,
+            tc_epilogues: crate::GpuModelOptions::default().tensor_core_gemm_epilogues,
         }
+    }
+
+    /// SiLU·up folded into the tensor-core gate/up GEMM (as
+    /// `GpuModelOptions::tensor_core_gemm_epilogues`).
+    pub(crate) fn with_tc_epilogues(mut self, on: bool) -> EmuModel {
+        self.tc_epilogues = on;
+        self
     }
 
     /// Split attention across `w` warps (as `GpuModelOptions::attention_warps`).
@@ -841,6 +883,7 @@ impl EmuModel {
             mma_attention: self.tensor_core_attention
                 && plan::mma_attention_shared(&self.cfg, self.dtype, self.attention_warps)
                     .is_some(),
+            tc_epilogues: self.tc_epilogues,
         }
     }
 
@@ -1331,13 +1374,14 @@ mod tests {
     fn tensor_core_gemm_is_planned_where_it_applies() {
         let ops = |m: &EmuModel, body: usize, head: usize| -> (usize, usize) {
             let all = [m.plan().body(body), m.plan().head(head)].concat();
+            // (The gate/up GEMM carries SiLU·up as its epilogue.)
             let tc = all
                 .iter()
                 .filter(|op| {
                     matches!(
                         op,
                         Op::Launch {
-                            kernel: Kernel::GemmTc,
+                            kernel: Kernel::GemmTc | Kernel::GemmTcSilu,
                             ..
                         }
                     )
@@ -1481,6 +1525,46 @@ mod tests {
         }
     }
 
+    /// SiLU·up as the tensor-core gate/up GEMM's epilogue: one launch a layer fewer, the same
+    /// logits as the GEMM and `bgs_silu_mul` apart (bit for bit).
+    #[test]
+    fn tc_silu_epilogue_replaces_the_silu_launch_with_the_same_logits() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let items_for = |toks: &[Vec<u32>]| -> Vec<(Vec<u32>, Vec<u32>)> {
+            toks.iter()
+                .enumerate()
+                .map(|(i, t)| (t.clone(), vec![2 * i as u32, 2 * i as u32 + 1]))
+                .collect()
+        };
+        let prompts = prompts(cfg.vocab_size, &[5, 9, 3]);
+        let data = items_for(&prompts);
+        let items: Vec<StepItem<'_>> = data
+            .iter()
+            .map(|(t, b)| StepItem {
+                tokens: t,
+                pos: 0,
+                blocks: b,
+                sample: true,
+            })
+            .collect();
+        let mut logits = Vec::new();
+        for on in [true, false] {
+            let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 8, 64, 8], true)
+                .with_tc_epilogues(on);
+            let ops = m.plan().body(32);
+            let count = |k: Kernel| {
+                ops.iter()
+                    .filter(|op| matches!(op, Op::Launch { kernel, .. } if *kernel == k))
+                    .count()
+            };
+            let layers = cfg.num_layers;
+            assert_eq!(count(Kernel::GemmTcSilu), if on { layers } else { 0 });
+            assert_eq!(count(Kernel::SiluMul), if on { 0 } else { layers });
+            logits.push(m.step_logits(&items));
+        }
+        assert_eq!(logits[0], logits[1]);
+    }
+
     /// The persistent form takes every op of the own-kernel plans (the invariant tensor-core
     /// form, the fused form, f32's invariant form) at every bucket, refuses the cuBLAS plan,
     /// and its table decodes back to the very ops (each argument in its signature's kind).
@@ -1522,6 +1606,7 @@ mod tests {
                                 op,
                                 Op::Launch {
                                     kernel: Kernel::GemmTc
+                                        | Kernel::GemmTcSilu
                                         | Kernel::Proj
                                         | Kernel::ProjAdd
                                         | Kernel::ProjNormSilu

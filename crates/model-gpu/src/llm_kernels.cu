@@ -1242,13 +1242,25 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
     return v;
 }
 #endif
-__device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, const wt *x, float *y,
-                                             int out, int in, int n) {
 #if BGS_HAVE_MMA
+// One 16-row x BGS_TC_TOKENS tile of y = x · wᵀ (rows r0.. of w's `out`, tokens t0.. of n):
+// the warps' MMA sums, then epi(row, col, s) for every (row, col) of the tile, s the warps'
+// partial sums added in warp order (rows and tokens past the ends included: the epilogue
+// skips them). Every thread of the block takes part; `pdl`: wait on the previous grid after
+// the first weights are in flight (a launch with programmatic dependent launch).
+typedef float bgs_tc_red[16][BGS_TC_TOKENS + 1];
+// The warps' partial sums of a tile: one array for every tc_tile instantiation (a __shared__
+// variable in the template would be one per instantiation).
+__device__ __forceinline__ bgs_tc_red *tc_red() {
     __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
+    return red;
+}
+template <class Epi>
+__device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int r0, int t0, int out, int in,
+                                        int n, bool pdl, Epi epi) {
+    bgs_tc_red *red = tc_red();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, q = lane % 4;
-    const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
     const int chunks = in / 32;
     // Rows past `out` read the last row (never stored).
     const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(r0 + g, out - 1) * in) + q;
@@ -1266,7 +1278,7 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
             a[u][1] = ld_nc16(wb + 4 * c);
         }
     }
-    if (bk.pdl) BGS_PDL_BEGIN();
+    if (pdl) BGS_PDL_BEGIN();
     for (int c0 = warp; c0 < chunks; c0 += BGS_TC_UNROLL * BGS_TC_WARPS) {
         bgs_u4 b[BGS_TC_UNROLL][BGS_TC_TILES];
 #pragma unroll
@@ -1302,7 +1314,9 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
             }
         }
     }
-    // The accumulator fragments: c0, c1 at (row g, tokens 2q, 2q+1), c2, c3 at row g + 8.
+    // The accumulator fragments: c0, c1 at (row g, tokens 2q, 2q+1), c2, c3 at row g + 8. (A
+    // block computing two tiles may still read the previous tile's sums.)
+    __syncthreads();
 #pragma unroll
     for (int j = 0; j < BGS_TC_TILES; j++) {
         red[warp][g][8 * j + 2 * q] = acc[j][0];
@@ -1313,13 +1327,22 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
     __syncthreads();
     for (int e = threadIdx.x; e < 16 * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
         const int row = e % 16, col = e / 16;
-        const int r = r0 + row, t = t0 + col;
-        if (r >= out || t >= n) continue;
         float s = red[0][row][col];
 #pragma unroll
         for (int k = 1; k < BGS_TC_WARPS; k++) s += red[k][row][col];
-        y[(size_t)t * out + r] = s;
+        epi(row, col, s);
     }
+}
+#endif
+
+__device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, const wt *x, float *y,
+                                             int out, int in, int n) {
+#if BGS_HAVE_MMA
+    const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
+    tc_tile(w, x, r0, t0, out, in, n, bk.pdl, [&](int row, int col, float s) {
+        const int r = r0 + row, t = t0 + col;
+        if (r < out && t < n) y[(size_t)t * out + r] = s;
+    });
 #else
     // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
     __trap();
@@ -1327,6 +1350,32 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
 }
 extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int out, int in, int n) {
     gemm_tc_body(BGS_LAUNCH_BLK, w, x, y, out, in, n);
+}
+
+// The gate/up projection with bgs_silu_mul as its epilogue: w is the fused [gate; up] weight
+// (2 * inter rows), act[t][i] = silu(g) * u in `wt` with g and u bgs_gemm_tc's values for rows
+// i and inter + i (the same tiles, so the same bits as bgs_gemm_tc then bgs_silu_mul, without
+// the f32 gate/up activations or a launch). A block takes 16 gate rows, then the same 16 up
+// rows, and up to BGS_TC_TOKENS tokens.
+__device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w, const wt *x,
+                                                  wt *act, int inter, int in, int n) {
+#if BGS_HAVE_MMA
+    __shared__ float gate[16][BGS_TC_TOKENS + 1];
+    const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
+    tc_tile(w, x, r0, t0, inter, in, n, bk.pdl,
+            [&](int row, int col, float s) { gate[row][col] = s; });
+    // tc_tile's barriers order these reads after the writes above.
+    tc_tile(w + (size_t)inter * in, x, r0, t0, inter, in, n, false, [&](int row, int col, float s) {
+        const int i = r0 + row, t = t0 + col;
+        if (i < inter && t < n) act[(size_t)t * inter + i] = silu_times(gate[row][col], s);
+    });
+#else
+    __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
+#endif
+}
+extern "C" __global__ void bgs_gemm_tc_silu(const wt *w, const wt *x, wt *act, int inter, int in,
+                                            int n) {
+    gemm_tc_silu_body(BGS_LAUNCH_BLK, w, x, act, inter, in, n);
 }
 
 // ---- The persistent form: a whole op list in one launch ----
@@ -1401,6 +1450,9 @@ __device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_bl
         break;
     case BGS_OP_GEMM_TC:
         gemm_tc_body(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
+        break;
+    case BGS_OP_GEMM_TC_SILU:
+        gemm_tc_silu_body(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
         break;
     case BGS_OP_NOP:  // measures the barriers alone (GpuModel::persistent_barrier_ms)
         break;

@@ -73,6 +73,10 @@ pub struct GpuModelOptions {
     /// it with cuBLAS for larger buckets changes a request's bits with the batch size; the
     /// invariant option runs it for every bucket.
     pub tensor_core_gemm_max_tokens: usize,
+    /// Where the gate/up projection runs on the tensor-core GEMM, run SiLU·up as its epilogue
+    /// (`bgs_gemm_tc_silu`): the same bits as the GEMM then `bgs_silu_mul`, one launch a layer
+    /// fewer and no f32 gate/up activations. On by default.
+    pub tensor_core_gemm_epilogues: bool,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -131,6 +135,7 @@ impl Default for GpuModelOptions {
             batch_invariant_gemm: false,
             fused_max_tokens: 0,
             tensor_core_gemm_max_tokens: 0,
+            tensor_core_gemm_epilogues: true,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -273,6 +278,9 @@ pub struct GpuModel {
     fused_max_tokens: usize,
     /// Projections over at most this many tokens run `bgs_gemm_tc` (0 before sm_80).
     tc_gemm_max_tokens: usize,
+    /// `tensor_core_gemm_epilogues` (a cell: `set_tc_epilogues` changes it for direct
+    /// launches).
+    tc_epilogues: std::cell::Cell<bool>,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -466,6 +474,7 @@ impl GpuModel {
             } else {
                 0
             },
+            tc_epilogues: std::cell::Cell::new(opts.tensor_core_gemm_epilogues),
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -779,6 +788,7 @@ impl GpuModel {
             sms: self.sms,
             attention_warps: self.attention_warps,
             mma_attention: self.mma_attention,
+            tc_epilogues: self.tc_epilogues.get(),
         }
     }
 
@@ -1173,6 +1183,13 @@ impl GpuModel {
                 t.ops, self.persist.grid
             ),
         )
+    }
+
+    /// Fold SiLU·up into the tensor-core gate/up GEMM (true) or launch them apart (false), for
+    /// the launches made without graphs (the captured graphs keep the option they were built
+    /// with). The same bits either way; the check compares the two.
+    pub fn set_tc_epilogues(&mut self, on: bool) {
+        self.tc_epilogues.set(on);
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),

@@ -158,6 +158,8 @@ fn weights(kernel: Kernel, args: &[Arg], dtype: GpuDtype) -> Option<(u64, u64)> 
         Kernel::GemmTc | Kernel::Proj | Kernel::ProjAdd => (p(0)?, n(3)?, n(4)?),
         // (w, res, nw, eps, act, inter, in, n): gate and up rows.
         Kernel::ProjNormSilu => (p(0)?, 2 * n(5)?, n(6)?),
+        // (w, x, act, inter, in, n): gate and up rows.
+        Kernel::GemmTcSilu => (p(0)?, 2 * n(3)?, n(4)?),
         // (w, res, nw, eps, qkv, bias, pos, slot, inv_freq, cache, heads, kv heads,
         // head_dim, block_size, block_stride, in, n)
         Kernel::ProjNormRopeKv => (p(0)?, (n(10)? + 2 * n(11)?) * n(12)?, n(15)?),
@@ -203,7 +205,8 @@ pub(crate) fn encode(
             | Kernel::ProjAdd
             | Kernel::ProjNormSilu
             | Kernel::ProjNormRopeKv
-            | Kernel::GemmTc => *block == THREADS,
+            | Kernel::GemmTc
+            | Kernel::GemmTcSilu => *block == THREADS,
             Kernel::Embed
             | Kernel::RopeKv
             | Kernel::Attention
@@ -468,6 +471,7 @@ mod tests {
         );
         let h = render_ops_header();
         assert!(h.contains("#define BGS_OP_GEMM_TC 12"), "{h}");
+        assert!(h.contains("#define BGS_OP_GEMM_TC_SILU 13"), "{h}");
         assert!(h.contains("struct bgs_op {"), "{h}");
     }
 }

@@ -49,10 +49,11 @@ pub(crate) enum Kernel {
     ProjNormSilu,
     ProjNormRopeKv,
     GemmTc,
+    GemmTcSilu,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 13] = [
+    pub(crate) const ALL: [Kernel; 14] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -66,6 +67,7 @@ impl Kernel {
         Kernel::ProjNormSilu,
         Kernel::ProjNormRopeKv,
         Kernel::GemmTc,
+        Kernel::GemmTcSilu,
     ];
 
     /// The `extern "C"` name.
@@ -84,6 +86,7 @@ impl Kernel {
             Kernel::ProjNormSilu => "bgs_proj_norm_silu",
             Kernel::ProjNormRopeKv => "bgs_proj_norm_rope_kv",
             Kernel::GemmTc => "bgs_gemm_tc",
+            Kernel::GemmTcSilu => "bgs_gemm_tc_silu",
         }
     }
 }
@@ -420,6 +423,9 @@ pub(crate) struct Plan<'a> {
     /// than a block per (query head, token); the host sets it only where
     /// [`mma_attention_shared`] allows.
     pub mma_attention: bool,
+    /// Where the gate/up projection runs on `bgs_gemm_tc`, fold `bgs_silu_mul` into it
+    /// (`bgs_gemm_tc_silu`: the same bits, one launch and the f32 gate/up activations fewer).
+    pub tc_epilogues: bool,
 }
 
 impl Plan<'_> {
@@ -436,7 +442,7 @@ impl Plan<'_> {
         if self.invariant_gemm {
             return proj_launch(Kernel::Proj, out, n, usize::MAX, 0, &args);
         }
-        if n <= self.tc_gemm_max_tokens && tc_gemm_applies(self.dtype, inp) {
+        if self.tc_gemm(n, inp) {
             return tc_gemm_launch(out, n, &args);
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
@@ -456,6 +462,11 @@ impl Plan<'_> {
             ldc: out as i32,
             what,
         })
+    }
+
+    /// Whether a projection of input width `inp` over `n` tokens runs on `bgs_gemm_tc`.
+    fn tc_gemm(&self, n: usize, inp: usize) -> bool {
+        !self.invariant_gemm && n <= self.tc_gemm_max_tokens && tc_gemm_applies(self.dtype, inp)
     }
 
     /// Whether a bucket of `n` tokens runs the fused form: every bucket with the invariant
@@ -646,18 +657,36 @@ impl Plan<'_> {
             }
             ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));
             ops.push(norm(b.tmp, lw.post_norm));
-            ops.push(self.gemm(lw.gate_up, b.xn, b.gu, [2 * inter, h, n], "gate/up"));
-            ops.push(launch(
-                Kernel::SiluMul,
-                (inter.div_ceil(256) as u32, nu),
-                256,
-                &[
-                    Arg::P(b.gu),
-                    Arg::P(b.act),
-                    Arg::I(inter as i32),
-                    Arg::I(n as i32),
-                ],
-            ));
+            if self.tc_epilogues && self.tc_gemm(n, h) {
+                // gate/up and SiLU·up in one launch (bgs_gemm_tc_silu).
+                ops.push(Op::Launch {
+                    kernel: Kernel::GemmTcSilu,
+                    grid: (inter.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
+                    block: (TC_WARPS * 32) as u32,
+                    shared: 0,
+                    args: vec![
+                        Arg::P(lw.gate_up),
+                        Arg::P(b.xn),
+                        Arg::P(b.act),
+                        Arg::I(inter as i32),
+                        Arg::I(h as i32),
+                        Arg::I(n as i32),
+                    ],
+                });
+            } else {
+                ops.push(self.gemm(lw.gate_up, b.xn, b.gu, [2 * inter, h, n], "gate/up"));
+                ops.push(launch(
+                    Kernel::SiluMul,
+                    (inter.div_ceil(256) as u32, nu),
+                    256,
+                    &[
+                        Arg::P(b.gu),
+                        Arg::P(b.act),
+                        Arg::I(inter as i32),
+                        Arg::I(n as i32),
+                    ],
+                ));
+            }
             ops.push(self.gemm(lw.down, b.act, b.tmp, [h, inter, n], "down_proj"));
             let next_norm = self
                 .w

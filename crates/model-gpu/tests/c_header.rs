@@ -1,31 +1,75 @@
-//! The committed `include/bgs_llm_step.h` must equal what the Rust definitions render, and a
-//! C compiler must accept it (its `_Static_assert`s compare C's geometry struct with Rust's).
+//! The committed `include/bgs_llm_step.h` and `include/bgs_llm_ops.h` must equal what the Rust
+//! definitions render, and a C compiler must accept them (their `_Static_assert`s compare the
+//! C structs with Rust's).
 //!
 //! Regenerate after a layout change: `BGS_BLESS=1 cargo test -p bgs-model-gpu --test c_header`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use bgs_model_gpu::c_header;
+use bgs_model_gpu::{c_header, persistent};
 
 fn include_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../include")
 }
 
-#[test]
-fn committed_llm_step_header_is_current() {
-    let path = include_dir().join(c_header::LLM_STEP_HEADER_NAME);
-    let rendered = c_header::render_llm_step();
+/// `include/<name>` equals `rendered` (with `BGS_BLESS` set: is rewritten to it).
+fn assert_committed(name: &str, rendered: &str) {
+    let path = include_dir().join(name);
     if std::env::var_os("BGS_BLESS").is_some() {
-        std::fs::write(&path, &rendered).unwrap();
+        std::fs::write(&path, rendered).unwrap();
         return;
     }
     let committed = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(
         committed == rendered,
-        "include/{} differs from the header rendered from the Rust definitions; regenerate it \
-         with `BGS_BLESS=1 cargo test -p bgs-model-gpu --test c_header` and commit it",
-        c_header::LLM_STEP_HEADER_NAME
+        "include/{name} differs from the header rendered from the Rust definitions; regenerate \
+         it with `BGS_BLESS=1 cargo test -p bgs-model-gpu --test c_header` and commit it"
+    );
+}
+
+/// Compile `probe` (C11, every warning an error) beside the header `name` rendered as `text`,
+/// run it and return its output; `None` (a notice) without a C compiler outside CI.
+fn compile_and_run(name: &str, text: &str, probe: &str) -> Option<std::process::Output> {
+    let dir = std::env::temp_dir().join(format!("bgs-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(name), text).unwrap();
+    let src = dir.join("probe.c");
+    std::fs::write(&src, probe).unwrap();
+    let exe = dir.join("probe");
+    let out = match Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            assert!(std::env::var_os("CI").is_none(), "cc not found: {e}");
+            println!("NOTICE: no C compiler ({e}); the header check did not run");
+            return None;
+        }
+    };
+    assert!(
+        out.status.success(),
+        "cc rejected the generated {name}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = Command::new(&exe).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    Some(run)
+}
+
+#[test]
+fn committed_llm_step_header_is_current() {
+    assert_committed(c_header::LLM_STEP_HEADER_NAME, &c_header::render_llm_step());
+}
+
+#[test]
+fn committed_ops_header_is_current() {
+    assert_committed(
+        persistent::OPS_HEADER_NAME,
+        &persistent::render_ops_header(),
     );
 }
 
@@ -33,16 +77,9 @@ fn committed_llm_step_header_is_current() {
 /// functions give the Rust geometry's offsets (checked by a program that prints them).
 #[test]
 fn c_compiler_accepts_the_rendered_header_and_agrees_on_offsets() {
-    let dir = std::env::temp_dir().join(format!("bgs-llm-step-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join(c_header::LLM_STEP_HEADER_NAME),
-        c_header::render_llm_step(),
-    )
-    .unwrap();
-    let probe = dir.join("probe.c");
-    std::fs::write(
-        &probe,
+    let Some(run) = compile_and_run(
+        c_header::LLM_STEP_HEADER_NAME,
+        &c_header::render_llm_step(),
         "#include <stdio.h>\n#include \"bgs_llm_step.h\"\n\
          int main(void) {\n\
            struct bgs_llm_step_geometry g = {32u, 4u, 3u, 64u, 4u, 64u};\n\
@@ -52,29 +89,9 @@ fn c_compiler_accepts_the_rendered_header_and_agrees_on_offsets() {
                   bgs_llm_step_bucket(BGS_LLM_STEP_N_BUCKETS - 1u), BGS_LLM_STEP_PAD_SLOT);\n\
            return 0;\n\
          }\n",
-    )
-    .unwrap();
-    let exe = dir.join("probe");
-    let out = match Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-o"])
-        .arg(&exe)
-        .arg(&probe)
-        .output()
-    {
-        Ok(o) => o,
-        Err(e) => {
-            assert!(std::env::var_os("CI").is_none(), "cc not found: {e}");
-            println!("NOTICE: no C compiler ({e}); the header check did not run");
-            return;
-        }
+    ) else {
+        return;
     };
-    assert!(
-        out.status.success(),
-        "cc rejected the generated step header:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let run = Command::new(&exe).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
     let g = bgs_model_gpu::StepGeometry {
         max_tokens: 32,
         max_samples: 4,
@@ -99,63 +116,21 @@ fn c_compiler_accepts_the_rendered_header_and_agrees_on_offsets() {
     assert_eq!(String::from_utf8_lossy(&run.stdout), want);
 }
 
-#[test]
-fn committed_ops_header_is_current() {
-    use bgs_model_gpu::persistent;
-    let path = include_dir().join(persistent::OPS_HEADER_NAME);
-    let rendered = persistent::render_ops_header();
-    if std::env::var_os("BGS_BLESS").is_some() {
-        std::fs::write(&path, &rendered).unwrap();
-        return;
-    }
-    let committed = std::fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        committed == rendered,
-        "include/{} differs from the header rendered from the Rust definitions; regenerate it \
-         with `BGS_BLESS=1 cargo test -p bgs-model-gpu --test c_header` and commit it",
-        persistent::OPS_HEADER_NAME
-    );
-}
-
 /// The ops header compiles as C11 with its static asserts on (struct bgs_op's size and every
-/// field offset against the Rust record).
+/// field offset against the Rust record), and C's size is the record's.
 #[test]
 fn c_compiler_accepts_the_rendered_ops_header() {
-    use bgs_model_gpu::persistent;
-    let dir = std::env::temp_dir().join(format!("bgs-llm-ops-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join(persistent::OPS_HEADER_NAME),
-        persistent::render_ops_header(),
-    )
-    .unwrap();
-    let probe = dir.join("probe.c");
-    std::fs::write(
-        &probe,
-        "#include \"bgs_llm_ops.h\"\n\
-         int main(void) { return (int)(sizeof(struct bgs_op) != 200u) + BGS_OP_EMBED; }\n",
-    )
-    .unwrap();
-    let exe = dir.join("probe");
-    let out = match Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-o"])
-        .arg(&exe)
-        .arg(&probe)
-        .output()
-    {
-        Ok(o) => o,
-        Err(e) => {
-            assert!(std::env::var_os("CI").is_none(), "cc not found: {e}");
-            println!("NOTICE: no C compiler ({e}); the header check did not run");
-            return;
-        }
+    let Some(run) = compile_and_run(
+        persistent::OPS_HEADER_NAME,
+        &persistent::render_ops_header(),
+        "#include <stdio.h>\n#include \"bgs_llm_ops.h\"\n\
+         int main(void) { printf(\"%u %u\\n\", (unsigned)sizeof(struct bgs_op), BGS_OP_NOP); \
+         return 0; }\n",
+    ) else {
+        return;
     };
-    assert!(
-        out.status.success(),
-        "cc rejected the generated ops header:\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    assert_eq!(
+        String::from_utf8_lossy(&run.stdout),
+        format!("{} {}\n", persistent::RECORD_BYTES, persistent::NOP_KERNEL)
     );
-    let run = Command::new(&exe).status().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(run.code(), Some(0), "sizeof(struct bgs_op) is not 200 in C");
 }

@@ -21,7 +21,7 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 14] = [
+const ENTRY_POINTS: [&str; 15] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -35,6 +35,7 @@ const ENTRY_POINTS: [&str; 14] = [
     "bgs_proj_norm_silu",
     "bgs_proj_norm_rope_kv",
     "bgs_gemm_tc",
+    "bgs_gemm_tc_silu",
     "bgs_persistent",
 ];
 

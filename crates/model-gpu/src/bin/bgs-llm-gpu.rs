@@ -82,6 +82,10 @@ struct DeviceArgs {
     /// models) instead of cuBLAS (0: cuBLAS for every projection).
     #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_gemm_max_tokens)]
     tc_gemm_max_tokens: usize,
+    /// Launch the tensor-core gate/up GEMM and SiLU·up apart (by default SiLU·up is the GEMM's
+    /// epilogue, `bgs_gemm_tc_silu`; the check compares the two).
+    #[arg(long)]
+    no_tc_epilogues: bool,
     /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
     no_pdl: bool,
@@ -199,6 +203,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         batch_invariant_gemm: dev.invariant_gemm,
         fused_max_tokens: dev.fused_max_tokens,
         tensor_core_gemm_max_tokens: dev.tc_gemm_max_tokens,
+        tensor_core_gemm_epilogues: !dev.no_tc_epilogues,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
@@ -449,6 +454,41 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             results.push(j);
         }
 
+        // (g) SiLU·up as the tensor-core gate/up GEMM's epilogue against the two launches
+        //     apart, same prefill (direct launches): the same bits.
+        {
+            let graphs = gpu.uses_graphs();
+            gpu.set_use_graphs(false).map_err(|e| e.to_string())?;
+            gpu.set_tc_epilogues(false);
+            let apart = gpu.step_logits(&items).map_err(|e| e.to_string());
+            gpu.set_tc_epilogues(true);
+            let folded = gpu.step_logits(&items).map_err(|e| e.to_string());
+            gpu.set_tc_epilogues(!a.dev.no_tc_epilogues);
+            gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
+            let (apart, folded) = (apart?, folded?);
+            let bitwise = apart.len() == folded.len()
+                && apart
+                    .iter()
+                    .zip(&folded)
+                    .all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+            let d = compare_logits(&apart, &folded, tol);
+            ok &= bitwise;
+            println!(
+                "[{}] SiLU·up folded into the tensor-core gate/up GEMM vs launched apart, same \
+                 prefill: {} ({})",
+                if bitwise { "PASS" } else { "FAIL" },
+                d.describe(tol, "apart", "folded"),
+                if bitwise {
+                    "bitwise equal"
+                } else {
+                    "NOT bitwise equal"
+                },
+            );
+            let mut j = d.json("tc_silu_epilogue", bitwise, tol);
+            j["bitwise_equal"] = json!(bitwise);
+            results.push(j);
+        }
+
         // (e) Attention on tensor cores against per-head blocks, same prefill (the same
         //     splits and softmax; the products' sums round differently).
         if gpu.set_tensor_core_attention(true) {
@@ -605,6 +645,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "model": name, "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
+        "tc_epilogues": !a.dev.no_tc_epilogues,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": gpu.tensor_core_attention(),
         "persistent_buckets": gpu.persistent_buckets(),
@@ -716,6 +757,23 @@ fn argmax(v: &[f32]) -> usize {
         }
     }
     best
+}
+
+/// Print a step's time per operation (`(name, count, ms per step)`) under `title` and return
+/// it as JSON rows.
+fn print_ops(title: &str, ops: &[(String, usize, f64)]) -> Vec<Value> {
+    let total: f64 = ops.iter().map(|o| o.2).sum();
+    println!("  {title} ms per step, {total:.4} in all):");
+    for (name, n, ms) in ops {
+        println!(
+            "    {name:<24} x{n:<4} {ms:.4} ms ({:.1}%, {:.2} us each)",
+            100.0 * ms / total.max(1e-12),
+            1e3 * ms / *n as f64
+        );
+    }
+    ops.iter()
+        .map(|(name, n, ms)| json!({"op": name, "launches": n, "ms": ms}))
+        .collect()
 }
 
 /// The token-count bucket a step of `n` tokens runs in.
@@ -852,18 +910,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
             let ops = m
                 .profile_ops(&items, a.iters.min(50))
                 .map_err(|e| e.to_string())?;
-            let total: f64 = ops.iter().map(|o| o.2).sum();
-            println!("  per operation at batch {b} (device ms per step, {total:.4} in all):");
-            for (name, n, ms) in &ops {
-                println!(
-                    "    {name:<24} x{n:<4} {ms:.4} ms ({:.1}%, {:.2} us each)",
-                    100.0 * ms / total.max(1e-12),
-                    1e3 * ms / *n as f64
-                );
-            }
-            ops.iter()
-                .map(|(name, n, ms)| json!({"op": name, "launches": n, "ms": ms}))
-                .collect::<Vec<_>>()
+            print_ops(&format!("per operation at batch {b} (device"), &ops)
         } else {
             Vec::new()
         };
@@ -871,21 +918,10 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
             let ops = m
                 .profile_persistent(&items, a.iters.min(50))
                 .map_err(|e| e.to_string())?;
-            let total: f64 = ops.iter().map(|o| o.2).sum();
-            println!(
-                "  persistent form at batch {b}, per kernel (block 0's op starts, ms per step, \
-                 {total:.4} in all):"
-            );
-            for (name, n, ms) in &ops {
-                println!(
-                    "    {name:<24} x{n:<4} {ms:.4} ms ({:.1}%, {:.2} us each)",
-                    100.0 * ms / total.max(1e-12),
-                    1e3 * ms / *n as f64
-                );
-            }
-            ops.iter()
-                .map(|(name, n, ms)| json!({"op": name, "ops": n, "ms": ms}))
-                .collect::<Vec<_>>()
+            print_ops(
+                &format!("persistent form at batch {b}, per kernel (block 0's op starts,"),
+                &ops,
+            )
         } else {
             Vec::new()
         };
@@ -923,6 +959,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "arch": a.arch.name(), "dtype": a.dtype.name(), "device": dev_name,
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
+        "tc_epilogues": !a.dev.no_tc_epilogues,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": m.tensor_core_attention(),
         "persistent_buckets": m.persistent_buckets(),
