@@ -559,7 +559,7 @@ impl Emu {
                 );
                 assert_eq!(
                     block as usize,
-                    plan::TC_WARPS * 32,
+                    2 * plan::TC_WARPS * 32,
                     "bgs_gemm_tc_silu: block"
                 );
                 assert!(
@@ -1579,7 +1579,10 @@ mod tests {
             (SynthArch::TinyQwen2, GpuDtype::F16, false, 8),
         ] {
             let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
-            let mut m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv).with_attention_warps(4);
+            // SiLU·up apart from the gate/up GEMM, as `GpuModel` builds its tables.
+            let mut m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv)
+                .with_attention_warps(4)
+                .with_tc_epilogues(false);
             if fused > 0 {
                 m = m.with_fused_max_tokens(fused).with_tc_gemm_max_tokens(8);
             }
@@ -1624,6 +1627,11 @@ mod tests {
         let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 8, 64, 8], false);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(e.contains("cuBLAS GEMM (qkv)"), "{e}");
+        // The folded SiLU·up GEMM takes two warp groups: not a persistent block.
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 1, DType::F32);
+        let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 8, 64, 8], true);
+        let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
+        assert!(e.contains("bgs_gemm_tc_silu"), "{e}");
     }
 
     #[test]

@@ -1249,17 +1249,25 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
 // skips them). Every thread of the block takes part; `pdl`: wait on the previous grid after
 // the first weights are in flight (a launch with programmatic dependent launch).
 typedef float bgs_tc_red[16][BGS_TC_TOKENS + 1];
-// The warps' partial sums of a tile: one array for every tc_tile instantiation (a __shared__
-// variable in the template would be one per instantiation).
-__device__ __forceinline__ bgs_tc_red *tc_red() {
+// The warps' partial sums of a tile, one array per warp group G (a __shared__ variable in the
+// template itself would be one per instantiation, epilogue included).
+__device__ __forceinline__ bgs_tc_red *tc_red0() {
     __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
     return red;
 }
-template <class Epi>
+__device__ __forceinline__ bgs_tc_red *tc_red1() {
+    __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
+    return red;
+}
+// G: which group of BGS_TC_WARPS warps of the block computes the tile (threads G * 256 ..);
+// it synchronizes with named barrier 1 + G of its own threads only, so two groups can compute
+// two tiles side by side (bgs_gemm_tc_silu).
+template <int G, class Epi>
 __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int r0, int t0, int out, int in,
                                         int n, bool pdl, Epi epi) {
-    bgs_tc_red *red = tc_red();
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    bgs_tc_red *red = G ? tc_red1() : tc_red0();
+    const int tid = threadIdx.x - G * BGS_TC_WARPS * 32;
+    const int lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
     const int chunks = in / 32;
     // Rows past `out` read the last row (never stored).
@@ -1314,9 +1322,7 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int r0, int t0
             }
         }
     }
-    // The accumulator fragments: c0, c1 at (row g, tokens 2q, 2q+1), c2, c3 at row g + 8. (A
-    // block computing two tiles may still read the previous tile's sums.)
-    __syncthreads();
+    // The accumulator fragments: c0, c1 at (row g, tokens 2q, 2q+1), c2, c3 at row g + 8.
 #pragma unroll
     for (int j = 0; j < BGS_TC_TILES; j++) {
         red[warp][g][8 * j + 2 * q] = acc[j][0];
@@ -1324,8 +1330,8 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int r0, int t0
         red[warp][g + 8][8 * j + 2 * q] = acc[j][2];
         red[warp][g + 8][8 * j + 2 * q + 1] = acc[j][3];
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < 16 * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + G), "r"(BGS_TC_WARPS * 32) : "memory");
+    for (int e = tid; e < 16 * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
         const int row = e % 16, col = e / 16;
         float s = red[0][row][col];
 #pragma unroll
@@ -1339,7 +1345,7 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
                                              int out, int in, int n) {
 #if BGS_HAVE_MMA
     const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
-    tc_tile(w, x, r0, t0, out, in, n, bk.pdl, [&](int row, int col, float s) {
+    tc_tile<0>(w, x, r0, t0, out, in, n, bk.pdl, [&](int row, int col, float s) {
         const int r = r0 + row, t = t0 + col;
         if (r < out && t < n) y[(size_t)t * out + r] = s;
     });
@@ -1355,20 +1361,26 @@ extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int o
 // The gate/up projection with bgs_silu_mul as its epilogue: w is the fused [gate; up] weight
 // (2 * inter rows), act[t][i] = silu(g) * u in `wt` with g and u bgs_gemm_tc's values for rows
 // i and inter + i (the same tiles, so the same bits as bgs_gemm_tc then bgs_silu_mul, without
-// the f32 gate/up activations or a launch). A block takes 16 gate rows, then the same 16 up
-// rows, and up to BGS_TC_TOKENS tokens.
+// the f32 gate/up activations or a launch). A block of twice bgs_gemm_tc's warps: the first
+// group computes 16 gate rows while the second computes the same 16 up rows, for up to
+// BGS_TC_TOKENS tokens.
 __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w, const wt *x,
                                                   wt *act, int inter, int in, int n) {
 #if BGS_HAVE_MMA
-    __shared__ float gate[16][BGS_TC_TOKENS + 1];
+    __shared__ float gate[16][BGS_TC_TOKENS + 1], up[16][BGS_TC_TOKENS + 1];
     const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
-    tc_tile(w, x, r0, t0, inter, in, n, bk.pdl,
-            [&](int row, int col, float s) { gate[row][col] = s; });
-    // tc_tile's barriers order these reads after the writes above.
-    tc_tile(w + (size_t)inter * in, x, r0, t0, inter, in, n, false, [&](int row, int col, float s) {
+    if ((int)threadIdx.x < BGS_TC_WARPS * 32)
+        tc_tile<0>(w, x, r0, t0, inter, in, n, bk.pdl,
+                   [&](int row, int col, float s) { gate[row][col] = s; });
+    else
+        tc_tile<1>(w + (size_t)inter * in, x, r0, t0, inter, in, n, bk.pdl,
+                   [&](int row, int col, float s) { up[row][col] = s; });
+    __syncthreads();
+    for (int e = threadIdx.x; e < 16 * BGS_TC_TOKENS; e += 2 * BGS_TC_WARPS * 32) {
+        const int row = e % 16, col = e / 16;
         const int i = r0 + row, t = t0 + col;
-        if (i < inter && t < n) act[(size_t)t * inter + i] = silu_times(gate[row][col], s);
-    });
+        if (i < inter && t < n) act[(size_t)t * inter + i] = silu_times(gate[row][col], up[row][col]);
+    }
 #else
     __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
 #endif

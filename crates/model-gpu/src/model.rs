@@ -1018,12 +1018,16 @@ impl GpuModel {
             tracing::info!("persistent form off: the step graphs are launched from the device");
             return Ok(());
         }
+        // SiLU·up launched apart from the gate/up GEMM: its folded kernel takes two warp
+        // groups, more than a persistent block, and the two give the same bits.
+        let mut plan = self.plan();
+        plan.tc_epilogues = false;
         let mut lists = Vec::new();
         for &n in tb.iter().filter(|&&n| n <= max) {
-            lists.push((n, false, self.plan().body(n)));
+            lists.push((n, false, plan.body(n)));
         }
         for &n in sb.iter().filter(|&&n| n <= max) {
-            lists.push((n, true, self.plan().head(n)));
+            lists.push((n, true, plan.head(n)));
         }
         let mut shared = 0u32;
         for (bucket, head, ops) in lists {

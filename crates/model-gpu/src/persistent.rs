@@ -205,8 +205,10 @@ pub(crate) fn encode(
             | Kernel::ProjAdd
             | Kernel::ProjNormSilu
             | Kernel::ProjNormRopeKv
-            | Kernel::GemmTc
-            | Kernel::GemmTcSilu => *block == THREADS,
+            | Kernel::GemmTc => *block == THREADS,
+            // Two 256-thread warp groups: more than a persistent block (the persistent tables
+            // are built with the epilogue apart, the same bits).
+            Kernel::GemmTcSilu => false,
             Kernel::Embed
             | Kernel::RopeKv
             | Kernel::Attention

@@ -662,7 +662,8 @@ impl Plan<'_> {
                 ops.push(Op::Launch {
                     kernel: Kernel::GemmTcSilu,
                     grid: (inter.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
-                    block: (TC_WARPS * 32) as u32,
+                    // Two warp groups: the gate tile and the up tile side by side.
+                    block: (2 * TC_WARPS * 32) as u32,
                     shared: 0,
                     args: vec![
                         Arg::P(lw.gate_up),
