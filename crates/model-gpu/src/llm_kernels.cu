@@ -1463,9 +1463,8 @@ __device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_bl
     case BGS_OP_GEMM_TC:
         gemm_tc_body(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
         break;
-    case BGS_OP_GEMM_TC_SILU:
-        gemm_tc_silu_body(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
-        break;
+    // (BGS_OP_GEMM_TC_SILU takes two warp groups, more than a persistent block: never
+    // encoded, `persistent::encode` refuses it.)
     case BGS_OP_NOP:  // measures the barriers alone (GpuModel::persistent_barrier_ms)
         break;
     default:
