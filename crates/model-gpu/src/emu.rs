@@ -1461,12 +1461,21 @@ mod tests {
         check_arch(SynthArch::TinyLlama, GpuDtype::F16, 5e-2, false, false);
     }
 
-    /// The parameter types of `name`'s C signature in the kernel source: 'P' pointer, 'I'
-    /// int, 'F' float, 'L' long long.
+    /// The parameter types of `name`'s C signature in the kernel source (the `extern "C"
+    /// __global__` declaration, launch bounds or not): 'P' pointer, 'I' int, 'F' float, 'L'
+    /// long long.
     fn signature(name: &str) -> Vec<char> {
         let src = crate::KERNEL_SOURCE;
+        let call = format!("{name}(");
         let start = src
-            .find(&format!("void {name}("))
+            .match_indices("extern \"C\" __global__")
+            .filter_map(|(at, _)| {
+                let decl = &src[at..at + src[at..].find('{')?];
+                let i = decl.find(&call)?;
+                // The name itself, not a longer one ending in it.
+                decl[..i].ends_with(char::is_whitespace).then_some(at + i)
+            })
+            .next()
             .unwrap_or_else(|| panic!("{name} not in the kernel source"));
         let open = start + src[start..].find('(').unwrap();
         let close = open + src[open..].find(')').unwrap();

@@ -1385,8 +1385,9 @@ __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w
     __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
 #endif
 }
-extern "C" __global__ void bgs_gemm_tc_silu(const wt *w, const wt *x, wt *act, int inter, int in,
-                                            int n) {
+// 512 threads: at most 128 registers a thread, or the launch runs out of them.
+extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)
+    bgs_gemm_tc_silu(const wt *w, const wt *x, wt *act, int inter, int in, int n) {
     gemm_tc_silu_body(BGS_LAUNCH_BLK, w, x, act, inter, in, n);
 }
 
