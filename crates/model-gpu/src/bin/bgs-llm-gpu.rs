@@ -466,11 +466,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             gpu.set_tc_epilogues(!a.dev.no_tc_epilogues);
             gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
             let (apart, folded) = (apart?, folded?);
-            let bitwise = apart.len() == folded.len()
-                && apart
-                    .iter()
-                    .zip(&folded)
-                    .all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+            let bitwise = bitwise_equal(&apart, &folded);
             let d = compare_logits(&apart, &folded, tol);
             ok &= bitwise;
             println!(
@@ -541,11 +537,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         let persistent = gpu.step_logits(&items).map_err(|e| e.to_string())?;
         let launched = launched?;
         let d = compare_logits(&launched, &persistent, tol);
-        let bitwise = launched.len() == persistent.len()
-            && launched
-                .iter()
-                .zip(&persistent)
-                .all(|(x, y)| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+        let bitwise = bitwise_equal(&launched, &persistent);
         ok &= bitwise;
         println!(
             "[{}] persistent form vs launched ops, decode step of {b}: {} ({})",
@@ -757,6 +749,15 @@ fn argmax(v: &[f32]) -> usize {
         }
     }
     best
+}
+
+/// Whether two sets of logits are the same bits (rows and lengths included; a NaN equals
+/// only the same NaN).
+fn bitwise_equal(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+        })
 }
 
 /// Print a step's time per operation (`(name, count, ms per step)`) under `title` and return
