@@ -72,8 +72,8 @@ pub fn attention_mma_built(major: i32, dtype: GpuDtype, head_dim: usize) -> bool
     major >= 8 && plan::mma_form_covers(dtype, head_dim)
 }
 
-/// The kernel cache key: a 128-bit hash of the source and its header, options, device name and the driver
-/// and NVRTC versions.
+/// The kernel cache key: a 128-bit hash of the source and its header, options, device name
+/// and the driver and NVRTC versions.
 pub fn cache_key(options: &[String], device: &str, versions: &str) -> String {
     let opts = options.join("\u{1}");
     let parts: [&[u8]; 6] = [

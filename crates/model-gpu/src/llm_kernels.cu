@@ -1533,10 +1533,14 @@ extern "C" __global__ void __launch_bounds__(BGS_OP_THREADS, BGS_OP_MIN_BLOCKS)
             __syncthreads();
         }
         if (k + 1 < n_ops) {
-            // The next record's two lines into L1 while the barrier waits (the table never
-            // changes), so its fields are not an L2 round trip after it.
-            if (threadIdx.x < 2)
-                asm volatile("prefetch.global.L1 [%0];" ::"l"((const char *)(op + 1) + 128 * threadIdx.x));
+            // The next record's lines into L1 while the barrier waits (the table never
+            // changes), so its fields are not an L2 round trip after it: a record of 200 bytes
+            // at any 8-byte offset touches at most 3 lines, each holding one of bytes 0, 128
+            // and its last.
+            if (threadIdx.x < 3) {
+                const unsigned at = threadIdx.x < 2 ? 128u * threadIdx.x : sizeof(struct bgs_op) - 1u;
+                asm volatile("prefetch.global.L1 [%0];" ::"l"((const char *)(op + 1) + at));
+            }
             bgs_grid_sync(sync, (unsigned)(k + 1) * gridDim.x);
         }
     }

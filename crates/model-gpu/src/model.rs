@@ -357,6 +357,10 @@ struct Persist {
     tables: Vec<PersistTable>,
     body_graphs: Vec<(usize, cu::CUgraphExec)>,
     head_graphs: Vec<(usize, cu::CUgraphExec)>,
+    /// `profile_persistent`'s timer stamps: one u64 per op of the longest table, and one more.
+    stamps: u64,
+    /// `persistent_barrier_ms`'s tables of no-op ops, by length (made on first use).
+    nop_tables: Vec<PersistTable>,
 }
 
 // SAFETY: the model owns its context, stream, handles and memory exclusively; every method
@@ -1089,11 +1093,15 @@ impl GpuModel {
         )?;
         if fit < 1 {
             return Err(GpuModelError::Config(format!(
-                "bgs_persistent does not fit a multiprocessor ({} bytes of dynamic shared                  memory, {} registers a thread)",
+                "bgs_persistent does not fit a multiprocessor ({} bytes of dynamic shared \
+                 memory, {} registers a thread)",
                 shared,
                 attr(REGS, "cuFuncGetAttribute(bgs_persistent, registers)")?
             )));
         }
+        let longest = self.persist.tables.iter().map(|t| t.ops as usize).max();
+        self.persist.stamps =
+            self.alloc((longest.unwrap_or(0) + 1) * 8, "persistent profile stamps")?;
         let per_sm = match self.persist.blocks_per_sm {
             0 => fit as u32,
             n => n.min(fit as u32),
@@ -1233,7 +1241,7 @@ impl GpuModel {
     }
 
     /// The persistent table for a body (`head` false) or head bucket, when it is on.
-    fn persistent_table(&self, head: bool, bucket: usize) -> Option<PersistTable> {
+    fn persistent_table(&self, head: bool, bucket: usize) -> Option<&PersistTable> {
         if !self.persist.on.get() {
             return None;
         }
@@ -1241,7 +1249,6 @@ impl GpuModel {
             .tables
             .iter()
             .find(|t| t.head == head && t.bucket == bucket)
-            .cloned()
     }
 
     /// Where a persistent step body's time goes: it runs the body over `items` `iters` times
@@ -1267,7 +1274,7 @@ impl GpuModel {
                 GpuModelError::Step(format!("bucket {} has no persistent form", p.bucket))
             })?;
         let n = t.ops as usize;
-        let stamps = self.alloc((n + 1) * 8, "persistent profile stamps")?;
+        let stamps = self.persist.stamps;
         ck(
             // SAFETY: as in `enqueue_step`.
             unsafe {
@@ -1315,17 +1322,25 @@ impl GpuModel {
             return Err(GpuModelError::Step("no persistent form built".into()));
         }
         let iters = iters.max(1);
+        let n = n.max(1);
         self.make_current()?;
-        let recs = persistent::nop_table(n.max(1));
-        let table = self.upload(&persistent::table_bytes(&recs), "persistent nop table")?;
-        let sync = self.alloc(8, "persistent nop barrier")?;
-        let t = PersistTable {
-            bucket: 0,
-            head: false,
-            table,
-            ops: recs.len() as u32,
-            sync,
-            kernels: recs.iter().map(|r| r.kernel).collect(),
+        let t = match self.persist.nop_tables.iter().find(|t| t.ops as usize == n) {
+            Some(t) => t.clone(),
+            None => {
+                let recs = persistent::nop_table(n);
+                let table = self.upload(&persistent::table_bytes(&recs), "persistent nop table")?;
+                let sync = self.alloc(8, "persistent nop barrier")?;
+                let t = PersistTable {
+                    bucket: 0,
+                    head: false,
+                    table,
+                    ops: recs.len() as u32,
+                    sync,
+                    kernels: recs.iter().map(|r| r.kernel).collect(),
+                };
+                self.persist.nop_tables.push(t.clone());
+                t
+            }
         };
         self.launch_persistent(&t, 0)?;
         self.sync("barrier warm-up")?;
@@ -1390,12 +1405,12 @@ impl GpuModel {
             }
         } else {
             match self.persistent_table(false, p.bucket) {
-                Some(t) => self.launch_persistent(&t, 0)?,
+                Some(t) => self.launch_persistent(t, 0)?,
                 None => self.enqueue_body(p.bucket)?,
             }
             if p.sample_bucket > 0 {
                 match self.persistent_table(true, p.sample_bucket) {
-                    Some(t) => self.launch_persistent(&t, 0)?,
+                    Some(t) => self.launch_persistent(t, 0)?,
                     None => self.enqueue_head(p.sample_bucket)?,
                 }
             }

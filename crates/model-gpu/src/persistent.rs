@@ -179,20 +179,21 @@ pub(crate) fn encode(
 ) -> Result<Vec<OpRecord>, String> {
     let mut out = Vec::with_capacity(ops.len());
     for (i, op) in ops.iter().enumerate() {
-        let Op::Launch {
-            kernel,
-            grid,
-            block,
-            shared,
-            args,
-        } = op
-        else {
-            let Op::Gemm(g) = op else { unreachable!() };
-            return Err(format!(
-                "op {i} is a cuBLAS GEMM ({}): the persistent form runs only the crate's \
-                 kernels (batch_invariant_gemm or the tensor-core GEMM for the bucket)",
-                g.what
-            ));
+        let (kernel, grid, block, shared, args) = match op {
+            Op::Launch {
+                kernel,
+                grid,
+                block,
+                shared,
+                args,
+            } => (kernel, grid, block, shared, args),
+            Op::Gemm(g) => {
+                return Err(format!(
+                    "op {i} is a cuBLAS GEMM ({}): the persistent form runs only the crate's \
+                     kernels (batch_invariant_gemm or the tensor-core GEMM for the bucket)",
+                    g.what
+                ));
+            }
         };
         let k = *kernel;
         // The bodies that synchronize their block with __syncthreads need the whole

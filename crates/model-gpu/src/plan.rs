@@ -359,10 +359,16 @@ pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
 /// A `bgs_gemm_tc` launch over `out` rows and `n` tokens with its parameters `args` (w, x, y,
 /// out, in, n).
 pub(crate) fn tc_gemm_launch(out: usize, n: usize, args: &[Arg]) -> Op {
+    tc_tiles_launch(Kernel::GemmTc, 1, out, n, args)
+}
+
+/// A launch of a tensor-core GEMM kernel over tiles of 16 of `rows` and `TC_TOKENS` of `n`
+/// tokens, `groups` warp groups a block (each one `bgs_gemm_tc` block's warps).
+fn tc_tiles_launch(kernel: Kernel, groups: usize, rows: usize, n: usize, args: &[Arg]) -> Op {
     Op::Launch {
-        kernel: Kernel::GemmTc,
-        grid: (out.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
-        block: (TC_WARPS * 32) as u32,
+        kernel,
+        grid: (rows.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
+        block: (groups * TC_WARPS * 32) as u32,
         shared: 0,
         args: args.to_vec(),
     }
@@ -658,14 +664,14 @@ impl Plan<'_> {
             ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));
             ops.push(norm(b.tmp, lw.post_norm));
             if self.tc_epilogues && self.tc_gemm(n, h) {
-                // gate/up and SiLU·up in one launch (bgs_gemm_tc_silu).
-                ops.push(Op::Launch {
-                    kernel: Kernel::GemmTcSilu,
-                    grid: (inter.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
-                    // Two warp groups: the gate tile and the up tile side by side.
-                    block: (2 * TC_WARPS * 32) as u32,
-                    shared: 0,
-                    args: vec![
+                // gate/up and SiLU·up in one launch (bgs_gemm_tc_silu): two warp groups, the
+                // gate tile and the up tile side by side.
+                ops.push(tc_tiles_launch(
+                    Kernel::GemmTcSilu,
+                    2,
+                    inter,
+                    n,
+                    &[
                         Arg::P(lw.gate_up),
                         Arg::P(b.xn),
                         Arg::P(b.act),
@@ -673,7 +679,7 @@ impl Plan<'_> {
                         Arg::I(h as i32),
                         Arg::I(n as i32),
                     ],
-                });
+                ));
             } else {
                 ops.push(self.gemm(lw.gate_up, b.xn, b.gu, [2 * inter, h, n], "gate/up"));
                 ops.push(launch(

@@ -760,11 +760,11 @@ fn bitwise_equal(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
         })
 }
 
-/// Print a step's time per operation (`(name, count, ms per step)`) under `title` and return
-/// it as JSON rows.
-fn print_ops(title: &str, ops: &[(String, usize, f64)]) -> Vec<Value> {
+/// Print a step's time per operation (`(name, count, ms per step)`) under `title`, timed as
+/// `basis` says, and return it as JSON rows.
+fn print_ops(title: &str, basis: &str, ops: &[(String, usize, f64)]) -> Vec<Value> {
     let total: f64 = ops.iter().map(|o| o.2).sum();
-    println!("  {title} ms per step, {total:.4} in all):");
+    println!("  {title} ({basis} ms per step, {total:.4} in all):");
     for (name, n, ms) in ops {
         println!(
             "    {name:<24} x{n:<4} {ms:.4} ms ({:.1}%, {:.2} us each)",
@@ -775,15 +775,6 @@ fn print_ops(title: &str, ops: &[(String, usize, f64)]) -> Vec<Value> {
     ops.iter()
         .map(|(name, n, ms)| json!({"op": name, "launches": n, "ms": ms}))
         .collect()
-}
-
-/// The token-count bucket a step of `n` tokens runs in.
-fn bucket_of(n: usize) -> usize {
-    bgs_model_gpu::host::BUCKETS
-        .iter()
-        .copied()
-        .find(|&b| b >= n)
-        .unwrap_or(n)
 }
 
 /// Median and 90th percentile of `v` (sorted in place).
@@ -874,9 +865,10 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
                 sample: true,
             })
             .collect();
-        // The launched ops, then the persistent form where the bucket has one (the row's
-        // step is the faster, the form the model would replay).
-        let has_persistent = m.persistent_buckets().contains(&bucket_of(b));
+        // The launched ops, then the persistent form where the bucket has one (the row's step
+        // is then the persistent one: the form the model replays while it is on).
+        let has_persistent =
+            bgs_model_gpu::host::bucket_for(b).is_some_and(|k| m.persistent_buckets().contains(&k));
         m.set_persistent(false);
         let mut t = m
             .time_steps(&items, a.warmup, a.iters)
@@ -911,7 +903,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
             let ops = m
                 .profile_ops(&items, a.iters.min(50))
                 .map_err(|e| e.to_string())?;
-            print_ops(&format!("per operation at batch {b} (device"), &ops)
+            print_ops(&format!("per operation at batch {b}"), "device", &ops)
         } else {
             Vec::new()
         };
@@ -920,7 +912,8 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
                 .profile_persistent(&items, a.iters.min(50))
                 .map_err(|e| e.to_string())?;
             print_ops(
-                &format!("persistent form at batch {b}, per kernel (block 0's op starts,"),
+                &format!("persistent form at batch {b}, per kernel"),
+                "block 0's op starts,",
                 &ops,
             )
         } else {
