@@ -206,20 +206,43 @@ impl Emu {
         );
     }
 
-    /// `proj_dot`: lane l sums the 16-byte chunks l, l + 32, ... of `w · x` (each chunk's
-    /// values in order), then the butterfly.
+    /// The launch properties the folded form's norm kernels are written for: 16-bit types,
+    /// `groups` warp groups a block, every token in the grid, whole 32-value chunks, the
+    /// plan's row stride and shared memory for the block's normed rows.
+    #[allow(clippy::too_many_arguments)] // one per launch property checked
+    fn check_tc_norm(
+        &self,
+        k: Kernel,
+        (gy, block): (usize, u32),
+        groups: usize,
+        n: usize,
+        inp: usize,
+        ldx: usize,
+        shared: u32,
+    ) {
+        let name = k.name();
+        assert_ne!(self.dtype, GpuDtype::F32, "{name}: 16-bit types only");
+        assert_eq!(
+            block as usize,
+            groups * plan::TC_WARPS * 32,
+            "{name}: block"
+        );
+        assert!(gy * plan::TC_TOKENS >= n, "{name}: grid misses tokens");
+        assert_eq!(inp % plan::TC_CHUNK, 0, "{name}: partial chunk");
+        assert_eq!(
+            ldx,
+            plan::tc_norm_ldx(inp, self.dtype),
+            "{name}: row stride"
+        );
+        assert!(
+            shared as usize >= n.min(plan::TC_TOKENS) * ldx * self.dtype.size(),
+            "{name}: {shared} bytes of shared memory for rows of {ldx}"
+        );
+    }
+
+    /// [`proj_dot`] in the emulated dtype.
     fn proj_dot(&self, w: &[f32], x: &[f32]) -> f32 {
-        let per16 = 16 / self.dtype.size();
-        let chunks = w.len() / per16;
-        let mut lanes = [0f32; 32];
-        for (l, acc) in lanes.iter_mut().enumerate() {
-            for c in (l..chunks).step_by(32) {
-                for k in c * per16..(c + 1) * per16 {
-                    *acc += w[k] * x[k];
-                }
-            }
-        }
-        butterfly(&lanes, |a, b| a + b)
+        proj_dot(self.dtype, w, x)
     }
 
     /// `proj_norm_prologue`: the `n` rows of the residual at `res`, normed (bgs_add_rmsnorm's
@@ -533,22 +556,46 @@ impl Emu {
                 }
                 self.put_f32s(y, &ys);
             }
-            Kernel::GemmTc => {
+            Kernel::GemmTc | Kernel::GemmTcAdd => {
                 let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
-                assert_ne!(self.dtype, GpuDtype::F32, "bgs_gemm_tc: 16-bit types only");
-                assert_eq!(block as usize, plan::TC_WARPS * 32, "bgs_gemm_tc: block");
-                assert!(gx * plan::TC_ROWS >= out, "bgs_gemm_tc: grid misses rows");
-                assert!(gy * plan::TC_TOKENS >= n, "bgs_gemm_tc: grid misses tokens");
-                assert_eq!(inp % plan::TC_CHUNK, 0, "bgs_gemm_tc: partial chunk");
+                let name = k.name();
+                assert_ne!(self.dtype, GpuDtype::F32, "{name}: 16-bit types only");
+                assert_eq!(block as usize, plan::TC_WARPS * 32, "{name}: block");
+                assert!(gx * plan::TC_ROWS >= out, "{name}: grid misses rows");
+                assert!(gy * plan::TC_TOKENS >= n, "{name}: grid misses tokens");
+                assert_eq!(inp % plan::TC_CHUNK, 0, "{name}: partial chunk");
                 let xs = self.wts(x, n * inp);
                 let mut ys = self.f32s(y, n * out);
                 for r in 0..out {
                     let wr = self.wts(w + (r * inp) as u64 * es, inp);
                     for t in 0..n {
-                        ys[t * out + r] = tc_dot(&wr, &xs[t * inp..(t + 1) * inp]);
+                        let d = tc_dot(&wr, &xs[t * inp..(t + 1) * inp]);
+                        let o = &mut ys[t * out + r];
+                        *o = if k == Kernel::GemmTcAdd { *o + d } else { d };
                     }
                 }
                 self.put_f32s(y, &ys);
+            }
+            Kernel::GemmTcNormSilu => {
+                let (w, res, nw, eps, act) = (p(0), p(1), p(2), fl(3), p(4));
+                let (inter, inp, ldx, n) = (int(5), int(6), int(7), int(8));
+                assert!(
+                    gx * plan::TC_ROWS >= inter,
+                    "{}: grid misses rows",
+                    k.name()
+                );
+                self.check_tc_norm(k, (gy, block), 2, n, inp, ldx, shared);
+                let xs = self.normed_rows(res, nw, eps, inp, n);
+                let mut o = vec![0f32; n * inter];
+                for i in 0..inter {
+                    let wg = self.wts(w + (i * inp) as u64 * es, inp);
+                    let wu = self.wts(w + ((inter + i) * inp) as u64 * es, inp);
+                    for t in 0..n {
+                        let xt = &xs[t * inp..(t + 1) * inp];
+                        o[t * inter + i] = silu_times(tc_dot(&wg, xt), tc_dot(&wu, xt));
+                    }
+                }
+                self.put_wts(act, &o);
             }
             Kernel::GemmTcSilu => {
                 let (w, x, act, inter, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
@@ -600,12 +647,30 @@ impl Emu {
                 }
                 self.put_wts(act, &o);
             }
-            Kernel::ProjNormRopeKv => {
+            Kernel::ProjNormRopeKv | Kernel::GemmTcNormRopeKv => {
                 let (w, res, nw, eps, qkv, bias) = (p(0), p(1), p(2), fl(3), p(4), p(5));
                 let (pos, slot, inv_freq, cache) = (p(6), p(7), p(8), p(9));
                 let (nh, nkv, hd, bs, stride) = (int(10), int(11), int(12), int(13), ll(14));
-                let (inp, n) = (int(15), int(16));
-                self.check_proj(k, (gx, gy), block, n, inp, inp, shared);
+                let inp = int(15);
+                let tc = k == Kernel::GemmTcNormRopeKv;
+                let n = if tc { int(17) } else { int(16) };
+                if tc {
+                    let rows = (nh + 2 * nkv) * hd;
+                    assert_eq!(hd % plan::TC_ROWS, 0, "{}: head_dim", k.name());
+                    assert_eq!(
+                        gx * plan::TC_ROWS,
+                        rows,
+                        "{}: a block per 16 rows",
+                        k.name()
+                    );
+                    self.check_tc_norm(k, (gy, block), 1, n, inp, int(16), shared);
+                } else {
+                    self.check_proj(k, (gx, gy), block, n, inp, inp, shared);
+                }
+                let dt = self.dtype;
+                let dot = |w: &[f32], x: &[f32]| {
+                    if tc { tc_dot(w, x) } else { proj_dot(dt, w, x) }
+                };
                 let xs = self.normed_rows(res, nw, eps, inp, n);
                 let half = hd / 2;
                 let (qd, kvd) = (nh * hd, nkv * hd);
@@ -628,8 +693,8 @@ impl Emu {
                     for u in 0..(nh + 2 * nkv) * half {
                         let (h, i) = (u / half, u % half);
                         let base = h * hd;
-                        let mut x1 = self.proj_dot(&rows[base + i], xr);
-                        let mut x2 = self.proj_dot(&rows[base + i + half], xr);
+                        let mut x1 = dot(&rows[base + i], xr);
+                        let mut x2 = dot(&rows[base + i + half], xr);
                         if let Some(b) = &bias {
                             x1 += b[base + i];
                             x2 += b[base + i + half];
@@ -685,6 +750,22 @@ impl Emu {
             }
         }
     }
+}
+
+/// `proj_dot`: lane l sums the 16-byte chunks l, l + 32, ... of `w · x` (each chunk's values in
+/// order), then the butterfly.
+fn proj_dot(dtype: GpuDtype, w: &[f32], x: &[f32]) -> f32 {
+    let per16 = 16 / dtype.size();
+    let chunks = w.len() / per16;
+    let mut lanes = [0f32; 32];
+    for (l, acc) in lanes.iter_mut().enumerate() {
+        for c in (l..chunks).step_by(32) {
+            for k in c * per16..(c + 1) * per16 {
+                *acc += w[k] * x[k];
+            }
+        }
+    }
+    butterfly(&lanes, |a, b| a + b)
 }
 
 /// The kernels' `rope_rotate`: the rotate-half pair (x1, x2) at position `p`, frequency `f`.
@@ -1190,7 +1271,7 @@ mod tests {
                 matches!(
                     op,
                     Op::Launch {
-                        kernel: Kernel::GemmTc,
+                        kernel: Kernel::GemmTcAdd,
                         ..
                     }
                 )
@@ -1381,7 +1462,11 @@ mod tests {
                     matches!(
                         op,
                         Op::Launch {
-                            kernel: Kernel::GemmTc | Kernel::GemmTcSilu,
+                            kernel: Kernel::GemmTc
+                                | Kernel::GemmTcSilu
+                                | Kernel::GemmTcAdd
+                                | Kernel::GemmTcNormSilu
+                                | Kernel::GemmTcNormRopeKv,
                             ..
                         }
                     )
@@ -1509,9 +1594,22 @@ mod tests {
             (SynthArch::TinyLlama, GpuDtype::Bf16, true, true),
         ] {
             let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
-            let m =
-                EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv).with_tensor_core_attention(mma);
-            for ops in [m.plan().body(64), m.plan().head(8)] {
+            let m = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
+                .with_tensor_core_attention(mma);
+            // With the epilogues apart; and SiLU·up alone folded (a head size the folded QKV
+            // tile cannot pair).
+            let apart =
+                EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv).with_tc_epilogues(false);
+            let narrow = ModelConfig {
+                head_dim: 8,
+                num_heads: 2 * cfg.num_heads,
+                num_kv_heads: 2 * cfg.num_kv_heads,
+                ..cfg
+            };
+            let (narrow, wn) = synth_weights_for(narrow, 1, DType::F32);
+            let silu = EmuModel::new(narrow, &wn, dtype, [16, 8, 64, 8], inv);
+            let plans = [m, apart, silu].map(|m| [m.plan().body(64), m.plan().head(8)]);
+            for ops in plans.into_iter().flatten() {
                 for op in ops {
                     if let Op::Launch { kernel, args, .. } = op {
                         let kinds: Vec<char> = args
@@ -1534,44 +1632,73 @@ mod tests {
         }
     }
 
-    /// SiLU·up as the tensor-core gate/up GEMM's epilogue: one launch a layer fewer, the same
-    /// logits as the GEMM and `bgs_silu_mul` apart (bit for bit).
+    /// The tensor-core GEMM's epilogues: with every projection on it, the folded form (five
+    /// launches a layer: the norms as prologues, RoPE/KV and the residual adds as epilogues);
+    /// for a head size the QKV tile cannot pair, SiLU·up alone. The same logits as the
+    /// launches apart, bit for bit, at a bucket of two token blocks.
     #[test]
-    fn tc_silu_epilogue_replaces_the_silu_launch_with_the_same_logits() {
-        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
-        let items_for = |toks: &[Vec<u32>]| -> Vec<(Vec<u32>, Vec<u32>)> {
-            toks.iter()
-                .enumerate()
-                .map(|(i, t)| (t.clone(), vec![2 * i as u32, 2 * i as u32 + 1]))
-                .collect()
+    fn tc_epilogues_fold_the_layer_with_the_same_logits() {
+        let qwen = synth_config(SynthArch::TinyQwen2);
+        // head_dim 8: a 16-row tile cannot hold 8 rows and their RoPE partners.
+        let narrow = ModelConfig {
+            head_dim: 8,
+            num_heads: 2 * qwen.num_heads,
+            num_kv_heads: 2 * qwen.num_kv_heads,
+            ..qwen.clone()
         };
-        let prompts = prompts(cfg.vocab_size, &[5, 9, 3]);
-        let data = items_for(&prompts);
-        let items: Vec<StepItem<'_>> = data
-            .iter()
-            .map(|(t, b)| StepItem {
-                tokens: t,
-                pos: 0,
-                blocks: b,
-                sample: true,
-            })
-            .collect();
-        let mut logits = Vec::new();
-        for on in [true, false] {
-            let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 8, 64, 8], true)
-                .with_tc_epilogues(on);
-            let ops = m.plan().body(32);
-            let count = |k: Kernel| {
-                ops.iter()
-                    .filter(|op| matches!(op, Op::Launch { kernel, .. } if *kernel == k))
-                    .count()
-            };
-            let layers = cfg.num_layers;
-            assert_eq!(count(Kernel::GemmTcSilu), if on { layers } else { 0 });
-            assert_eq!(count(Kernel::SiluMul), if on { 0 } else { layers });
-            logits.push(m.step_logits(&items));
+        assert!(plan::tc_fold_fits(&qwen, GpuDtype::Bf16).is_ok());
+        let e = plan::tc_fold_fits(&narrow, GpuDtype::Bf16).unwrap_err();
+        assert!(e.contains("head_dim 8"), "{e}");
+        for cfg in [qwen, narrow] {
+            let (cfg, w) = synth_weights_for(cfg, 3, DType::F32);
+            let lens: Vec<usize> = (0..12).map(|i| 1 + (i * 5) % 7).collect();
+            let prompts = prompts(cfg.vocab_size, &lens);
+            let blocks: Vec<Vec<u32>> = (0..prompts.len() as u32).map(|i| vec![i]).collect();
+            let items: Vec<StepItem<'_>> = prompts
+                .iter()
+                .zip(&blocks)
+                .map(|(t, b)| StepItem {
+                    tokens: t,
+                    pos: 0,
+                    blocks: b,
+                    sample: true,
+                })
+                .collect();
+            let tokens: usize = lens.iter().sum();
+            assert!(tokens > plan::TC_TOKENS, "two token blocks");
+            let mut logits = Vec::new();
+            for on in [true, false] {
+                let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 16, 64, 16], true)
+                    .with_tc_epilogues(on);
+                let ops = m.plan().body(64);
+                let count = |k: Kernel| {
+                    ops.iter()
+                        .filter(|op| matches!(op, Op::Launch { kernel, .. } if *kernel == k))
+                        .count()
+                };
+                let layers = cfg.num_layers;
+                let fold = on && cfg.head_dim == 16;
+                let per = |yes: bool| if yes { layers } else { 0 };
+                assert_eq!(count(Kernel::GemmTcNormRopeKv), per(fold));
+                assert_eq!(count(Kernel::GemmTcAdd), 2 * per(fold));
+                assert_eq!(count(Kernel::GemmTcNormSilu), per(fold));
+                assert_eq!(count(Kernel::GemmTcSilu), per(on && !fold));
+                assert_eq!(count(Kernel::SiluMul), per(!on));
+                assert_eq!(count(Kernel::RopeKv), per(!fold));
+                // The norms: the first layer's input norm and every layer's two apart (the
+                // last one the final norm); folded, only the final one.
+                assert_eq!(
+                    count(Kernel::AddRmsNorm),
+                    if fold { 1 } else { 2 * layers + 1 }
+                );
+                if fold {
+                    // The embedding, five a layer, the final norm.
+                    assert_eq!(ops.len(), 5 * layers + 2);
+                }
+                logits.push(m.step_logits(&items));
+            }
+            assert_eq!(logits[0], logits[1], "head_dim {}", cfg.head_dim);
         }
-        assert_eq!(logits[0], logits[1]);
     }
 
     /// The persistent form takes every op of the own-kernel plans (the invariant tensor-core
@@ -1636,11 +1763,12 @@ mod tests {
         let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 8, 64, 8], false);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(e.contains("cuBLAS GEMM (qkv)"), "{e}");
-        // The folded SiLU·up GEMM takes two warp groups: not a persistent block.
+        // The folded form's kernels (two warp groups, normed rows in shared memory) are not
+        // persistent bodies.
         let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 1, DType::F32);
         let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 8, 64, 8], true);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
-        assert!(e.contains("bgs_gemm_tc_silu"), "{e}");
+        assert!(e.contains("op 1 (bgs_gemm_tc_norm_rope_kv)"), "{e}");
     }
 
     #[test]

@@ -1058,6 +1058,49 @@ extern "C" __global__ void bgs_proj_norm_silu(const wt *w, const float *res, con
     proj_norm_silu_body(BGS_LAUNCH_BLK, w, res, nw, eps, act, inter, in, n);
 }
 
+// The QKV epilogue of one rotate-half pair: x1 and x2 are the projection's values of rows
+// base + i and base + i + half of head h (q heads, then k, then v, in the fused weight's row
+// order) for token t. bgs_rope_kv's arithmetic: + bias, q and k rotated at pos[t], q into
+// qkv ([T][q + 2 kv] f32, where attention reads it), k and v into the paged cache at slot[t]
+// (nothing for -1).
+__device__ __forceinline__ void qkv_pair_store(int h, int i, int t, float x1, float x2,
+                                               float *qkv, const float *bias, const int *pos,
+                                               const int *slot, const float *inv_freq,
+                                               wt *cache, int num_heads, int num_kv_heads,
+                                               int head_dim, int block_size,
+                                               long long block_stride) {
+    const int half = head_dim / 2, base = h * head_dim;
+    const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
+    if (bias) {
+        x1 = x1 + bias[base + i];
+        x2 = x2 + bias[base + i + half];
+    }
+    const int s = slot[t];
+    wt *kc = 0;
+    if (s >= 0) {
+        const long long blk = s / block_size, off = s % block_size;
+        kc = cache + blk * block_stride + off * head_dim;
+    }
+    if (h < num_heads + num_kv_heads) {
+        float r1, r2;
+        rope_rotate(x1, x2, (float)pos[t], inv_freq[i], r1, r2);
+        if (h < num_heads) {
+            float *row = qkv + (size_t)t * (qd + 2 * kvd);
+            row[base + i] = r1;
+            row[base + i + half] = r2;
+        } else if (kc) {
+            wt *k = kc + (long long)(h - num_heads) * block_size * head_dim;
+            k[i] = st(r1);
+            k[i + half] = st(r2);
+        }
+    } else if (kc) {
+        wt *v = kc + (long long)num_kv_heads * block_size * head_dim +
+                (long long)(h - num_heads - num_kv_heads) * block_size * head_dim;
+        v[i] = st(x1);
+        v[i + half] = st(x2);
+    }
+}
+
 // The fused QKV step: xn = the input norm of the residual (prologue), then for unit j (head h =
 // j / half, i = j % half of the q, k and v heads in the fused weight's row order) rows base + i
 // and base + i + half, and bgs_rope_kv's epilogue: + bias, q and k rotated at pos[t], q into
@@ -1074,7 +1117,6 @@ __device__ __forceinline__ void proj_norm_rope_kv_body(
     const int t0 = bk.y * BGS_PROJ_TOKENS, nt = min(BGS_PROJ_TOKENS, n - t0);
     proj_norm_prologue(res + (size_t)t0 * in, nw, eps, xs, in, nt);
     const int half = head_dim / 2;
-    const int qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
     const int units = (num_heads + 2 * num_kv_heads) * half;
     for (int u = bk.x * BGS_PROJ_WARPS + warp; u < units; u += bk.gx * BGS_PROJ_WARPS) {
         const int h = u / half, i = u % half, base = h * head_dim;
@@ -1084,36 +1126,8 @@ __device__ __forceinline__ void proj_norm_rope_kv_body(
         float mine[2];
         proj_reduce<2>(acc, mine, nt);
         if (lane >= nt) continue;
-        const int t = t0 + lane;
-        float x1 = mine[0], x2 = mine[1];
-        if (bias) {
-            x1 = x1 + bias[base + i];
-            x2 = x2 + bias[base + i + half];
-        }
-        const int s = slot[t];
-        wt *kc = 0;
-        if (s >= 0) {
-            const long long blk = s / block_size, off = s % block_size;
-            kc = cache + blk * block_stride + off * head_dim;
-        }
-        if (h < num_heads + num_kv_heads) {
-            float r1, r2;
-            rope_rotate(x1, x2, (float)pos[t], inv_freq[i], r1, r2);
-            if (h < num_heads) {
-                float *row = qkv + (size_t)t * (qd + 2 * kvd);
-                row[base + i] = r1;
-                row[base + i + half] = r2;
-            } else if (kc) {
-                wt *k = kc + (long long)(h - num_heads) * block_size * head_dim;
-                k[i] = st(r1);
-                k[i + half] = st(r2);
-            }
-        } else if (kc) {
-            wt *v = kc + (long long)num_kv_heads * block_size * head_dim +
-                    (long long)(h - num_heads - num_kv_heads) * block_size * head_dim;
-            v[i] = st(x1);
-            v[i + half] = st(x2);
-        }
+        qkv_pair_store(h, i, t0 + lane, mine[0], mine[1], qkv, bias, pos, slot, inv_freq, cache,
+                       num_heads, num_kv_heads, head_dim, block_size, block_stride);
     }
 }
 extern "C" __global__ void bgs_proj_norm_rope_kv(
@@ -1243,11 +1257,15 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
 }
 #endif
 #if BGS_HAVE_MMA
-// One 16-row x BGS_TC_TOKENS tile of y = x · wᵀ (rows r0.. of w's `out`, tokens t0.. of n):
-// the warps' MMA sums, then epi(row, col, s) for every (row, col) of the tile, s the warps'
+// One 16-row x BGS_TC_TOKENS tile of y = x · wᵀ (tokens t0.. of n): the MMA's rows 0-7 are
+// w's rows ra.. and its rows 8-15 w's rows rb.. (rb = ra + 8 for a plain tile; the QKV
+// epilogue pairs the two halves RoPE rotates), of `out` rows. x is the row of token t0,
+// ldx values apart (the input in global memory, or the normed rows in shared memory). The
+// warps' MMA sums, then epi(row, col, s) for every (row, col) of the tile, s the warps'
 // partial sums added in warp order (rows and tokens past the ends included: the epilogue
-// skips them). Every thread of the block takes part; `pdl`: wait on the previous grid after
-// the first weights are in flight (a launch with programmatic dependent launch).
+// skips them). Every thread of the group takes part; `pdl`: wait on the previous grid after
+// the first weights are in flight (a launch with programmatic dependent launch); then pre()
+// (a prologue that writes x) before x is read.
 typedef float bgs_tc_red[16][BGS_TC_TOKENS + 1];
 // The warps' partial sums of a tile, one array per warp group G (a __shared__ variable in the
 // template itself would be one per instantiation, epilogue included).
@@ -1262,17 +1280,17 @@ __device__ __forceinline__ bgs_tc_red *tc_red1() {
 // G: which group of BGS_TC_WARPS warps of the block computes the tile (threads G * 256 ..);
 // it synchronizes with named barrier 1 + G of its own threads only, so two groups can compute
 // two tiles side by side (bgs_gemm_tc_silu).
-template <int G, class Epi>
-__device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int r0, int t0, int out, int in,
-                                        int n, bool pdl, Epi epi) {
+template <int G, class Pre, class Epi>
+__device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int ra, int rb, int t0,
+                                        int out, int in, int n, bool pdl, Pre pre, Epi epi) {
     bgs_tc_red *red = G ? tc_red1() : tc_red0();
     const int tid = threadIdx.x - G * BGS_TC_WARPS * 32;
     const int lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
     const int chunks = in / 32;
     // Rows past `out` read the last row (never stored).
-    const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(r0 + g, out - 1) * in) + q;
-    const bgs_u4 *wb = (const bgs_u4 *)(w + (size_t)min(r0 + g + 8, out - 1) * in) + q;
+    const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(ra + g, out - 1) * in) + q;
+    const bgs_u4 *wb = (const bgs_u4 *)(w + (size_t)min(rb + g, out - 1) * in) + q;
     const int tiles = min(BGS_TC_TILES, (n - t0 + 7) / 8);
     float acc[BGS_TC_TILES][4];
 #pragma unroll
@@ -1287,6 +1305,7 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int r0, int t0
         }
     }
     if (pdl) BGS_PDL_BEGIN();
+    pre();
     for (int c0 = warp; c0 < chunks; c0 += BGS_TC_UNROLL * BGS_TC_WARPS) {
         bgs_u4 b[BGS_TC_UNROLL][BGS_TC_TILES];
 #pragma unroll
@@ -1297,7 +1316,7 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int r0, int t0
                 const int t = t0 + 8 * j + g;
                 b[u][j] = bgs_u4{0u, 0u, 0u, 0u};
                 if (c < chunks && j < tiles && t < n)
-                    b[u][j] = ((const bgs_u4 *)(x + (size_t)t * in))[4 * c + q];
+                    b[u][j] = ((const bgs_u4 *)(x + (size_t)(t - t0) * ldx))[4 * c + q];
             }
         }
 #pragma unroll
@@ -1345,10 +1364,11 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
                                              int out, int in, int n) {
 #if BGS_HAVE_MMA
     const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
-    tc_tile<0>(w, x, r0, t0, out, in, n, bk.pdl, [&](int row, int col, float s) {
-        const int r = r0 + row, t = t0 + col;
-        if (r < out && t < n) y[(size_t)t * out + r] = s;
-    });
+    tc_tile<0>(w, x + (size_t)t0 * in, in, r0, r0 + 8, t0, out, in, n, bk.pdl, [] {},
+               [&](int row, int col, float s) {
+                   const int r = r0 + row, t = t0 + col;
+                   if (r < out && t < n) y[(size_t)t * out + r] = s;
+               });
 #else
     // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
     __trap();
@@ -1358,22 +1378,73 @@ extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int o
     gemm_tc_body(BGS_LAUNCH_BLK, w, x, y, out, in, n);
 }
 
-// The gate/up projection with bgs_silu_mul as its epilogue: w is the fused [gate; up] weight
-// (2 * inter rows), act[t][i] = silu(g) * u in `wt` with g and u bgs_gemm_tc's values for rows
-// i and inter + i (the same tiles, so the same bits as bgs_gemm_tc then bgs_silu_mul, without
-// the f32 gate/up activations or a launch). A block of twice bgs_gemm_tc's warps: the first
-// group computes 16 gate rows while the second computes the same 16 up rows, for up to
-// BGS_TC_TOKENS tokens.
-__device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w, const wt *x,
-                                                  wt *act, int inter, int in, int n) {
 #if BGS_HAVE_MMA
+// The folded forms' norm prologue: xs[t][i] (rows ldx values apart) = the norm of the nt rows
+// of the residual at x (row stride `in`) in `wt`, bgs_add_rmsnorm's arithmetic with a warp per
+// row and no block barrier: lane l holds the strided sums of that kernel's threads l, l + 32,
+// ..., l + 224 (BGS_NORM_THREADS = 256 of them), adds them in its tree's first three levels
+// (thread i + 128 into i, then i + 64, then i + 32), and the warp's shuffles are its last five
+// (lane i + s into i): the same pairs, so the same bits. Every thread of the block takes part
+// (the warps stride over the rows); the caller synchronizes before xs is read.
+#if BGS_NORM_THREADS != 256
+#error "tc_norm_rows transcribes the tree of 256 norm threads"
+#endif
+__device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, float eps, wt *xs,
+                                             int ldx, int in, int nt) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    for (int t = warp; t < nt; t += warps) {
+        const float *xr = x + (size_t)t * in;
+        float p[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float acc = 0.0f;
+            for (int i = lane + 32 * k; i < in; i += BGS_NORM_THREADS) {
+                const float v = xr[i];
+                acc = acc + v * v;
+            }
+            p[k] = acc;
+        }
+        const float l1[4] = {p[0] + p[4], p[1] + p[5], p[2] + p[6], p[3] + p[7]};
+        const float l2[2] = {l1[0] + l1[2], l1[1] + l1[3]};
+        float sum = l2[0] + l2[1];
+        for (int s = 16; s > 0; s >>= 1) sum = sum + __shfl_down_sync(0xffffffffu, sum, s);
+        const float inv = rms_inv(__shfl_sync(0xffffffffu, sum, 0), in, eps);
+        wt *o = xs + (size_t)t * ldx;
+        for (int i = lane; i < in; i += 32) o[i] = rms_scale(nw[i], xr[i], inv);
+    }
+}
+
+// res[t][r] += y[t][r]: bgs_gemm_tc with the residual add as its epilogue (o_proj and
+// down_proj in the folded form; one writer per element, bgs_add_rmsnorm's add).
+__device__ __forceinline__ void gemm_tc_add_body(const bgs_blk &bk, const wt *w, const wt *x,
+                                                 float *res, int out, int in, int n) {
+    const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
+    tc_tile<0>(w, x + (size_t)t0 * in, in, r0, r0 + 8, t0, out, in, n, bk.pdl, [] {},
+               [&](int row, int col, float s) {
+                   const int r = r0 + row, t = t0 + col;
+                   if (r < out && t < n) {
+                       float *o = res + (size_t)t * out + r;
+                       *o = *o + s;
+                   }
+               });
+}
+
+// Both tiles of the gate/up projection and SiLU·up: w is the fused [gate; up] weight (2 *
+// inter rows), act[t][i] = silu(g) * u in `wt` with g and u bgs_gemm_tc's values for rows i and
+// inter + i. A block of two warp groups: the first computes 16 gate rows while the second
+// computes the same 16 up rows, for up to BGS_TC_TOKENS tokens; x is token t0's input row (ldx
+// values apart), `pre` as in tc_tile (each thread calls it once, from its group's tile).
+template <class Pre>
+__device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, const wt *x,
+                                              int ldx, wt *act, int inter, int in, int n,
+                                              Pre pre) {
     __shared__ float gate[16][BGS_TC_TOKENS + 1], up[16][BGS_TC_TOKENS + 1];
     const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
     if ((int)threadIdx.x < BGS_TC_WARPS * 32)
-        tc_tile<0>(w, x, r0, t0, inter, in, n, bk.pdl,
+        tc_tile<0>(w, x, ldx, r0, r0 + 8, t0, inter, in, n, bk.pdl, pre,
                    [&](int row, int col, float s) { gate[row][col] = s; });
     else
-        tc_tile<1>(w + (size_t)inter * in, x, r0, t0, inter, in, n, bk.pdl,
+        tc_tile<1>(w + (size_t)inter * in, x, ldx, r0, r0 + 8, t0, inter, in, n, bk.pdl, pre,
                    [&](int row, int col, float s) { up[row][col] = s; });
     __syncthreads();
     for (int e = threadIdx.x; e < 16 * BGS_TC_TOKENS; e += 2 * BGS_TC_WARPS * 32) {
@@ -1381,6 +1452,15 @@ __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w
         const int i = r0 + row, t = t0 + col;
         if (i < inter && t < n) act[(size_t)t * inter + i] = silu_times(gate[row][col], up[row][col]);
     }
+}
+#endif
+
+// The gate/up projection with bgs_silu_mul as its epilogue (the same bits as bgs_gemm_tc then
+// bgs_silu_mul, without the f32 gate/up activations or a launch).
+__device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w, const wt *x,
+                                                  wt *act, int inter, int in, int n) {
+#if BGS_HAVE_MMA
+    tc_silu_tiles(bk, w, x + (size_t)bk.y * BGS_TC_TOKENS * in, in, act, inter, in, n, [] {});
 #else
     __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
 #endif
@@ -1389,6 +1469,75 @@ __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w
 extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)
     bgs_gemm_tc_silu(const wt *w, const wt *x, wt *act, int inter, int in, int n) {
     gemm_tc_silu_body(BGS_LAUNCH_BLK, w, x, act, inter, in, n);
+}
+
+// The folded form's gate/up step: the post-attention norm of the block's tokens into shared
+// memory (tc_norm_rows, rows ldx values apart: dynamic shared memory of min(n - t0,
+// BGS_TC_TOKENS) * ldx values), then bgs_gemm_tc_silu over them. The same bits as
+// bgs_add_rmsnorm, bgs_gemm_tc and bgs_silu_mul.
+extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)
+    bgs_gemm_tc_norm_silu(const wt *w, const float *res, const float *nw, float eps, wt *act,
+                          int inter, int in, int ldx, int n) {
+#if BGS_HAVE_MMA
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    wt *xs = (wt *)tc_smem;
+    const int t0 = blockIdx.y * BGS_TC_TOKENS, nt = min(BGS_TC_TOKENS, n - t0);
+    tc_silu_tiles(BGS_LAUNCH_BLK, w, xs, ldx, act, inter, in, n, [&] {
+        tc_norm_rows(res + (size_t)t0 * in, nw, eps, xs, ldx, in, nt);
+        asm volatile("bar.sync 0, %0;" ::"r"(blockDim.x) : "memory");
+    });
+#else
+    __trap();
+#endif
+}
+
+// o_proj and down_proj in the folded form: bgs_gemm_tc, then res += y.
+extern "C" __global__ void bgs_gemm_tc_add(const wt *w, const wt *x, float *res, int out, int in,
+                                           int n) {
+#if BGS_HAVE_MMA
+    gemm_tc_add_body(BGS_LAUNCH_BLK, w, x, res, out, in, n);
+#else
+    __trap();
+#endif
+}
+
+// The folded form's QKV step: the input norm of the block's tokens into shared memory (as in
+// bgs_gemm_tc_norm_silu), the QKV tile, then bgs_rope_kv's epilogue (qkv_pair_store). The
+// tile's MMA rows 0-7 are rows i0 .. i0 + 7 of a head and rows 8-15 the rows half further on,
+// the pairs RoPE rotates (head_dim a multiple of 16: `plan::tc_fold_fits`): block x is head
+// x / (head_dim / 16), i0 = 8 * (x % (head_dim / 16)). Each output is bgs_gemm_tc's sum, so
+// the same bits as bgs_add_rmsnorm, bgs_gemm_tc and bgs_rope_kv.
+extern "C" __global__ void bgs_gemm_tc_norm_rope_kv(
+    const wt *w, const float *res, const float *nw, float eps, float *qkv, const float *bias,
+    const int *pos, const int *slot, const float *inv_freq, wt *cache, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, long long block_stride, int in, int ldx,
+    int n) {
+#if BGS_HAVE_MMA
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    __shared__ float tile[16][BGS_TC_TOKENS + 1];
+    wt *xs = (wt *)tc_smem;
+    const int per_head = head_dim / 16, half = head_dim / 2;
+    const int h = blockIdx.x / per_head, i0 = 8 * (blockIdx.x % per_head);
+    const int ra = h * head_dim + i0, t0 = blockIdx.y * BGS_TC_TOKENS;
+    const int nt = min(BGS_TC_TOKENS, n - t0);
+    const int out = (num_heads + 2 * num_kv_heads) * head_dim;
+    tc_tile<0>(
+        w, xs, ldx, ra, ra + half, t0, out, in, n, true,
+        [&] {
+            tc_norm_rows(res + (size_t)t0 * in, nw, eps, xs, ldx, in, nt);
+            __syncthreads();
+        },
+        [&](int row, int col, float s) { tile[row][col] = s; });
+    __syncthreads();
+    for (int e = threadIdx.x; e < 8 * nt; e += blockDim.x) {
+        const int i = e % 8, col = e / 8;
+        qkv_pair_store(h, i0 + i, t0 + col, tile[i][col], tile[8 + i][col], qkv, bias, pos, slot,
+                       inv_freq, cache, num_heads, num_kv_heads, head_dim, block_size,
+                       block_stride);
+    }
+#else
+    __trap();
+#endif
 }
 
 // ---- The persistent form: a whole op list in one launch ----

@@ -75,7 +75,11 @@ pub struct GpuModelOptions {
     pub tensor_core_gemm_max_tokens: usize,
     /// Where the gate/up projection runs on the tensor-core GEMM, run SiLU·up as its epilogue
     /// (`bgs_gemm_tc_silu`): the same bits as the GEMM then `bgs_silu_mul`, one launch a layer
-    /// fewer and no f32 gate/up activations. On by default.
+    /// fewer and no f32 gate/up activations. Where every projection of a bucket runs on it
+    /// (and the model fits: head_dim a multiple of 16), the **folded form**: the norms become
+    /// prologues of the QKV and gate/up GEMMs, RoPE and the K/V writes the QKV GEMM's
+    /// epilogue and the residual adds those of o and down, five launches a layer instead of
+    /// eight for the same bits (docs/gpu-model.md). On by default.
     pub tensor_core_gemm_epilogues: bool,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
@@ -549,6 +553,30 @@ impl GpuModel {
             .iter()
             .map(|k| get_function(self.module, k.name()))
             .collect::<Result<_, _>>()?;
+        if plan::tc_fold_fits(&self.cfg, self.dtype).is_ok() {
+            // The folded form's norm kernels keep TC_TOKENS normed rows in dynamic shared
+            // memory, which may pass the 48 KB a launch gets without asking.
+            let bytes = plan::tc_norm_shared(plan::TC_TOKENS, self.cfg.hidden_size, self.dtype);
+            for k in [Kernel::GemmTcNormSilu, Kernel::GemmTcNormRopeKv] {
+                let at = Kernel::ALL.iter().position(|&x| x == k);
+                let f = self.funcs[at.expect("every kernel is in Kernel::ALL")];
+                ck(
+                    // SAFETY: `f` is a kernel of the loaded module; `bytes` is at most
+                    // plan::TC_NORM_MAX_SHARED, within what sm_80+ devices allow.
+                    unsafe {
+                        cu::cuFuncSetAttribute(
+                            f,
+                            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            bytes as i32,
+                        )
+                    },
+                    &format!(
+                        "cuFuncSetAttribute({}, max dynamic shared memory)",
+                        k.name()
+                    ),
+                )?;
+            }
+        }
         ck(
             // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
             unsafe { cu::cuStreamCreate(&mut self.stream, STREAM_NON_BLOCKING) },

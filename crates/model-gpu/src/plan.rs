@@ -50,10 +50,13 @@ pub(crate) enum Kernel {
     ProjNormRopeKv,
     GemmTc,
     GemmTcSilu,
+    GemmTcAdd,
+    GemmTcNormSilu,
+    GemmTcNormRopeKv,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 14] = [
+    pub(crate) const ALL: [Kernel; 17] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -68,6 +71,9 @@ impl Kernel {
         Kernel::ProjNormRopeKv,
         Kernel::GemmTc,
         Kernel::GemmTcSilu,
+        Kernel::GemmTcAdd,
+        Kernel::GemmTcNormSilu,
+        Kernel::GemmTcNormRopeKv,
     ];
 
     /// The `extern "C"` name.
@@ -87,6 +93,9 @@ impl Kernel {
             Kernel::ProjNormRopeKv => "bgs_proj_norm_rope_kv",
             Kernel::GemmTc => "bgs_gemm_tc",
             Kernel::GemmTcSilu => "bgs_gemm_tc_silu",
+            Kernel::GemmTcAdd => "bgs_gemm_tc_add",
+            Kernel::GemmTcNormSilu => "bgs_gemm_tc_norm_silu",
+            Kernel::GemmTcNormRopeKv => "bgs_gemm_tc_norm_rope_kv",
         }
     }
 }
@@ -359,19 +368,78 @@ pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
 /// A `bgs_gemm_tc` launch over `out` rows and `n` tokens with its parameters `args` (w, x, y,
 /// out, in, n).
 pub(crate) fn tc_gemm_launch(out: usize, n: usize, args: &[Arg]) -> Op {
-    tc_tiles_launch(Kernel::GemmTc, 1, out, n, args)
+    tc_tiles_launch(Kernel::GemmTc, 1, out, n, 0, args)
 }
 
 /// A launch of a tensor-core GEMM kernel over tiles of 16 of `rows` and `TC_TOKENS` of `n`
-/// tokens, `groups` warp groups a block (each one `bgs_gemm_tc` block's warps).
-fn tc_tiles_launch(kernel: Kernel, groups: usize, rows: usize, n: usize, args: &[Arg]) -> Op {
+/// tokens, `groups` warp groups a block (each one `bgs_gemm_tc` block's warps), `shared`
+/// bytes of dynamic shared memory.
+fn tc_tiles_launch(
+    kernel: Kernel,
+    groups: usize,
+    rows: usize,
+    n: usize,
+    shared: usize,
+    args: &[Arg],
+) -> Op {
     Op::Launch {
         kernel,
         grid: (rows.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
         block: (groups * TC_WARPS * 32) as u32,
-        shared: 0,
+        shared: shared as u32,
         args: args.to_vec(),
     }
+}
+
+/// Row stride, in values, of the folded form's normed rows in shared memory (`ldx` of
+/// `bgs_gemm_tc_norm_silu` and `bgs_gemm_tc_norm_rope_kv`) for an input `inp` wide: rows an
+/// odd multiple of 64 bytes apart, so the 8 lanes of a quarter warp (two rows, four 16-byte
+/// chunks each) read distinct banks.
+pub(crate) fn tc_norm_ldx(inp: usize, dtype: GpuDtype) -> usize {
+    let per64 = 64 / dtype.size();
+    if (inp / per64).is_multiple_of(2) {
+        inp + per64
+    } else {
+        inp
+    }
+}
+
+/// Dynamic shared memory of a folded-form norm kernel over `n` tokens of an input `inp` wide:
+/// the normed rows of a block's tokens (at most `TC_TOKENS`).
+pub(crate) fn tc_norm_shared(n: usize, inp: usize, dtype: GpuDtype) -> usize {
+    n.min(TC_TOKENS) * tc_norm_ldx(inp, dtype) * dtype.size()
+}
+
+/// The most dynamic shared memory a folded-form norm kernel may ask for (the H100/H200 allow
+/// 227 KB a block; the kernels' static arrays come on top: 38 KB for the SiLU one).
+pub(crate) const TC_NORM_MAX_SHARED: usize = 160 * 1024;
+
+/// Whether the folded tensor-core form (`Plan::tc_epilogues` with every projection of the
+/// bucket on `bgs_gemm_tc`) can run `cfg` in `dtype`: the QKV epilogue pairs the rows RoPE
+/// rotates inside a 16-row tile (head_dim a multiple of 16), and the normed rows of
+/// `TC_TOKENS` tokens fit [`TC_NORM_MAX_SHARED`]. `Err` says why not.
+pub(crate) fn tc_fold_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), String> {
+    if !tc_gemm_covers(cfg, dtype) {
+        return Err(format!(
+            "the tensor-core GEMM does not cover every projection in {dtype:?}"
+        ));
+    }
+    if !cfg.head_dim.is_multiple_of(TC_ROWS) {
+        return Err(format!(
+            "head_dim {} is not a multiple of {TC_ROWS} (a tile holds 8 rows of a head and the \
+             8 RoPE rotates them with)",
+            cfg.head_dim
+        ));
+    }
+    let shared = tc_norm_shared(TC_TOKENS, cfg.hidden_size, dtype);
+    if shared > TC_NORM_MAX_SHARED {
+        return Err(format!(
+            "{TC_TOKENS} normed rows of {} values need {shared} bytes of shared memory, more \
+             than {TC_NORM_MAX_SHARED}",
+            cfg.hidden_size
+        ));
+    }
+    Ok(())
 }
 
 /// Blocks per multiprocessor of the fused norm kernels (see `Plan::sms`).
@@ -475,6 +543,20 @@ impl Plan<'_> {
         !self.invariant_gemm && n <= self.tc_gemm_max_tokens && tc_gemm_applies(self.dtype, inp)
     }
 
+    /// Whether a bucket of `n` tokens runs the folded tensor-core form: every projection on
+    /// `bgs_gemm_tc` with the epilogues on, and [`tc_fold_fits`] the model. A layer is then
+    /// five launches (QKV with the input norm, RoPE and K/V; attention; o with the residual
+    /// add; gate/up with the post-attention norm and SiLU·up; down with the residual add) for
+    /// the same bits as the launches apart.
+    pub(crate) fn tc_fold(&self, n: usize) -> bool {
+        let c = self.cfg;
+        self.tc_epilogues
+            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+                .into_iter()
+                .all(|inp| self.tc_gemm(n, inp))
+            && tc_fold_fits(c, self.dtype).is_ok()
+    }
+
     /// Whether a bucket of `n` tokens runs the fused form: every bucket with the invariant
     /// option, else buckets of at most `fused_max_tokens` (the host only sets either when
     /// [`fused_form_fits`] the model).
@@ -541,6 +623,9 @@ impl Plan<'_> {
                 Arg::I(h as i32),
             ],
         )];
+        let fold = !fused && self.tc_fold(n);
+        let ldx = tc_norm_ldx(h, self.dtype);
+        let fold_shared = tc_norm_shared(n, h, self.dtype);
         let xn_shared = (PROJ_TOKENS * h) as u32 * es as u32;
         let norm_blocks = PROJ_NORM_BLOCKS_PER_SM * self.sms as usize;
         for (l, lw) in self.w.layers.iter().enumerate() {
@@ -579,6 +664,30 @@ impl Plan<'_> {
                     ]
                     .concat(),
                 ));
+            } else if fold {
+                // The input norm (prologue), QKV, bias, RoPE and the K/V writes in one launch:
+                // a block per 8 row pairs of a head (16 rows).
+                ops.push(Op::Launch {
+                    kernel: Kernel::GemmTcNormRopeKv,
+                    grid: (
+                        ((nh + 2 * nkv) * hd / TC_ROWS) as u32,
+                        n.div_ceil(TC_TOKENS) as u32,
+                    ),
+                    block: (TC_WARPS * 32) as u32,
+                    shared: fold_shared as u32,
+                    args: [
+                        &[
+                            Arg::P(lw.qkv),
+                            Arg::P(b.x),
+                            Arg::P(lw.input_norm),
+                            Arg::F(eps),
+                            Arg::P(b.qkv),
+                        ][..],
+                        &rope_kv,
+                        &[Arg::I(h as i32), Arg::I(ldx as i32), Arg::I(n as i32)],
+                    ]
+                    .concat(),
+                });
             } else {
                 if l == 0 {
                     ops.push(norm(0, lw.input_norm));
@@ -661,6 +770,40 @@ impl Plan<'_> {
                 ops.push(add(lw.down, b.act, inter));
                 continue;
             }
+            if fold {
+                let add = |w: u64, x: u64, inp: usize| {
+                    let args = [
+                        Arg::P(w),
+                        Arg::P(x),
+                        Arg::P(b.x),
+                        Arg::I(h as i32),
+                        Arg::I(inp as i32),
+                        Arg::I(n as i32),
+                    ];
+                    tc_tiles_launch(Kernel::GemmTcAdd, 1, h, n, 0, &args)
+                };
+                ops.push(add(lw.o, b.attn, qd));
+                ops.push(tc_tiles_launch(
+                    Kernel::GemmTcNormSilu,
+                    2,
+                    inter,
+                    n,
+                    fold_shared,
+                    &[
+                        Arg::P(lw.gate_up),
+                        Arg::P(b.x),
+                        Arg::P(lw.post_norm),
+                        Arg::F(eps),
+                        Arg::P(b.act),
+                        Arg::I(inter as i32),
+                        Arg::I(h as i32),
+                        Arg::I(ldx as i32),
+                        Arg::I(n as i32),
+                    ],
+                ));
+                ops.push(add(lw.down, b.act, inter));
+                continue;
+            }
             ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));
             ops.push(norm(b.tmp, lw.post_norm));
             if self.tc_epilogues && self.tc_gemm(n, h) {
@@ -671,6 +814,7 @@ impl Plan<'_> {
                     2,
                     inter,
                     n,
+                    0,
                     &[
                         Arg::P(lw.gate_up),
                         Arg::P(b.xn),
@@ -702,8 +846,9 @@ impl Plan<'_> {
                 .map_or(self.w.final_norm, |nl| nl.input_norm);
             ops.push(norm(b.tmp, next_norm));
         }
-        if fused {
-            // The final norm, for the LM head (the fused layers norm inside their projections).
+        if fused || fold {
+            // The final norm, for the LM head (the fused and folded layers norm inside their
+            // projections).
             ops.push(norm(0, self.w.final_norm));
         }
         ops

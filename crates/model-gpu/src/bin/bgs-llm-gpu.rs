@@ -454,37 +454,6 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             results.push(j);
         }
 
-        // (g) SiLU·up as the tensor-core gate/up GEMM's epilogue against the two launches
-        //     apart, same prefill (direct launches): the same bits.
-        {
-            let graphs = gpu.uses_graphs();
-            gpu.set_use_graphs(false).map_err(|e| e.to_string())?;
-            gpu.set_tc_epilogues(false);
-            let apart = gpu.step_logits(&items).map_err(|e| e.to_string());
-            gpu.set_tc_epilogues(true);
-            let folded = gpu.step_logits(&items).map_err(|e| e.to_string());
-            gpu.set_tc_epilogues(!a.dev.no_tc_epilogues);
-            gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
-            let (apart, folded) = (apart?, folded?);
-            let bitwise = bitwise_equal(&apart, &folded);
-            let d = compare_logits(&apart, &folded, tol);
-            ok &= bitwise;
-            println!(
-                "[{}] SiLU·up folded into the tensor-core gate/up GEMM vs launched apart, same \
-                 prefill: {} ({})",
-                if bitwise { "PASS" } else { "FAIL" },
-                d.describe(tol, "apart", "folded"),
-                if bitwise {
-                    "bitwise equal"
-                } else {
-                    "NOT bitwise equal"
-                },
-            );
-            let mut j = d.json("tc_silu_epilogue", bitwise, tol);
-            j["bitwise_equal"] = json!(bitwise);
-            results.push(j);
-        }
-
         // (e) Attention on tensor cores against per-head blocks, same prefill (the same
         //     splits and softmax; the products' sums round differently).
         if gpu.set_tensor_core_attention(true) {
@@ -508,6 +477,77 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         } else {
             gpu.set_tensor_core_attention(!a.dev.attention_per_head);
         }
+    }
+
+    // (g) The tensor-core GEMM's epilogues (SiLU·up, and where every projection is on it the
+    //     folded form: norms as prologues, RoPE/KV and the residual adds as epilogues)
+    //     against the launches apart, direct launches: the same bits, for the prefill and
+    //     decode steps of 1, 3 and 33 sequences (33: two token blocks of the GEMM) at position
+    //     20 (each run writes the same K/V, so both see the same cache). The prefill's prompts
+    //     are (a)'s lengths.
+    {
+        let graphs = gpu.uses_graphs();
+        gpu.set_use_graphs(false).map_err(|e| e.to_string())?;
+        // (prompt lengths at position 0, or the decode batch at position 20)
+        let cases: [(&[usize], usize); 4] =
+            [(&[5, 17, 40], 0), (&[1], 20), (&[1; 3], 20), (&[1; 33], 20)];
+        for (lens, pos) in cases {
+            let b = lens.len();
+            let tables: Vec<Vec<u32>> = (0..b)
+                .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+                .collect();
+            let toks: Vec<Vec<u32>> = lens
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    (0..n)
+                        .map(|j| ((7 + 13 * i + 31 * j) % vocab) as u32)
+                        .collect()
+                })
+                .collect();
+            let step: Vec<StepItem<'_>> = (0..b)
+                .map(|i| StepItem {
+                    tokens: &toks[i],
+                    pos,
+                    blocks: &tables[i],
+                    sample: true,
+                })
+                .collect();
+            let step = &step[..];
+            gpu.set_tc_epilogues(false);
+            let apart = gpu.step_logits(step).map_err(|e| e.to_string());
+            gpu.set_tc_epilogues(true);
+            let folded = gpu.step_logits(step).map_err(|e| e.to_string());
+            let (apart, folded) = (apart?, folded?);
+            let bitwise = bitwise_equal(&apart, &folded);
+            let d = compare_logits(&apart, &folded, tol);
+            ok &= bitwise;
+            let what = if pos == 0 {
+                "same prefill".to_string()
+            } else {
+                format!("decode step of {b}")
+            };
+            println!(
+                "[{}] tensor-core GEMM epilogues folded vs launched apart, {what}: {} ({})",
+                if bitwise { "PASS" } else { "FAIL" },
+                d.describe(tol, "apart", "folded"),
+                if bitwise {
+                    "bitwise equal"
+                } else {
+                    "NOT bitwise equal"
+                },
+            );
+            let name = if pos == 0 {
+                "tc_epilogues".to_string()
+            } else {
+                format!("tc_epilogues_decode_{b}")
+            };
+            let mut j = d.json(&name, bitwise, tol);
+            j["bitwise_equal"] = json!(bitwise);
+            results.push(j);
+        }
+        gpu.set_tc_epilogues(!a.dev.no_tc_epilogues);
+        gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
     }
 
     // (f) The persistent form against the launched ops: the same bits at every bucket that has
