@@ -64,6 +64,8 @@ step check-qwen-bf16-invariant 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2
 step check-smollm2-bf16-invariant 240 "$bin/bgs-llm-gpu" check --model "$work/smollm2-135m" --dtype bf16 --steps 16 --invariant-gemm --json "$work/check-smollm2-bf16-invariant.json"
 step check-qwen-bf16-tc4 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --tc-gemm-max-tokens 4 --json "$work/check-qwen-bf16-tc4.json"
 step check-tiny-qwen2-bf16-invariant 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 --invariant-gemm --json "$work/check-tiny-qwen2-bf16-invariant.json"
+# The folded form at every bucket (check (g): bitwise equal to the launches apart).
+step check-qwen-bf16-invariant-fold 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 --invariant-gemm --tc-fold-max-tokens 512 --json "$work/check-qwen-bf16-invariant-fold.json"
 fi
 
 # 2. Against Hugging Face transformers (on the GPU, bf16 and f32).
@@ -83,7 +85,8 @@ fi
 #    launch, tensor-core attention) at batch 1..512 (384 and 512 are the buckets of a full
 #    256-slot table with prefill riding along), with per-kernel times; every projection on the
 #    tensor-core GEMM (--invariant-gemm: batch-invariant by construction; SiLU·up is the
-#    gate/up GEMM's epilogue, and once more launched apart with --no-tc-epilogues), and
+#    gate/up GEMM's epilogue, and once more launched apart with --no-tc-epilogues, and in the
+#    folded form with --tc-fold-max-tokens: norms, RoPE/KV and residual adds in the GEMMs), and
 #    buckets of up to 2 tokens in the fused form (--fused-max-tokens 2). BENCH_FLAGS adds flags
 #    to all.
 if want bench; then
@@ -98,6 +101,9 @@ for m in qwen2.5-0.5b smollm2-135m; do
   step "bench-$m-invariant-apart" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
     --batches 1,2,4,8,16,32,64,128,256,512 --context 128 --invariant-gemm --no-tc-epilogues \
     --json "$work/bench-$m-invariant-apart.json"
+  step "bench-$m-invariant-fold" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 $bf \
+    --batches 1,2,4,8,16,32,64,128,256,512 --context 128 --invariant-gemm --tc-fold-max-tokens 512 \
+    --per-op --json "$work/bench-$m-invariant-fold.json"
 done
 fi
 

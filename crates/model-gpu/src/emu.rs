@@ -860,6 +860,7 @@ pub(crate) struct EmuModel {
     attention_warps: u32,
     tensor_core_attention: bool,
     tc_epilogues: bool,
+    tc_fold_max_tokens: usize,
 }
 
 impl EmuModel {
@@ -909,7 +910,15 @@ impl EmuModel {
             // model allows it.
             tensor_core_attention: true,
             tc_epilogues: crate::GpuModelOptions::default().tensor_core_gemm_epilogues,
+            tc_fold_max_tokens: crate::GpuModelOptions::default().tensor_core_gemm_fold_max_tokens,
         }
+    }
+
+    /// The folded form up to `n` tokens (as
+    /// `GpuModelOptions::tensor_core_gemm_fold_max_tokens`).
+    pub(crate) fn with_tc_fold_max_tokens(mut self, n: usize) -> EmuModel {
+        self.tc_fold_max_tokens = n;
+        self
     }
 
     /// SiLU·up folded into the tensor-core gate/up GEMM (as
@@ -965,6 +974,7 @@ impl EmuModel {
                 && plan::mma_attention_shared(&self.cfg, self.dtype, self.attention_warps)
                     .is_some(),
             tc_epilogues: self.tc_epilogues,
+            tc_fold_max_tokens: self.tc_fold_max_tokens,
         }
     }
 
@@ -1271,7 +1281,7 @@ mod tests {
                 matches!(
                     op,
                     Op::Launch {
-                        kernel: Kernel::GemmTcAdd,
+                        kernel: Kernel::GemmTc,
                         ..
                     }
                 )
@@ -1595,9 +1605,9 @@ mod tests {
         ] {
             let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
             let m = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
-                .with_tensor_core_attention(mma);
-            // With the epilogues apart; and SiLU·up alone folded (a head size the folded QKV
-            // tile cannot pair).
+                .with_tensor_core_attention(mma)
+                .with_tc_fold_max_tokens(64);
+            // With the epilogues apart; and SiLU·up alone folded (the default).
             let apart =
                 EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv).with_tc_epilogues(false);
             let narrow = ModelConfig {
@@ -1607,7 +1617,8 @@ mod tests {
                 ..cfg
             };
             let (narrow, wn) = synth_weights_for(narrow, 1, DType::F32);
-            let silu = EmuModel::new(narrow, &wn, dtype, [16, 8, 64, 8], inv);
+            let silu =
+                EmuModel::new(narrow, &wn, dtype, [16, 8, 64, 8], inv).with_tc_fold_max_tokens(64);
             let plans = [m, apart, silu].map(|m| [m.plan().body(64), m.plan().head(8)]);
             for ops in plans.into_iter().flatten() {
                 for op in ops {
@@ -1669,7 +1680,8 @@ mod tests {
             let mut logits = Vec::new();
             for on in [true, false] {
                 let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 16, 64, 16], true)
-                    .with_tc_epilogues(on);
+                    .with_tc_epilogues(on)
+                    .with_tc_fold_max_tokens(64);
                 let ops = m.plan().body(64);
                 let count = |k: Kernel| {
                     ops.iter()
@@ -1699,6 +1711,12 @@ mod tests {
             }
             assert_eq!(logits[0], logits[1], "head_dim {}", cfg.head_dim);
         }
+        // The fold stops at its bucket limit (and is off by default).
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 16, 64, 16], true);
+        assert!(!m.plan().tc_fold(1));
+        let m = m.with_tc_fold_max_tokens(8);
+        assert!(m.plan().tc_fold(8) && !m.plan().tc_fold(16));
     }
 
     /// The persistent form takes every op of the own-kernel plans (the invariant tensor-core
@@ -1767,6 +1785,9 @@ mod tests {
         // persistent bodies.
         let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 1, DType::F32);
         let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 8, 64, 8], true);
+        let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
+        assert!(e.contains("(bgs_gemm_tc_silu)"), "{e}");
+        let m = m.with_tc_fold_max_tokens(8);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(e.contains("op 1 (bgs_gemm_tc_norm_rope_kv)"), "{e}");
     }

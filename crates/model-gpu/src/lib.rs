@@ -54,6 +54,8 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         // The tensor-core GEMM's block shape, which the plan's grids are sized by.
         format!("-DBGS_TC_WARPS={}", plan::TC_WARPS),
         format!("-DBGS_TC_TOKENS={}", plan::TC_TOKENS),
+        // The folded form's norm prologue: values of a row per virtual thread.
+        format!("-DBGS_TC_NORM_SPAN={}", plan::TC_NORM_SPAN),
     ];
     // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`); part of the
     // cache key like every option.

@@ -1384,24 +1384,38 @@ extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int o
 // row and no block barrier: lane l holds the strided sums of that kernel's threads l, l + 32,
 // ..., l + 224 (BGS_NORM_THREADS = 256 of them), adds them in its tree's first three levels
 // (thread i + 128 into i, then i + 64, then i + 32), and the warp's shuffles are its last five
-// (lane i + s into i): the same pairs, so the same bits. Every thread of the block takes part
-// (the warps stride over the rows); the caller synchronizes before xs is read.
+// (lane i + s into i): the same pairs, so the same bits. A lane loads its whole share of the
+// row (BGS_TC_NORM_SPAN values per virtual thread: in <= 256 * BGS_TC_NORM_SPAN, which
+// `plan::tc_fold_fits` checks) and the norm weights at once, so a row costs one round trip
+// to memory rather than one per value. Every thread of the block takes part (the warps
+// stride over the rows); the caller synchronizes before xs is read.
 #if BGS_NORM_THREADS != 256
 #error "tc_norm_rows transcribes the tree of 256 norm threads"
+#endif
+#ifndef BGS_TC_NORM_SPAN
+#error "BGS_TC_NORM_SPAN must be defined (plan::TC_NORM_SPAN)"
 #endif
 __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, float eps, wt *xs,
                                              int ldx, int in, int nt) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     for (int t = warp; t < nt; t += warps) {
         const float *xr = x + (size_t)t * in;
+        float v[8][BGS_TC_NORM_SPAN], w[8][BGS_TC_NORM_SPAN];
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+#pragma unroll
+            for (int m = 0; m < BGS_TC_NORM_SPAN; m++) {
+                const int i = lane + 32 * k + BGS_NORM_THREADS * m;
+                v[k][m] = i < in ? xr[i] : 0.0f;
+                w[k][m] = i < in ? nw[i] : 0.0f;
+            }
         float p[8];
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             float acc = 0.0f;
-            for (int i = lane + 32 * k; i < in; i += BGS_NORM_THREADS) {
-                const float v = xr[i];
-                acc = acc + v * v;
-            }
+#pragma unroll
+            for (int m = 0; m < BGS_TC_NORM_SPAN; m++)
+                if (lane + 32 * k + BGS_NORM_THREADS * m < in) acc = acc + v[k][m] * v[k][m];
             p[k] = acc;
         }
         const float l1[4] = {p[0] + p[4], p[1] + p[5], p[2] + p[6], p[3] + p[7]};
@@ -1410,7 +1424,13 @@ __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, fl
         for (int s = 16; s > 0; s >>= 1) sum = sum + __shfl_down_sync(0xffffffffu, sum, s);
         const float inv = rms_inv(__shfl_sync(0xffffffffu, sum, 0), in, eps);
         wt *o = xs + (size_t)t * ldx;
-        for (int i = lane; i < in; i += 32) o[i] = rms_scale(nw[i], xr[i], inv);
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+#pragma unroll
+            for (int m = 0; m < BGS_TC_NORM_SPAN; m++) {
+                const int i = lane + 32 * k + BGS_NORM_THREADS * m;
+                if (i < in) o[i] = rms_scale(w[k][m], v[k][m], inv);
+            }
     }
 }
 

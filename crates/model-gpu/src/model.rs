@@ -75,12 +75,16 @@ pub struct GpuModelOptions {
     pub tensor_core_gemm_max_tokens: usize,
     /// Where the gate/up projection runs on the tensor-core GEMM, run SiLU·up as its epilogue
     /// (`bgs_gemm_tc_silu`): the same bits as the GEMM then `bgs_silu_mul`, one launch a layer
-    /// fewer and no f32 gate/up activations. Where every projection of a bucket runs on it
-    /// (and the model fits: head_dim a multiple of 16), the **folded form**: the norms become
-    /// prologues of the QKV and gate/up GEMMs, RoPE and the K/V writes the QKV GEMM's
-    /// epilogue and the residual adds those of o and down, five launches a layer instead of
-    /// eight for the same bits (docs/gpu-model.md). On by default.
+    /// fewer and no f32 gate/up activations. On by default.
     pub tensor_core_gemm_epilogues: bool,
+    /// With the epilogues on, buckets of at most this many tokens whose every projection runs
+    /// on the tensor-core GEMM take the **folded form** (where the model fits: head_dim a
+    /// multiple of 16, hidden at most `plan::TC_NORM_MAX_HIDDEN`): the norms become prologues
+    /// of the QKV and gate/up GEMMs, RoPE and the K/V writes the QKV GEMM's epilogue and the
+    /// residual adds those of o and down, five launches a layer instead of eight for the same
+    /// bits, so buckets may mix the two forms. 0 (the default): never; its first version was
+    /// slower on the H200 at every size (docs/gpu-model.md).
+    pub tensor_core_gemm_fold_max_tokens: usize,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -140,6 +144,7 @@ impl Default for GpuModelOptions {
             fused_max_tokens: 0,
             tensor_core_gemm_max_tokens: 0,
             tensor_core_gemm_epilogues: true,
+            tensor_core_gemm_fold_max_tokens: 0,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -285,6 +290,8 @@ pub struct GpuModel {
     /// `tensor_core_gemm_epilogues` (a cell: `set_tc_epilogues` changes it for direct
     /// launches).
     tc_epilogues: std::cell::Cell<bool>,
+    /// `tensor_core_gemm_fold_max_tokens`.
+    tc_fold_max_tokens: usize,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -483,6 +490,7 @@ impl GpuModel {
                 0
             },
             tc_epilogues: std::cell::Cell::new(opts.tensor_core_gemm_epilogues),
+            tc_fold_max_tokens: opts.tensor_core_gemm_fold_max_tokens,
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -821,6 +829,7 @@ impl GpuModel {
             attention_warps: self.attention_warps,
             mma_attention: self.mma_attention,
             tc_epilogues: self.tc_epilogues.get(),
+            tc_fold_max_tokens: self.tc_fold_max_tokens,
         }
     }
 

@@ -410,14 +410,21 @@ pub(crate) fn tc_norm_shared(n: usize, inp: usize, dtype: GpuDtype) -> usize {
     n.min(TC_TOKENS) * tc_norm_ldx(inp, dtype) * dtype.size()
 }
 
+/// Values of a row each of the folded norm prologue's 256 virtual threads holds in registers
+/// at once (`-DBGS_TC_NORM_SPAN`): every load of a row is in flight together.
+pub const TC_NORM_SPAN: usize = 4;
+/// The widest row the folded norm prologue takes (`NORM_THREADS * TC_NORM_SPAN`).
+pub(crate) const TC_NORM_MAX_HIDDEN: usize = NORM_THREADS as usize * TC_NORM_SPAN;
+
 /// The most dynamic shared memory a folded-form norm kernel may ask for (the H100/H200 allow
 /// 227 KB a block; the kernels' static arrays come on top: 38 KB for the SiLU one).
 pub(crate) const TC_NORM_MAX_SHARED: usize = 160 * 1024;
 
 /// Whether the folded tensor-core form (`Plan::tc_epilogues` with every projection of the
 /// bucket on `bgs_gemm_tc`) can run `cfg` in `dtype`: the QKV epilogue pairs the rows RoPE
-/// rotates inside a 16-row tile (head_dim a multiple of 16), and the normed rows of
-/// `TC_TOKENS` tokens fit [`TC_NORM_MAX_SHARED`]. `Err` says why not.
+/// rotates inside a 16-row tile (head_dim a multiple of 16), the norm prologue holds a row
+/// (hidden at most [`TC_NORM_MAX_HIDDEN`]), and the normed rows of `TC_TOKENS` tokens fit
+/// [`TC_NORM_MAX_SHARED`]. `Err` says why not.
 pub(crate) fn tc_fold_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), String> {
     if !tc_gemm_covers(cfg, dtype) {
         return Err(format!(
@@ -429,6 +436,12 @@ pub(crate) fn tc_fold_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), Str
             "head_dim {} is not a multiple of {TC_ROWS} (a tile holds 8 rows of a head and the \
              8 RoPE rotates them with)",
             cfg.head_dim
+        ));
+    }
+    if cfg.hidden_size > TC_NORM_MAX_HIDDEN {
+        return Err(format!(
+            "hidden_size {} is wider than the norm prologue's {TC_NORM_MAX_HIDDEN}",
+            cfg.hidden_size
         ));
     }
     let shared = tc_norm_shared(TC_TOKENS, cfg.hidden_size, dtype);
@@ -500,6 +513,9 @@ pub(crate) struct Plan<'a> {
     /// Where the gate/up projection runs on `bgs_gemm_tc`, fold `bgs_silu_mul` into it
     /// (`bgs_gemm_tc_silu`: the same bits, one launch and the f32 gate/up activations fewer).
     pub tc_epilogues: bool,
+    /// With `tc_epilogues`, buckets of at most this many tokens take the folded form where it
+    /// applies ([`Plan::tc_fold`]; 0: none).
+    pub tc_fold_max_tokens: usize,
 }
 
 impl Plan<'_> {
@@ -543,14 +559,16 @@ impl Plan<'_> {
         !self.invariant_gemm && n <= self.tc_gemm_max_tokens && tc_gemm_applies(self.dtype, inp)
     }
 
-    /// Whether a bucket of `n` tokens runs the folded tensor-core form: every projection on
-    /// `bgs_gemm_tc` with the epilogues on, and [`tc_fold_fits`] the model. A layer is then
+    /// Whether a bucket of `n` tokens runs the folded tensor-core form: at most
+    /// `tc_fold_max_tokens`, every projection on `bgs_gemm_tc` with the epilogues on, and
+    /// [`tc_fold_fits`] the model. A layer is then
     /// five launches (QKV with the input norm, RoPE and K/V; attention; o with the residual
     /// add; gate/up with the post-attention norm and SiLU·up; down with the residual add) for
     /// the same bits as the launches apart.
     pub(crate) fn tc_fold(&self, n: usize) -> bool {
         let c = self.cfg;
         self.tc_epilogues
+            && n <= self.tc_fold_max_tokens
             && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
                 .into_iter()
                 .all(|inp| self.tc_gemm(n, inp))

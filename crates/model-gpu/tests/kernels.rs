@@ -5,6 +5,10 @@
 //!   bgs-executor-gpu's kernel test;
 //! - with clang-19 in CUDA mode (`-fsyntax-only -Wall -Werror`, stub prelude).
 //!
+//! `BGS_DUMP_CUBINS=<dir>` writes each NVRTC cubin there (`<dtype>-<head_dim>.cubin`) for
+//! `cuobjdump --dump-resource-usage` (`bench/gpu/kernel-resources.sh`): registers and shared
+//! memory a thread and a block, hence blocks per SM, without a GPU.
+//!
 //! Each check prints a notice and passes when its tool is missing, except under CI (`CI` set),
 //! which installs every tool and fails instead: a check that silently stops running is worse
 //! than a failing one.
@@ -21,7 +25,7 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 15] = [
+const ENTRY_POINTS: [&str; 18] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -36,6 +40,9 @@ const ENTRY_POINTS: [&str; 15] = [
     "bgs_proj_norm_rope_kv",
     "bgs_gemm_tc",
     "bgs_gemm_tc_silu",
+    "bgs_gemm_tc_add",
+    "bgs_gemm_tc_norm_silu",
+    "bgs_gemm_tc_norm_rope_kv",
     "bgs_persistent",
 ];
 
@@ -63,6 +70,10 @@ fn kernels_compile_with_nvrtc_for_sm90_in_every_dtype() {
         )
         .unwrap_or_else(|e| panic!("{} head_dim {head_dim}: {e}", dt.name()));
         assert!(cubin.starts_with(b"\x7fELF"), "{}: not a cubin", dt.name());
+        if let Some(dir) = std::env::var_os("BGS_DUMP_CUBINS") {
+            let path = std::path::Path::new(&dir).join(format!("{}-{head_dim}.cubin", dt.name()));
+            std::fs::write(&path, &cubin).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
         // Every entry point is in the cubin under its unmangled name (extern "C").
         for name in ENTRY_POINTS {
             assert!(

@@ -86,6 +86,11 @@ struct DeviceArgs {
     /// epilogue, `bgs_gemm_tc_silu`; the check compares the two).
     #[arg(long)]
     no_tc_epilogues: bool,
+    /// Buckets of at most this many tokens whose projections all run on the tensor-core GEMM
+    /// take the folded form (norms as GEMM prologues, RoPE/KV and the residual adds as
+    /// epilogues; the same bits, which the check compares; 0: never).
+    #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_gemm_fold_max_tokens)]
+    tc_fold_max_tokens: usize,
     /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
     no_pdl: bool,
@@ -204,6 +209,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         fused_max_tokens: dev.fused_max_tokens,
         tensor_core_gemm_max_tokens: dev.tc_gemm_max_tokens,
         tensor_core_gemm_epilogues: !dev.no_tc_epilogues,
+        tensor_core_gemm_fold_max_tokens: dev.tc_fold_max_tokens,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
@@ -678,6 +684,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "tc_epilogues": !a.dev.no_tc_epilogues,
+        "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": gpu.tensor_core_attention(),
         "persistent_buckets": gpu.persistent_buckets(),
@@ -994,6 +1001,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "graphs": !a.dev.no_graphs, "invariant_gemm": a.dev.invariant_gemm,
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "tc_epilogues": !a.dev.no_tc_epilogues,
+        "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": m.tensor_core_attention(),
         "persistent_buckets": m.persistent_buckets(),
