@@ -206,19 +206,16 @@ impl Emu {
         );
     }
 
-    /// The launch properties the folded form's norm kernels are written for: 16-bit types,
-    /// `groups` warp groups a block, every token in the grid, whole 32-value chunks, the
-    /// plan's row stride and shared memory for the block's normed rows.
-    #[allow(clippy::too_many_arguments)] // one per launch property checked
-    fn check_tc_norm(
+    /// The launch properties the tensor-core GEMM kernels are written for: 16-bit types,
+    /// `groups` warp groups a block, every one of `rows` output rows and `n` tokens in the
+    /// grid, whole 32-value chunks of the input width `inp`.
+    fn check_tc(
         &self,
         k: Kernel,
-        (gy, block): (usize, u32),
+        (gx, gy): (u32, u32),
+        block: u32,
         groups: usize,
-        n: usize,
-        inp: usize,
-        ldx: usize,
-        shared: u32,
+        (rows, n, inp): (usize, usize, usize),
     ) {
         let name = k.name();
         assert_ne!(self.dtype, GpuDtype::F32, "{name}: 16-bit types only");
@@ -227,8 +224,21 @@ impl Emu {
             groups * plan::TC_WARPS * 32,
             "{name}: block"
         );
-        assert!(gy * plan::TC_TOKENS >= n, "{name}: grid misses tokens");
+        assert!(
+            gx as usize * plan::TC_ROWS >= rows,
+            "{name}: grid misses rows"
+        );
+        assert!(
+            gy as usize * plan::TC_TOKENS >= n,
+            "{name}: grid misses tokens"
+        );
         assert_eq!(inp % plan::TC_CHUNK, 0, "{name}: partial chunk");
+    }
+
+    /// What the folded form's norm kernels add to [`Emu::check_tc`]: the plan's row stride
+    /// and shared memory for the block's normed rows.
+    fn check_tc_norm(&self, k: Kernel, n: usize, inp: usize, ldx: usize, shared: u32) {
+        let name = k.name();
         assert_eq!(
             ldx,
             plan::tc_norm_ldx(inp, self.dtype),
@@ -558,12 +568,7 @@ impl Emu {
             }
             Kernel::GemmTc | Kernel::GemmTcAdd => {
                 let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
-                let name = k.name();
-                assert_ne!(self.dtype, GpuDtype::F32, "{name}: 16-bit types only");
-                assert_eq!(block as usize, plan::TC_WARPS * 32, "{name}: block");
-                assert!(gx * plan::TC_ROWS >= out, "{name}: grid misses rows");
-                assert!(gy * plan::TC_TOKENS >= n, "{name}: grid misses tokens");
-                assert_eq!(inp % plan::TC_CHUNK, 0, "{name}: partial chunk");
+                self.check_tc(k, grid, block, 1, (out, n, inp));
                 let xs = self.wts(x, n * inp);
                 let mut ys = self.f32s(y, n * out);
                 for r in 0..out {
@@ -576,49 +581,23 @@ impl Emu {
                 }
                 self.put_f32s(y, &ys);
             }
-            Kernel::GemmTcNormSilu => {
-                let (w, res, nw, eps, act) = (p(0), p(1), p(2), fl(3), p(4));
-                let (inter, inp, ldx, n) = (int(5), int(6), int(7), int(8));
-                assert!(
-                    gx * plan::TC_ROWS >= inter,
-                    "{}: grid misses rows",
-                    k.name()
-                );
-                self.check_tc_norm(k, (gy, block), 2, n, inp, ldx, shared);
-                let xs = self.normed_rows(res, nw, eps, inp, n);
-                let mut o = vec![0f32; n * inter];
-                for i in 0..inter {
-                    let wg = self.wts(w + (i * inp) as u64 * es, inp);
-                    let wu = self.wts(w + ((inter + i) * inp) as u64 * es, inp);
-                    for t in 0..n {
-                        let xt = &xs[t * inp..(t + 1) * inp];
-                        o[t * inter + i] = silu_times(tc_dot(&wg, xt), tc_dot(&wu, xt));
-                    }
-                }
-                self.put_wts(act, &o);
-            }
-            Kernel::GemmTcSilu => {
-                let (w, x, act, inter, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
-                assert_ne!(
-                    self.dtype,
-                    GpuDtype::F32,
-                    "bgs_gemm_tc_silu: 16-bit types only"
-                );
-                assert_eq!(
-                    block as usize,
-                    2 * plan::TC_WARPS * 32,
-                    "bgs_gemm_tc_silu: block"
-                );
-                assert!(
-                    gx * plan::TC_ROWS >= inter,
-                    "bgs_gemm_tc_silu: grid misses rows"
-                );
-                assert!(
-                    gy * plan::TC_TOKENS >= n,
-                    "bgs_gemm_tc_silu: grid misses tokens"
-                );
-                assert_eq!(inp % plan::TC_CHUNK, 0, "bgs_gemm_tc_silu: partial chunk");
-                let xs = self.wts(x, n * inp);
+            Kernel::GemmTcSilu | Kernel::GemmTcNormSilu => {
+                // (w, x, act, inter, in, n), or (w, res, nw, eps, act, inter, in, ldx, n)
+                // with the input normed from the residual.
+                let norm = k == Kernel::GemmTcNormSilu;
+                let w = p(0);
+                let (act, inter, inp, n) = if norm {
+                    (p(4), int(5), int(6), int(8))
+                } else {
+                    (p(2), int(3), int(4), int(5))
+                };
+                self.check_tc(k, grid, block, 2, (inter, n, inp));
+                let xs = if norm {
+                    self.check_tc_norm(k, n, inp, int(7), shared);
+                    self.normed_rows(p(1), p(2), fl(3), inp, n)
+                } else {
+                    self.wts(p(1), n * inp)
+                };
                 let mut o = vec![0f32; n * inter];
                 for i in 0..inter {
                     let wg = self.wts(w + (i * inp) as u64 * es, inp);
@@ -663,7 +642,8 @@ impl Emu {
                         "{}: a block per 16 rows",
                         k.name()
                     );
-                    self.check_tc_norm(k, (gy, block), 1, n, inp, int(16), shared);
+                    self.check_tc(k, grid, block, 1, (rows, n, inp));
+                    self.check_tc_norm(k, n, inp, int(16), shared);
                 } else {
                     self.check_proj(k, (gx, gy), block, n, inp, inp, shared);
                 }

@@ -1360,6 +1360,9 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
 }
 #endif
 
+// y[t][r] = x[t] · w[r] (ADD: y[t][r] += it, the folded form's o_proj and down_proj with the
+// residual add: one writer per element, bgs_add_rmsnorm's add).
+template <bool ADD>
 __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, const wt *x, float *y,
                                              int out, int in, int n) {
 #if BGS_HAVE_MMA
@@ -1367,7 +1370,10 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
     tc_tile<0>(w, x + (size_t)t0 * in, in, r0, r0 + 8, t0, out, in, n, bk.pdl, [] {},
                [&](int row, int col, float s) {
                    const int r = r0 + row, t = t0 + col;
-                   if (r < out && t < n) y[(size_t)t * out + r] = s;
+                   if (r < out && t < n) {
+                       float *o = y + (size_t)t * out + r;
+                       *o = ADD ? *o + s : s;
+                   }
                });
 #else
     // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
@@ -1375,7 +1381,7 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
 #endif
 }
 extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int out, int in, int n) {
-    gemm_tc_body(BGS_LAUNCH_BLK, w, x, y, out, in, n);
+    gemm_tc_body<false>(BGS_LAUNCH_BLK, w, x, y, out, in, n);
 }
 
 #if BGS_HAVE_MMA
@@ -1432,21 +1438,6 @@ __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, fl
                 if (i < in) o[i] = rms_scale(w[k][m], v[k][m], inv);
             }
     }
-}
-
-// res[t][r] += y[t][r]: bgs_gemm_tc with the residual add as its epilogue (o_proj and
-// down_proj in the folded form; one writer per element, bgs_add_rmsnorm's add).
-__device__ __forceinline__ void gemm_tc_add_body(const bgs_blk &bk, const wt *w, const wt *x,
-                                                 float *res, int out, int in, int n) {
-    const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
-    tc_tile<0>(w, x + (size_t)t0 * in, in, r0, r0 + 8, t0, out, in, n, bk.pdl, [] {},
-               [&](int row, int col, float s) {
-                   const int r = r0 + row, t = t0 + col;
-                   if (r < out && t < n) {
-                       float *o = res + (size_t)t * out + r;
-                       *o = *o + s;
-                   }
-               });
 }
 
 // Both tiles of the gate/up projection and SiLU·up: w is the fused [gate; up] weight (2 *
@@ -1514,11 +1505,7 @@ extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)
 // o_proj and down_proj in the folded form: bgs_gemm_tc, then res += y.
 extern "C" __global__ void bgs_gemm_tc_add(const wt *w, const wt *x, float *res, int out, int in,
                                            int n) {
-#if BGS_HAVE_MMA
-    gemm_tc_add_body(BGS_LAUNCH_BLK, w, x, res, out, in, n);
-#else
-    __trap();
-#endif
+    gemm_tc_body<true>(BGS_LAUNCH_BLK, w, x, res, out, in, n);
 }
 
 // The folded form's QKV step: the input norm of the block's tokens into shared memory (as in
@@ -1631,7 +1618,7 @@ __device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_bl
                                a[10], a[11], a[12], a[13], a[14], a[15], a[16]);
         break;
     case BGS_OP_GEMM_TC:
-        gemm_tc_body(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
+        gemm_tc_body<false>(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
         break;
     // (BGS_OP_GEMM_TC_SILU takes two warp groups, more than a persistent block: never
     // encoded, `persistent::encode` refuses it.)

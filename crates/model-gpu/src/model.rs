@@ -287,9 +287,8 @@ pub struct GpuModel {
     fused_max_tokens: usize,
     /// Projections over at most this many tokens run `bgs_gemm_tc` (0 before sm_80).
     tc_gemm_max_tokens: usize,
-    /// `tensor_core_gemm_epilogues` (a cell: `set_tc_epilogues` changes it for direct
-    /// launches).
-    tc_epilogues: std::cell::Cell<bool>,
+    /// `tensor_core_gemm_epilogues` (`set_tc_epilogues` changes it for direct launches).
+    tc_epilogues: bool,
     /// `tensor_core_gemm_fold_max_tokens`.
     tc_fold_max_tokens: usize,
     /// Launch the crate's kernels with programmatic stream serialization
@@ -357,7 +356,7 @@ struct Persist {
     prefetch_distance: usize,
     blocks_per_sm: u32,
     /// Replay the persistent graphs where a bucket has one.
-    on: std::cell::Cell<bool>,
+    on: bool,
     func: Option<cu::CUfunction>,
     grid: u32,
     shared: u32,
@@ -489,7 +488,7 @@ impl GpuModel {
             } else {
                 0
             },
-            tc_epilogues: std::cell::Cell::new(opts.tensor_core_gemm_epilogues),
+            tc_epilogues: opts.tensor_core_gemm_epilogues,
             tc_fold_max_tokens: opts.tensor_core_gemm_fold_max_tokens,
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
@@ -566,8 +565,7 @@ impl GpuModel {
             // memory, which may pass the 48 KB a launch gets without asking.
             let bytes = plan::tc_norm_shared(plan::TC_TOKENS, self.cfg.hidden_size, self.dtype);
             for k in [Kernel::GemmTcNormSilu, Kernel::GemmTcNormRopeKv] {
-                let at = Kernel::ALL.iter().position(|&x| x == k);
-                let f = self.funcs[at.expect("every kernel is in Kernel::ALL")];
+                let f = self.func(k)?;
                 ck(
                     // SAFETY: `f` is a kernel of the loaded module; `bytes` is at most
                     // plan::TC_NORM_MAX_SHARED, within what sm_80+ devices allow.
@@ -828,7 +826,7 @@ impl GpuModel {
             sms: self.sms,
             attention_warps: self.attention_warps,
             mma_attention: self.mma_attention,
-            tc_epilogues: self.tc_epilogues.get(),
+            tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
         }
     }
@@ -858,6 +856,15 @@ impl GpuModel {
         Ok(())
     }
 
+    /// The loaded function of kernel `k`.
+    fn func(&self, k: Kernel) -> Result<cu::CUfunction, GpuError> {
+        Kernel::ALL
+            .iter()
+            .position(|&x| x == k)
+            .and_then(|i| self.funcs.get(i).copied())
+            .ok_or_else(|| GpuError::Failed(format!("kernel {} not loaded", k.name())))
+    }
+
     fn launch(
         &self,
         k: Kernel,
@@ -866,11 +873,7 @@ impl GpuModel {
         shared: u32,
         args: &[Arg],
     ) -> Result<(), GpuError> {
-        let f = Kernel::ALL
-            .iter()
-            .position(|&x| x == k)
-            .and_then(|i| self.funcs.get(i).copied())
-            .ok_or_else(|| GpuError::Failed(format!("kernel {} not loaded", k.name())))?;
+        let f = self.func(k)?;
         let mut cells: Vec<u64> = args
             .iter()
             .map(|a| match *a {
@@ -1115,6 +1118,7 @@ impl GpuModel {
             unsafe { cu::cuFuncSetAttribute(f, MAX_DYN, shared as i32) },
             "cuFuncSetAttribute(bgs_persistent, max dynamic shared memory)",
         )?;
+        let regs = attr(REGS, "cuFuncGetAttribute(bgs_persistent, registers)")?;
         let mut fit = 0i32;
         ck(
             // SAFETY: as above.
@@ -1131,9 +1135,8 @@ impl GpuModel {
         if fit < 1 {
             return Err(GpuModelError::Config(format!(
                 "bgs_persistent does not fit a multiprocessor ({} bytes of dynamic shared \
-                 memory, {} registers a thread)",
-                shared,
-                attr(REGS, "cuFuncGetAttribute(bgs_persistent, registers)")?
+                 memory, {regs} registers a thread)",
+                shared
             )));
         }
         let longest = self.persist.tables.iter().map(|t| t.ops as usize).max();
@@ -1146,7 +1149,7 @@ impl GpuModel {
         self.persist.func = Some(f);
         self.persist.shared = shared;
         self.persist.grid = per_sm * self.sms;
-        self.persist.regs = attr(REGS, "cuFuncGetAttribute(bgs_persistent, registers)")?;
+        self.persist.regs = regs;
         self.persist.static_shared =
             attr(STATIC, "cuFuncGetAttribute(bgs_persistent, static shared)")?;
         self.persist.local_bytes = attr(LOCAL, "cuFuncGetAttribute(bgs_persistent, local memory)")?;
@@ -1182,7 +1185,7 @@ impl GpuModel {
             }
             self.sync("persistent graph upload")?;
         }
-        self.persist.on.set(true);
+        self.persist.on = true;
         Ok(())
     }
 
@@ -1194,10 +1197,7 @@ impl GpuModel {
             .func
             .ok_or_else(|| GpuError::Failed("bgs_persistent not loaded".into()))?;
         let mut cells: [u64; 4] = [t.table, u64::from(t.ops), t.sync, stamps];
-        let mut ptrs: Vec<*mut c_void> = cells
-            .iter_mut()
-            .map(|c| (c as *mut u64).cast::<c_void>())
-            .collect();
+        let mut ptrs: [*mut c_void; 4] = cells.each_mut().map(|c| (c as *mut u64).cast());
         // Cooperative: every block resident at once (the grid barrier waits for all of them),
         // or the launch fails instead of hanging.
         let mut attr = cu::CUlaunchAttribute {
@@ -1238,14 +1238,14 @@ impl GpuModel {
     /// the launches made without graphs (the captured graphs keep the option they were built
     /// with). The same bits either way; the check compares the two.
     pub fn set_tc_epilogues(&mut self, on: bool) {
-        self.tc_epilogues.set(on);
+        self.tc_epilogues = on;
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),
     /// or always the launched ops (false). Returns whether any bucket has a persistent form.
     /// The same bits either way; the checks compare the two.
     pub fn set_persistent(&mut self, on: bool) -> bool {
-        self.persist.on.set(on && !self.persist.tables.is_empty());
+        self.persist.on = on && !self.persist.tables.is_empty();
         !self.persist.tables.is_empty()
     }
 
@@ -1279,9 +1279,14 @@ impl GpuModel {
 
     /// The persistent table for a body (`head` false) or head bucket, when it is on.
     fn persistent_table(&self, head: bool, bucket: usize) -> Option<&PersistTable> {
-        if !self.persist.on.get() {
-            return None;
-        }
+        self.persist
+            .on
+            .then(|| self.persist_table(head, bucket))
+            .flatten()
+    }
+
+    /// The persistent table for a body or head bucket, whether the form is on or not.
+    fn persist_table(&self, head: bool, bucket: usize) -> Option<&PersistTable> {
         self.persist
             .tables
             .iter()
@@ -1302,10 +1307,7 @@ impl GpuModel {
         let want: Vec<bool> = items.iter().map(|it| it.sample).collect();
         let p = self.pack(items, &want)?;
         let t = self
-            .persist
-            .tables
-            .iter()
-            .find(|t| !t.head && t.bucket == p.bucket)
+            .persist_table(false, p.bucket)
             .cloned()
             .ok_or_else(|| {
                 GpuModelError::Step(format!("bucket {} has no persistent form", p.bucket))
@@ -1396,7 +1398,7 @@ impl GpuModel {
     }
 
     fn persistent_graph(&self, head: bool, bucket: usize) -> Option<cu::CUgraphExec> {
-        if !self.persist.on.get() {
+        if !self.persist.on {
             return None;
         }
         let list = if head {

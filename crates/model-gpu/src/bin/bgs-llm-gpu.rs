@@ -498,59 +498,30 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         let cases: [(&[usize], usize); 4] =
             [(&[5, 17, 40], 0), (&[1], 20), (&[1; 3], 20), (&[1; 33], 20)];
         for (lens, pos) in cases {
-            let b = lens.len();
-            let tables: Vec<Vec<u32>> = (0..b)
-                .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
-                .collect();
-            let toks: Vec<Vec<u32>> = lens
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| {
-                    (0..n)
-                        .map(|j| ((7 + 13 * i + 31 * j) % vocab) as u32)
-                        .collect()
-                })
-                .collect();
-            let step: Vec<StepItem<'_>> = (0..b)
-                .map(|i| StepItem {
-                    tokens: &toks[i],
-                    pos,
-                    blocks: &tables[i],
-                    sample: true,
-                })
-                .collect();
-            let step = &step[..];
+            let (toks, tables) = step_inputs(lens, per, vocab);
+            let step = step_items(&toks, &tables, pos);
             gpu.set_tc_epilogues(false);
-            let apart = gpu.step_logits(step).map_err(|e| e.to_string());
+            let apart = gpu.step_logits(&step).map_err(|e| e.to_string());
             gpu.set_tc_epilogues(true);
-            let folded = gpu.step_logits(step).map_err(|e| e.to_string());
+            let folded = gpu.step_logits(&step).map_err(|e| e.to_string());
             let (apart, folded) = (apart?, folded?);
-            let bitwise = bitwise_equal(&apart, &folded);
-            let d = compare_logits(&apart, &folded, tol);
-            ok &= bitwise;
-            let what = if pos == 0 {
-                "same prefill".to_string()
+            let b = lens.len();
+            let (what, name) = if pos == 0 {
+                ("same prefill".to_string(), "tc_epilogues".to_string())
             } else {
-                format!("decode step of {b}")
+                (
+                    format!("decode step of {b}"),
+                    format!("tc_epilogues_decode_{b}"),
+                )
             };
-            println!(
-                "[{}] tensor-core GEMM epilogues folded vs launched apart, {what}: {} ({})",
-                if bitwise { "PASS" } else { "FAIL" },
-                d.describe(tol, "apart", "folded"),
-                if bitwise {
-                    "bitwise equal"
-                } else {
-                    "NOT bitwise equal"
-                },
+            ok &= report_bitwise(
+                &format!("tensor-core GEMM epilogues folded vs launched apart, {what}"),
+                &name,
+                ("apart", &apart),
+                ("folded", &folded),
+                tol,
+                &mut results,
             );
-            let name = if pos == 0 {
-                "tc_epilogues".to_string()
-            } else {
-                format!("tc_epilogues_decode_{b}")
-            };
-            let mut j = d.json(&name, bitwise, tol);
-            j["bitwise_equal"] = json!(bitwise);
-            results.push(j);
         }
         gpu.set_tc_epilogues(!a.dev.no_tc_epilogues);
         gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
@@ -563,41 +534,21 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         if b > 33 {
             continue;
         }
-        let tables: Vec<Vec<u32>> = (0..b)
-            .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
-            .collect();
-        let toks: Vec<[u32; 1]> = (0..b)
-            .map(|i| [(7 + 13 * i) as u32 % vocab as u32])
-            .collect();
-        let items: Vec<StepItem<'_>> = (0..b)
-            .map(|i| StepItem {
-                tokens: &toks[i],
-                pos: 20,
-                blocks: &tables[i],
-                sample: true,
-            })
-            .collect();
+        let (toks, tables) = step_inputs(&vec![1; b], per, vocab);
+        let items = step_items(&toks, &tables, 20);
         gpu.set_persistent(false);
         let launched = gpu.step_logits(&items).map_err(|e| e.to_string());
         gpu.set_persistent(true);
         let persistent = gpu.step_logits(&items).map_err(|e| e.to_string())?;
         let launched = launched?;
-        let d = compare_logits(&launched, &persistent, tol);
-        let bitwise = bitwise_equal(&launched, &persistent);
-        ok &= bitwise;
-        println!(
-            "[{}] persistent form vs launched ops, decode step of {b}: {} ({})",
-            if bitwise { "PASS" } else { "FAIL" },
-            d.describe(tol, "launched", "persistent"),
-            if bitwise {
-                "bitwise equal"
-            } else {
-                "NOT bitwise equal"
-            },
+        ok &= report_bitwise(
+            &format!("persistent form vs launched ops, decode step of {b}"),
+            &format!("persistent_vs_launched_{b}"),
+            ("launched", &launched),
+            ("persistent", &persistent),
+            tol,
+            &mut results,
         );
-        let mut j = d.json(&format!("persistent_vs_launched_{b}"), bitwise, tol);
-        j["bitwise_equal"] = json!(bitwise);
-        results.push(j);
     }
 
     // (b) Greedy tokens, CPU vs GPU, 1 and 8 concurrent sequences (chunked prefill).
@@ -796,6 +747,65 @@ fn argmax(v: &[f32]) -> usize {
         }
     }
     best
+}
+
+/// A check step's owned inputs for sequences of `lens` tokens: sequence i's tokens are
+/// (7 + 13 i + 31 j) mod vocab and its block table the `per` blocks from i · per.
+fn step_inputs(lens: &[usize], per: usize, vocab: usize) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let toks = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            (0..n)
+                .map(|j| ((7 + 13 * i + 31 * j) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let tables = (0..lens.len())
+        .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+        .collect();
+    (toks, tables)
+}
+
+/// The step of `step_inputs` at position `pos`, every sequence sampled.
+fn step_items<'a>(toks: &'a [Vec<u32>], tables: &'a [Vec<u32>], pos: usize) -> Vec<StepItem<'a>> {
+    toks.iter()
+        .zip(tables)
+        .map(|(t, b)| StepItem {
+            tokens: t,
+            pos,
+            blocks: b,
+            sample: true,
+        })
+        .collect()
+}
+
+/// Print and record (as `name`, with `bitwise_equal`) whether `got` is bit for bit `want`;
+/// returns whether it is.
+fn report_bitwise(
+    title: &str,
+    name: &str,
+    (want_label, want): (&str, &[Vec<f32>]),
+    (got_label, got): (&str, &[Vec<f32>]),
+    tol: f64,
+    results: &mut Vec<Value>,
+) -> bool {
+    let bitwise = bitwise_equal(want, got);
+    let d = compare_logits(want, got, tol);
+    println!(
+        "[{}] {title}: {} ({})",
+        if bitwise { "PASS" } else { "FAIL" },
+        d.describe(tol, want_label, got_label),
+        if bitwise {
+            "bitwise equal"
+        } else {
+            "NOT bitwise equal"
+        },
+    );
+    let mut j = d.json(name, bitwise, tol);
+    j["bitwise_equal"] = json!(bitwise);
+    results.push(j);
+    bitwise
 }
 
 /// Whether two sets of logits are the same bits (rows and lengths included; a NaN equals
