@@ -212,6 +212,7 @@ impl Emu {
     fn check_tc(
         &self,
         k: Kernel,
+        tile: usize,
         (gx, gy): (u32, u32),
         block: u32,
         groups: usize,
@@ -228,16 +229,17 @@ impl Emu {
             gx as usize * plan::TC_ROWS >= rows,
             "{name}: grid misses rows"
         );
+        assert!(gy as usize * tile >= n, "{name}: grid misses tokens");
         assert!(
-            gy as usize * plan::TC_TOKENS >= n,
-            "{name}: grid misses tokens"
+            (gy as usize - 1) * tile < n,
+            "{name}: a token block past the tokens"
         );
         assert_eq!(inp % plan::TC_CHUNK, 0, "{name}: partial chunk");
     }
 
     /// What the folded form's norm kernels add to [`Emu::check_tc`]: the plan's row stride
     /// and shared memory for the block's normed rows.
-    fn check_tc_norm(&self, k: Kernel, n: usize, inp: usize, ldx: usize, shared: u32) {
+    fn check_tc_norm(&self, k: Kernel, tile: usize, n: usize, inp: usize, ldx: usize, shared: u32) {
         let name = k.name();
         assert_eq!(
             ldx,
@@ -245,7 +247,7 @@ impl Emu {
             "{name}: row stride"
         );
         assert!(
-            shared as usize >= n.min(plan::TC_TOKENS) * ldx * self.dtype.size(),
+            shared as usize >= n.min(tile) * ldx * self.dtype.size(),
             "{name}: {shared} bytes of shared memory for rows of {ldx}"
         );
     }
@@ -287,6 +289,10 @@ impl Emu {
         };
         let es = self.dtype.size() as u64;
         let (gx, gy) = (grid.0 as usize, grid.1 as usize);
+        // A small-tile entry point computes its wide form's bits over narrower token blocks.
+        let tile = k.tc_tile_tokens().unwrap_or(0);
+        let named = k;
+        let k = k.wide();
         match k {
             Kernel::Embed => {
                 let (tok, embed, x, h) = (p(0), p(1), p(2), int(3));
@@ -568,7 +574,7 @@ impl Emu {
             }
             Kernel::GemmTc | Kernel::GemmTcAdd => {
                 let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
-                self.check_tc(k, grid, block, 1, (out, n, inp));
+                self.check_tc(named, tile, grid, block, 1, (out, n, inp));
                 let xs = self.wts(x, n * inp);
                 let mut ys = self.f32s(y, n * out);
                 for r in 0..out {
@@ -591,9 +597,9 @@ impl Emu {
                 } else {
                     (p(2), int(3), int(4), int(5))
                 };
-                self.check_tc(k, grid, block, 2, (inter, n, inp));
+                self.check_tc(named, tile, grid, block, 2, (inter, n, inp));
                 let xs = if norm {
-                    self.check_tc_norm(k, n, inp, int(7), shared);
+                    self.check_tc_norm(named, tile, n, inp, int(7), shared);
                     self.normed_rows(p(1), p(2), fl(3), inp, n)
                 } else {
                     self.wts(p(1), n * inp)
@@ -642,8 +648,8 @@ impl Emu {
                         "{}: a block per 16 rows",
                         k.name()
                     );
-                    self.check_tc(k, grid, block, 1, (rows, n, inp));
-                    self.check_tc_norm(k, n, inp, int(16), shared);
+                    self.check_tc(named, tile, grid, block, 1, (rows, n, inp));
+                    self.check_tc_norm(named, tile, n, inp, int(16), shared);
                 } else {
                     self.check_proj(k, (gx, gy), block, n, inp, inp, shared);
                 }
@@ -728,6 +734,11 @@ impl Emu {
                     self.put_i32s(next + 4 * s as u64, &[id as i32]);
                 }
             }
+            Kernel::GemmTcSmall
+            | Kernel::GemmTcSiluSmall
+            | Kernel::GemmTcAddSmall
+            | Kernel::GemmTcNormSiluSmall
+            | Kernel::GemmTcNormRopeKvSmall => unreachable!("k is the wide form (Kernel::wide)"),
         }
     }
 }
@@ -841,6 +852,7 @@ pub(crate) struct EmuModel {
     tensor_core_attention: bool,
     tc_epilogues: bool,
     tc_fold_max_tokens: usize,
+    tc_small_tiles: bool,
 }
 
 impl EmuModel {
@@ -891,7 +903,15 @@ impl EmuModel {
             tensor_core_attention: true,
             tc_epilogues: crate::GpuModelOptions::default().tensor_core_gemm_epilogues,
             tc_fold_max_tokens: crate::GpuModelOptions::default().tensor_core_gemm_fold_max_tokens,
+            tc_small_tiles: crate::GpuModelOptions::default().tensor_core_small_tiles,
         }
+    }
+
+    /// Small tensor-core tiles for buckets of at most `plan::TC_SMALL_TOKENS` tokens (as
+    /// `GpuModelOptions::tensor_core_small_tiles`).
+    pub(crate) fn with_tc_small_tiles(mut self, on: bool) -> EmuModel {
+        self.tc_small_tiles = on;
+        self
     }
 
     /// The folded form up to `n` tokens (as
@@ -955,6 +975,7 @@ impl EmuModel {
                     .is_some(),
             tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
+            tc_small_tiles: self.tc_small_tiles,
         }
     }
 
@@ -1449,17 +1470,7 @@ mod tests {
             let tc = all
                 .iter()
                 .filter(|op| {
-                    matches!(
-                        op,
-                        Op::Launch {
-                            kernel: Kernel::GemmTc
-                                | Kernel::GemmTcSilu
-                                | Kernel::GemmTcAdd
-                                | Kernel::GemmTcNormSilu
-                                | Kernel::GemmTcNormRopeKv,
-                            ..
-                        }
-                    )
+                    matches!(op, Op::Launch { kernel, .. } if kernel.tc_tile_tokens().is_some())
                 })
                 .count();
             let blas = all.iter().filter(|op| matches!(op, Op::Gemm(_))).count();
@@ -1479,13 +1490,13 @@ mod tests {
             matches!(
                 op,
                 Op::Launch {
-                    kernel: Kernel::GemmTc,
+                    kernel: Kernel::GemmTcSmall,
                     ..
                 }
             )
         })
         else {
-            panic!("no tensor-core LM head");
+            panic!("no small-tile tensor-core LM head");
         };
         assert_eq!(*grid, (vocab.div_ceil(16) as u32, 1));
         assert_eq!(*block as usize, plan::TC_WARPS * 32);
@@ -1523,7 +1534,7 @@ mod tests {
         let gemm = |y: u64, n: usize| {
             let args = [wd, xd, y].map(Arg::P);
             let dims = [out, inp, n].map(|v| Arg::I(v as i32));
-            plan::tc_gemm_launch(out, n, &[args, dims].concat())
+            plan::tc_gemm_launch(Kernel::GemmTc, out, n, &[args, dims].concat())
         };
         e.run(&[gemm(y40, 40), gemm(y4, 4)]);
         assert_eq!(e.f32s(y40, 4 * out), e.f32s(y4, 4 * out));
@@ -1539,16 +1550,28 @@ mod tests {
     /// The parameter types of `name`'s C signature in the kernel source (the `extern "C"
     /// __global__` declaration, launch bounds or not): 'P' pointer, 'I' int, 'F' float, 'L'
     /// long long.
+    /// The tensor-core entry points come from a macro (`BGS_TC_ENTRY_POINTS(SUF, TOK)`, its
+    /// lines continued with backslashes) instantiated for both tile widths: `bgs_gemm_tc` and
+    /// `bgs_gemm_tc_small` are both `bgs_gemm_tc##SUF` there.
     fn signature(name: &str) -> Vec<char> {
-        let src = crate::KERNEL_SOURCE;
-        let call = format!("{name}(");
+        let src = crate::KERNEL_SOURCE.replace("\\\n", "\n");
+        let base = name.strip_suffix("_small").unwrap_or(name);
+        if base != name {
+            assert!(
+                src.contains("BGS_TC_ENTRY_POINTS(_small,"),
+                "{name}: no _small entry points"
+            );
+        }
+        let calls = [format!("{name}("), format!("{base}##SUF(")];
         let start = src
             .match_indices("extern \"C\" __global__")
             .filter_map(|(at, _)| {
                 let decl = &src[at..at + src[at..].find('{')?];
-                let i = decl.find(&call)?;
-                // The name itself, not a longer one ending in it.
-                decl[..i].ends_with(char::is_whitespace).then_some(at + i)
+                calls.iter().find_map(|call| {
+                    let i = decl.find(call.as_str())?;
+                    // The name itself, not a longer one ending in it.
+                    decl[..i].ends_with(char::is_whitespace).then_some(at + i)
+                })
             })
             .next()
             .unwrap_or_else(|| panic!("{name} not in the kernel source"));
@@ -1599,7 +1622,9 @@ mod tests {
             let (narrow, wn) = synth_weights_for(narrow, 1, DType::F32);
             let silu =
                 EmuModel::new(narrow, &wn, dtype, [16, 8, 64, 8], inv).with_tc_fold_max_tokens(64);
-            let plans = [m, apart, silu].map(|m| [m.plan().body(64), m.plan().head(8)]);
+            // (64 tokens: the wide tensor-core tiles; 8: the small ones.)
+            let plans =
+                [m, apart, silu].map(|m| [m.plan().body(64), m.plan().body(8), m.plan().head(8)]);
             for ops in plans.into_iter().flatten() {
                 for op in ops {
                     if let Op::Launch { kernel, args, .. } = op {
@@ -1699,6 +1724,97 @@ mod tests {
         assert!(m.plan().tc_fold(8) && !m.plan().tc_fold(16));
     }
 
+    /// The small tensor-core tiles: buckets of at most `TC_SMALL_TOKENS` tokens (and LM heads
+    /// of at most that many rows) launch the `_small` entry points with token blocks of that
+    /// width, larger ones the wide tiles, in the apart and the folded form; the emulated
+    /// logits are those of the wide tiles (the emulator checks every grid against its
+    /// kernel's tile width).
+    #[test]
+    fn small_tensor_core_tiles_plan_and_bits() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let small = [
+            Kernel::GemmTcSmall,
+            Kernel::GemmTcSiluSmall,
+            Kernel::GemmTcAddSmall,
+            Kernel::GemmTcNormSiluSmall,
+            Kernel::GemmTcNormRopeKvSmall,
+        ];
+        for fold in [false, true] {
+            let model = |on: bool| {
+                EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
+                    .with_tc_fold_max_tokens(if fold { 64 } else { 0 })
+                    .with_tc_small_tiles(on)
+            };
+            let m = model(true);
+            for n in [1, 8, 16] {
+                let plan = m.plan();
+                let ops = [plan.body(n), plan.head(n)].concat();
+                let tc: Vec<(Kernel, u32)> = ops
+                    .iter()
+                    .filter_map(|op| match op {
+                        Op::Launch { kernel, grid, .. } if kernel.tc_tile_tokens().is_some() => {
+                            Some((*kernel, grid.1))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                assert!(!tc.is_empty());
+                for (k, gy) in tc {
+                    let want = if n <= plan::TC_SMALL_TOKENS {
+                        k.wide().small()
+                    } else {
+                        k.wide()
+                    };
+                    assert_eq!(k, want, "bucket {n}, fold {fold}");
+                    assert_eq!(small.contains(&k), n <= plan::TC_SMALL_TOKENS);
+                    assert_eq!(gy as usize, n.div_ceil(k.tc_tile_tokens().unwrap()));
+                }
+            }
+            let ops = model(false).plan().body(1);
+            assert!(
+                ops.iter()
+                    .all(|op| !matches!(op, Op::Launch { kernel, .. } if small.contains(kernel)))
+            );
+            // Decode steps of 1, 3 and 8 sequences after a prefill, small tiles on and off.
+            for b in [1usize, 3, 8] {
+                let lens: Vec<usize> = (0..b).map(|i| 2 + i % 3).collect();
+                let prompts = prompts(cfg.vocab_size, &lens);
+                let blocks: Vec<Vec<u32>> = (0..b as u32).map(|i| vec![i]).collect();
+                let mut logits = Vec::new();
+                for on in [true, false] {
+                    let mut m = model(on);
+                    let pre: Vec<StepItem<'_>> = prompts
+                        .iter()
+                        .zip(&blocks)
+                        .map(|(t, bl)| StepItem {
+                            tokens: t,
+                            pos: 0,
+                            blocks: bl,
+                            sample: true,
+                        })
+                        .collect();
+                    let first = m.step_logits(&pre);
+                    let next: Vec<[u32; 1]> = (0..first.len() as u32)
+                        .map(|i| [(7 * i + 1) % cfg.vocab_size as u32])
+                        .collect();
+                    let dec: Vec<StepItem<'_>> = next
+                        .iter()
+                        .zip(&blocks)
+                        .zip(&lens)
+                        .map(|((t, bl), &len)| StepItem {
+                            tokens: t,
+                            pos: len,
+                            blocks: bl,
+                            sample: true,
+                        })
+                        .collect();
+                    logits.push((first, m.step_logits(&dec)));
+                }
+                assert_eq!(logits[0], logits[1], "batch {b}, fold {fold}");
+            }
+        }
+    }
+
     /// The persistent form takes every op of the own-kernel plans (the invariant tensor-core
     /// form, the fused form, f32's invariant form) at every bucket, refuses the cuBLAS plan,
     /// and its table decodes back to the very ops (each argument in its signature's kind).
@@ -1716,7 +1832,8 @@ mod tests {
             // SiLU·up apart from the gate/up GEMM, as `GpuModel` builds its tables.
             let mut m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv)
                 .with_attention_warps(4)
-                .with_tc_epilogues(false);
+                .with_tc_epilogues(false)
+                .with_tc_small_tiles(false);
             if fused > 0 {
                 m = m.with_fused_max_tokens(fused).with_tc_gemm_max_tokens(8);
             }
@@ -1765,6 +1882,13 @@ mod tests {
         // persistent bodies.
         let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 1, DType::F32);
         let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 8, 64, 8], true);
+        // Nor are the small tiles' entry points (the same bits as the wide ones).
+        let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
+        assert!(
+            e.contains("op 2 (bgs_gemm_tc_small) is a small-tile"),
+            "{e}"
+        );
+        let m = m.with_tc_small_tiles(false);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(e.contains("(bgs_gemm_tc_silu)"), "{e}");
         let m = m.with_tc_fold_max_tokens(8);

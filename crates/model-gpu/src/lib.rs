@@ -54,15 +54,31 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         // The tensor-core GEMM's block shape, which the plan's grids are sized by.
         format!("-DBGS_TC_WARPS={}", plan::TC_WARPS),
         format!("-DBGS_TC_TOKENS={}", plan::TC_TOKENS),
+        format!("-DBGS_TC_SMALL_TOKENS={}", plan::TC_SMALL_TOKENS),
+        format!("-DBGS_TC_SMALL_UNROLL={}", plan::TC_SMALL_UNROLL),
         // The folded form's norm prologue: values of a row per virtual thread.
         format!("-DBGS_TC_NORM_SPAN={}", plan::TC_NORM_SPAN),
     ];
-    // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`); part of the
-    // cache key like every option.
+    // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`), each replacing the
+    // host's definition of the same macro (e.g. `BGS_TC_SMALL_UNROLL=4`; never one the plan
+    // sizes launches by, such as the tile widths); part of the cache key like every option.
     if let Ok(extra) = std::env::var("BGS_LLM_KERNEL_DEFINES") {
-        o.extend(extra.split_whitespace().map(|d| format!("-D{d}")));
+        add_defines(&mut o, &extra);
     }
     o
+}
+
+/// Appends each whitespace-separated `NAME[=VALUE]` of `extra` to the options as `-D`,
+/// removing any earlier definition of the same NAME.
+fn add_defines(o: &mut Vec<String>, extra: &str) {
+    for d in extra.split_whitespace() {
+        let name = d.split('=').next().unwrap_or(d);
+        o.retain(|have| {
+            have.strip_prefix("-D")
+                .is_none_or(|h| h.split('=').next() != Some(name))
+        });
+        o.push(format!("-D{d}"));
+    }
 }
 
 /// Whether the kernels are built with `bgs_attention_mma` (`-DBGS_ATTN_MMA=1`) for compute
@@ -139,5 +155,24 @@ mod tests {
         assert_ne!(k, cache_key(&o, "NVIDIA H200", "driver 13010 nvrtc 13.0"));
         // Not the executor's cache entries.
         assert!(k.starts_with("llm-"));
+    }
+
+    #[test]
+    fn extra_defines_replace_the_hosts() {
+        let mut o = nvrtc_options(9, 0, GpuDtype::Bf16, 64);
+        let small = format!("-DBGS_TC_SMALL_UNROLL={}", plan::TC_SMALL_UNROLL);
+        assert!(o.contains(&small));
+        add_defines(&mut o, " BGS_TC_SMALL_UNROLL=7  BGS_ATTN_SCALAR=1 BGS_X");
+        assert!(!o.contains(&small));
+        let defs = |name: &str| o.iter().filter(|d| d.starts_with(name)).count();
+        assert_eq!(defs("-DBGS_TC_SMALL_UNROLL="), 1);
+        assert!(o.ends_with(&[
+            "-DBGS_TC_SMALL_UNROLL=7".into(),
+            "-DBGS_ATTN_SCALAR=1".into(),
+            "-DBGS_X".into()
+        ]));
+        // A longer name sharing the prefix stays.
+        assert_eq!(defs("-DBGS_TC_SMALL_TOKENS="), 1);
+        assert!(o.contains(&"-fmad=false".to_string()));
     }
 }

@@ -715,6 +715,14 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
     const int g = lane / 4, tq = lane % 4;
     wt *ktile = (wt *)attn_smem + warp * 64 * MMA_HD;
     wt *vtile = ktile + 32 * MMA_HD;
+    // The step inputs (positions, block tables) are written before the step starts and never
+    // during it, so they are read before waiting on the previous kernel (a launch with
+    // programmatic dependent launch): the chain seq -> table offset -> block id is off the
+    // path that follows the wait. Each group's block ids are loaded a group ahead.
+    const int *table = bt + bt_off[seq[t]];
+    const int last = pos[t];
+    int blk = warp * 32 + lane <= last ? table[(warp * 32 + lane) / block_size] : 0;
+    if (bk.pdl) BGS_PDL_BEGIN();
 
     // The group's queries as A fragments (16 x 16 per k-step; heads past the group are 0).
     unsigned qhi[MMA_KS][4], qlo[MMA_KS][4];
@@ -729,8 +737,6 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
             split_wt2(x0, x1, qhi[ks][r], qlo[ks][r]);
         }
     }
-    const int *table = bt + bt_off[seq[t]];
-    const int last = pos[t];
     const long long head_off = (long long)kvh * block_size * MMA_HD;
     const long long v_off = (long long)num_kv_heads * block_size * MMA_HD;
     float o[MMA_DT][4];
@@ -738,8 +744,6 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
     for (int d = 0; d < MMA_DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
     float m0 = BGS_NEG_INF, m1 = BGS_NEG_INF, l0 = 0.0f, l1 = 0.0f;  // rows g, g + 8
     for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
-        const int p = p0 + lane;
-        const int blk = p <= last ? table[p / block_size] : 0;
         // Stage the group's K and V rows (zeros past `last`: weights 0 must not meet NaN).
 #pragma unroll
         for (int i = 0; i < MMA_LR; i++) {
@@ -754,6 +758,8 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
             cp_async16(smem_u32(ktile + at), src, bytes);
             cp_async16(smem_u32(vtile + at), bytes ? src + v_off : cache, bytes);
         }
+        const int pn = p0 + 32 * warps + lane;
+        const int next_blk = pn <= last ? table[pn / block_size] : 0;
         cp_async_wait_all();
         __syncwarp();
         // Scores S = Q K^T: 4 tiles of 8 positions.
@@ -837,6 +843,7 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
             }
         }
         __syncwarp();  // every lane's ldmatrix is done before the next group's copies land
+        blk = next_blk;
     }
     bgs_bar(bk.nt);  // the tiles' space becomes the combine's
     float *pacc = (float *)attn_smem + warp * 16 * (MMA_HD + 2);
@@ -882,7 +889,7 @@ extern "C" __global__ void bgs_attention_mma(const float *qkv, const wt *cache, 
                                              wt *out, int num_heads, int num_kv_heads,
                                              int head_dim, int block_size,
                                              long long block_stride, float scale) {
-    BGS_PDL_BEGIN();
+    // (BGS_PDL_BEGIN in the body, after the step inputs' loads.)
     attention_mma_body(BGS_LAUNCH_BLK, qkv, cache, pos, seq, bt_off, bt, out, num_heads,
                        num_kv_heads, head_dim, block_size, block_stride, scale);
 }
@@ -1240,11 +1247,20 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
 // 8q+{6,7}. w and x are permuted alike, so every dot product is a sum of the same products.
 // Weights never change during a step, so the first chunks' weights are loaded before waiting
 // on the previous kernel (programmatic dependent launch), overlapping its tail.
-// BGS_TC_WARPS and BGS_TC_TOKENS come from the host (`plan::TC_WARPS`, `plan::TC_TOKENS`).
-#if !defined(BGS_TC_WARPS) || !defined(BGS_TC_TOKENS) || BGS_TC_TOKENS % 8 != 0
-#error "BGS_TC_WARPS and BGS_TC_TOKENS (a multiple of 8) must be defined"
+// Two tile widths: BGS_TC_TOKENS tokens (the kernels' plain names) and BGS_TC_SMALL_TOKENS
+// (the `_small` entry points, decode at small batch: `Plan::tc_tokens`). A tile's width only
+// sizes its fragments (registers, hence blocks per multiprocessor) and its token blocks; every
+// output is the same sum of the same products in the same order either way, so the two give a
+// token the same bits. Chunks whose weights a warp loads ahead: BGS_TC_UNROLL for the wide
+// tiles, BGS_TC_SMALL_UNROLL for the small ones (registers again; the order of the sums is
+// the chunks' whatever the unroll).
+// BGS_TC_WARPS, BGS_TC_TOKENS, BGS_TC_SMALL_TOKENS and BGS_TC_SMALL_UNROLL come from the host
+// (`plan::TC_WARPS`, `plan::TC_TOKENS`, `plan::TC_SMALL_TOKENS`, `plan::TC_SMALL_UNROLL`).
+#if !defined(BGS_TC_WARPS) || !defined(BGS_TC_TOKENS) || BGS_TC_TOKENS % 8 != 0 || \
+    !defined(BGS_TC_SMALL_TOKENS) || BGS_TC_SMALL_TOKENS % 8 != 0 ||                \
+    BGS_TC_SMALL_TOKENS > BGS_TC_TOKENS || !defined(BGS_TC_SMALL_UNROLL)
+#error "BGS_TC_WARPS, BGS_TC_TOKENS, BGS_TC_SMALL_TOKENS (multiples of 8) and BGS_TC_SMALL_UNROLL must be defined"
 #endif
-#define BGS_TC_TILES (BGS_TC_TOKENS / 8)
 #define BGS_TC_UNROLL 4
 #if BGS_HAVE_MMA
 // 16 read-only bytes (the weights: never written while a step runs).
@@ -1257,7 +1273,7 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
 }
 #endif
 #if BGS_HAVE_MMA
-// One 16-row x BGS_TC_TOKENS tile of y = x · wᵀ (tokens t0.. of n): the MMA's rows 0-7 are
+// One 16-row x TOK-token tile of y = x · wᵀ (tokens t0.. of n): the MMA's rows 0-7 are
 // w's rows ra.. and its rows 8-15 w's rows rb.. (rb = ra + 8 for a plain tile; the QKV
 // epilogue pairs the two halves RoPE rotates), of `out` rows. x is the row of token t0,
 // ldx values apart (the input in global memory, or the normed rows in shared memory). The
@@ -1266,24 +1282,27 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
 // skips them). Every thread of the group takes part; `pdl`: wait on the previous grid after
 // the first weights are in flight (a launch with programmatic dependent launch); then pre()
 // (a prologue that writes x) before x is read.
-typedef float bgs_tc_red[16][BGS_TC_TOKENS + 1];
-// The warps' partial sums of a tile, one array per warp group G (a __shared__ variable in the
-// template itself would be one per instantiation, epilogue included).
-__device__ __forceinline__ bgs_tc_red *tc_red0() {
-    __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
+// The warps' partial sums of a tile, one array per warp group G and tile width (a __shared__
+// variable in tc_tile itself would be one per instantiation, epilogue included).
+template <int TOK>
+__device__ __forceinline__ float (*tc_red0())[16][TOK + 1] {
+    __shared__ float red[BGS_TC_WARPS][16][TOK + 1];
     return red;
 }
-__device__ __forceinline__ bgs_tc_red *tc_red1() {
-    __shared__ float red[BGS_TC_WARPS][16][BGS_TC_TOKENS + 1];
+template <int TOK>
+__device__ __forceinline__ float (*tc_red1())[16][TOK + 1] {
+    __shared__ float red[BGS_TC_WARPS][16][TOK + 1];
     return red;
 }
 // G: which group of BGS_TC_WARPS warps of the block computes the tile (threads G * 256 ..);
 // it synchronizes with named barrier 1 + G of its own threads only, so two groups can compute
 // two tiles side by side (bgs_gemm_tc_silu).
-template <int G, class Pre, class Epi>
+template <int G, int TOK, class Pre, class Epi>
 __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int ra, int rb, int t0,
                                         int out, int in, int n, bool pdl, Pre pre, Epi epi) {
-    bgs_tc_red *red = G ? tc_red1() : tc_red0();
+    constexpr int TILES = TOK / 8;
+    constexpr int UNROLL = TOK == BGS_TC_TOKENS ? BGS_TC_UNROLL : BGS_TC_SMALL_UNROLL;
+    float(*red)[16][TOK + 1] = G ? tc_red1<TOK>() : tc_red0<TOK>();
     const int tid = threadIdx.x - G * BGS_TC_WARPS * 32;
     const int lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
@@ -1291,13 +1310,13 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
     // Rows past `out` read the last row (never stored).
     const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(ra + g, out - 1) * in) + q;
     const bgs_u4 *wb = (const bgs_u4 *)(w + (size_t)min(rb + g, out - 1) * in) + q;
-    const int tiles = min(BGS_TC_TILES, (n - t0 + 7) / 8);
-    float acc[BGS_TC_TILES][4];
+    const int tiles = min(TILES, (n - t0 + 7) / 8);
+    float acc[TILES][4];
 #pragma unroll
-    for (int j = 0; j < BGS_TC_TILES; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    bgs_u4 a[BGS_TC_UNROLL][2];
+    for (int j = 0; j < TILES; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    bgs_u4 a[UNROLL][2];
 #pragma unroll
-    for (int u = 0; u < BGS_TC_UNROLL; u++) {
+    for (int u = 0; u < UNROLL; u++) {
         const int c = warp + u * BGS_TC_WARPS;
         if (c < chunks) {
             a[u][0] = ld_nc16(wa + 4 * c);
@@ -1306,13 +1325,13 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
     }
     if (pdl) BGS_PDL_BEGIN();
     pre();
-    for (int c0 = warp; c0 < chunks; c0 += BGS_TC_UNROLL * BGS_TC_WARPS) {
-        bgs_u4 b[BGS_TC_UNROLL][BGS_TC_TILES];
+    for (int c0 = warp; c0 < chunks; c0 += UNROLL * BGS_TC_WARPS) {
+        bgs_u4 b[UNROLL][TILES];
 #pragma unroll
-        for (int u = 0; u < BGS_TC_UNROLL; u++) {
+        for (int u = 0; u < UNROLL; u++) {
             const int c = c0 + u * BGS_TC_WARPS;
 #pragma unroll
-            for (int j = 0; j < BGS_TC_TILES; j++) {
+            for (int j = 0; j < TILES; j++) {
                 const int t = t0 + 8 * j + g;
                 b[u][j] = bgs_u4{0u, 0u, 0u, 0u};
                 if (c < chunks && j < tiles && t < n)
@@ -1320,12 +1339,12 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
             }
         }
 #pragma unroll
-        for (int u = 0; u < BGS_TC_UNROLL; u++) {
+        for (int u = 0; u < UNROLL; u++) {
             if (c0 + u * BGS_TC_WARPS >= chunks) break;
             const unsigned s0[4] = {a[u][0].a, a[u][1].a, a[u][0].b, a[u][1].b};
             const unsigned s1[4] = {a[u][0].c, a[u][1].c, a[u][0].d, a[u][1].d};
 #pragma unroll
-            for (int j = 0; j < BGS_TC_TILES; j++) {
+            for (int j = 0; j < TILES; j++) {
                 if (j >= tiles) break;
                 mma_16816(acc[j], s0, b[u][j].a, b[u][j].b);
                 mma_16816(acc[j], s1, b[u][j].c, b[u][j].d);
@@ -1333,8 +1352,8 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
         }
         // The next chunks' weights (in flight while the next x loads go out).
 #pragma unroll
-        for (int u = 0; u < BGS_TC_UNROLL; u++) {
-            const int c = c0 + (BGS_TC_UNROLL + u) * BGS_TC_WARPS;
+        for (int u = 0; u < UNROLL; u++) {
+            const int c = c0 + (UNROLL + u) * BGS_TC_WARPS;
             if (c < chunks) {
                 a[u][0] = ld_nc16(wa + 4 * c);
                 a[u][1] = ld_nc16(wb + 4 * c);
@@ -1343,14 +1362,14 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
     }
     // The accumulator fragments: c0, c1 at (row g, tokens 2q, 2q+1), c2, c3 at row g + 8.
 #pragma unroll
-    for (int j = 0; j < BGS_TC_TILES; j++) {
+    for (int j = 0; j < TILES; j++) {
         red[warp][g][8 * j + 2 * q] = acc[j][0];
         red[warp][g][8 * j + 2 * q + 1] = acc[j][1];
         red[warp][g + 8][8 * j + 2 * q] = acc[j][2];
         red[warp][g + 8][8 * j + 2 * q + 1] = acc[j][3];
     }
     asm volatile("bar.sync %0, %1;" ::"r"(1 + G), "r"(BGS_TC_WARPS * 32) : "memory");
-    for (int e = tid; e < 16 * BGS_TC_TOKENS; e += BGS_TC_WARPS * 32) {
+    for (int e = tid; e < 16 * TOK; e += BGS_TC_WARPS * 32) {
         const int row = e % 16, col = e / 16;
         float s = red[0][row][col];
 #pragma unroll
@@ -1362,12 +1381,12 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
 
 // y[t][r] = x[t] · w[r] (ADD: y[t][r] += it, the folded form's o_proj and down_proj with the
 // residual add: one writer per element, bgs_add_rmsnorm's add).
-template <bool ADD>
+template <bool ADD, int TOK>
 __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, const wt *x, float *y,
                                              int out, int in, int n) {
 #if BGS_HAVE_MMA
-    const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
-    tc_tile<0>(w, x + (size_t)t0 * in, in, r0, r0 + 8, t0, out, in, n, bk.pdl, [] {},
+    const int r0 = bk.x * 16, t0 = bk.y * TOK;
+    tc_tile<0, TOK>(w, x + (size_t)t0 * in, in, r0, r0 + 8, t0, out, in, n, bk.pdl, [] {},
                [&](int row, int col, float s) {
                    const int r = r0 + row, t = t0 + col;
                    if (r < out && t < n) {
@@ -1379,9 +1398,6 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
     // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
     __trap();
 #endif
-}
-extern "C" __global__ void bgs_gemm_tc(const wt *w, const wt *x, float *y, int out, int in, int n) {
-    gemm_tc_body<false>(BGS_LAUNCH_BLK, w, x, y, out, in, n);
 }
 
 #if BGS_HAVE_MMA
@@ -1443,22 +1459,22 @@ __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, fl
 // Both tiles of the gate/up projection and SiLU·up: w is the fused [gate; up] weight (2 *
 // inter rows), act[t][i] = silu(g) * u in `wt` with g and u bgs_gemm_tc's values for rows i and
 // inter + i. A block of two warp groups: the first computes 16 gate rows while the second
-// computes the same 16 up rows, for up to BGS_TC_TOKENS tokens; x is token t0's input row (ldx
+// computes the same 16 up rows, for up to TOK tokens; x is token t0's input row (ldx
 // values apart), `pre` as in tc_tile (each thread calls it once, from its group's tile).
-template <class Pre>
+template <int TOK, class Pre>
 __device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, const wt *x,
                                               int ldx, wt *act, int inter, int in, int n,
                                               Pre pre) {
-    __shared__ float gate[16][BGS_TC_TOKENS + 1], up[16][BGS_TC_TOKENS + 1];
-    const int r0 = bk.x * 16, t0 = bk.y * BGS_TC_TOKENS;
+    __shared__ float gate[16][TOK + 1], up[16][TOK + 1];
+    const int r0 = bk.x * 16, t0 = bk.y * TOK;
     if ((int)threadIdx.x < BGS_TC_WARPS * 32)
-        tc_tile<0>(w, x, ldx, r0, r0 + 8, t0, inter, in, n, bk.pdl, pre,
+        tc_tile<0, TOK>(w, x, ldx, r0, r0 + 8, t0, inter, in, n, bk.pdl, pre,
                    [&](int row, int col, float s) { gate[row][col] = s; });
     else
-        tc_tile<1>(w + (size_t)inter * in, x, ldx, r0, r0 + 8, t0, inter, in, n, bk.pdl, pre,
+        tc_tile<1, TOK>(w + (size_t)inter * in, x, ldx, r0, r0 + 8, t0, inter, in, n, bk.pdl, pre,
                    [&](int row, int col, float s) { up[row][col] = s; });
     __syncthreads();
-    for (int e = threadIdx.x; e < 16 * BGS_TC_TOKENS; e += 2 * BGS_TC_WARPS * 32) {
+    for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
         const int row = e % 16, col = e / 16;
         const int i = r0 + row, t = t0 + col;
         if (i < inter && t < n) act[(size_t)t * inter + i] = silu_times(gate[row][col], up[row][col]);
@@ -1468,32 +1484,29 @@ __device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, co
 
 // The gate/up projection with bgs_silu_mul as its epilogue (the same bits as bgs_gemm_tc then
 // bgs_silu_mul, without the f32 gate/up activations or a launch).
+template <int TOK>
 __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w, const wt *x,
                                                   wt *act, int inter, int in, int n) {
 #if BGS_HAVE_MMA
-    tc_silu_tiles(bk, w, x + (size_t)bk.y * BGS_TC_TOKENS * in, in, act, inter, in, n, [] {});
+    tc_silu_tiles<TOK>(bk, w, x + (size_t)bk.y * TOK * in, in, act, inter, in, n, [] {});
 #else
     __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
 #endif
 }
-// 512 threads: at most 128 registers a thread, or the launch runs out of them.
-extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)
-    bgs_gemm_tc_silu(const wt *w, const wt *x, wt *act, int inter, int in, int n) {
-    gemm_tc_silu_body(BGS_LAUNCH_BLK, w, x, act, inter, in, n);
-}
 
 // The folded form's gate/up step: the post-attention norm of the block's tokens into shared
-// memory (tc_norm_rows, rows ldx values apart: dynamic shared memory of min(n - t0,
-// BGS_TC_TOKENS) * ldx values), then bgs_gemm_tc_silu over them. The same bits as
-// bgs_add_rmsnorm, bgs_gemm_tc and bgs_silu_mul.
-extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)
-    bgs_gemm_tc_norm_silu(const wt *w, const float *res, const float *nw, float eps, wt *act,
-                          int inter, int in, int ldx, int n) {
+// memory (tc_norm_rows, rows ldx values apart: dynamic shared memory of min(n - t0, TOK) * ldx
+// values), then bgs_gemm_tc_silu over them. The same bits as bgs_add_rmsnorm, bgs_gemm_tc and
+// bgs_silu_mul.
+template <int TOK>
+__device__ __forceinline__ void gemm_tc_norm_silu_body(const wt *w, const float *res,
+                                                       const float *nw, float eps, wt *act,
+                                                       int inter, int in, int ldx, int n) {
 #if BGS_HAVE_MMA
     extern __shared__ __align__(16) unsigned char tc_smem[];
     wt *xs = (wt *)tc_smem;
-    const int t0 = blockIdx.y * BGS_TC_TOKENS, nt = min(BGS_TC_TOKENS, n - t0);
-    tc_silu_tiles(BGS_LAUNCH_BLK, w, xs, ldx, act, inter, in, n, [&] {
+    const int t0 = blockIdx.y * TOK, nt = min(TOK, n - t0);
+    tc_silu_tiles<TOK>(BGS_LAUNCH_BLK, w, xs, ldx, act, inter, in, n, [&] {
         tc_norm_rows(res + (size_t)t0 * in, nw, eps, xs, ldx, in, nt);
         asm volatile("bar.sync 0, %0;" ::"r"(blockDim.x) : "memory");
     });
@@ -1502,33 +1515,28 @@ extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)
 #endif
 }
 
-// o_proj and down_proj in the folded form: bgs_gemm_tc, then res += y.
-extern "C" __global__ void bgs_gemm_tc_add(const wt *w, const wt *x, float *res, int out, int in,
-                                           int n) {
-    gemm_tc_body<true>(BGS_LAUNCH_BLK, w, x, res, out, in, n);
-}
-
 // The folded form's QKV step: the input norm of the block's tokens into shared memory (as in
 // bgs_gemm_tc_norm_silu), the QKV tile, then bgs_rope_kv's epilogue (qkv_pair_store). The
 // tile's MMA rows 0-7 are rows i0 .. i0 + 7 of a head and rows 8-15 the rows half further on,
 // the pairs RoPE rotates (head_dim a multiple of 16: `plan::tc_fold_fits`): block x is head
 // x / (head_dim / 16), i0 = 8 * (x % (head_dim / 16)). Each output is bgs_gemm_tc's sum, so
 // the same bits as bgs_add_rmsnorm, bgs_gemm_tc and bgs_rope_kv.
-extern "C" __global__ void bgs_gemm_tc_norm_rope_kv(
+template <int TOK>
+__device__ __forceinline__ void gemm_tc_norm_rope_kv_body(
     const wt *w, const float *res, const float *nw, float eps, float *qkv, const float *bias,
     const int *pos, const int *slot, const float *inv_freq, wt *cache, int num_heads,
     int num_kv_heads, int head_dim, int block_size, long long block_stride, int in, int ldx,
     int n) {
 #if BGS_HAVE_MMA
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    __shared__ float tile[16][BGS_TC_TOKENS + 1];
+    __shared__ float tile[16][TOK + 1];
     wt *xs = (wt *)tc_smem;
     const int per_head = head_dim / 16, half = head_dim / 2;
     const int h = blockIdx.x / per_head, i0 = 8 * (blockIdx.x % per_head);
-    const int ra = h * head_dim + i0, t0 = blockIdx.y * BGS_TC_TOKENS;
-    const int nt = min(BGS_TC_TOKENS, n - t0);
+    const int ra = h * head_dim + i0, t0 = blockIdx.y * TOK;
+    const int nt = min(TOK, n - t0);
     const int out = (num_heads + 2 * num_kv_heads) * head_dim;
-    tc_tile<0>(
+    tc_tile<0, TOK>(
         w, xs, ldx, ra, ra + half, t0, out, in, n, true,
         [&] {
             tc_norm_rows(res + (size_t)t0 * in, nw, eps, xs, ldx, in, nt);
@@ -1546,6 +1554,43 @@ extern "C" __global__ void bgs_gemm_tc_norm_rope_kv(
     __trap();
 #endif
 }
+
+// The tensor-core kernels' entry points for one tile width TOK, names suffixed SUF:
+//   bgs_gemm_tc             y = x · wᵀ
+//   bgs_gemm_tc_add         res += x · wᵀ (the folded form's o_proj and down_proj)
+//   bgs_gemm_tc_silu        gate/up with SiLU·up (512 threads: at most 128 registers a
+//                           thread, or the launch runs out of them)
+//   bgs_gemm_tc_norm_silu   the folded gate/up step (512 threads)
+//   bgs_gemm_tc_norm_rope_kv  the folded QKV step
+#define BGS_TC_ENTRY_POINTS(SUF, TOK)                                                          \
+    extern "C" __global__ void bgs_gemm_tc##SUF(const wt *w, const wt *x, float *y, int out,   \
+                                                int in, int n) {                               \
+        gemm_tc_body<false, TOK>(BGS_LAUNCH_BLK, w, x, y, out, in, n);                         \
+    }                                                                                          \
+    extern "C" __global__ void bgs_gemm_tc_add##SUF(const wt *w, const wt *x, float *res,      \
+                                                    int out, int in, int n) {                  \
+        gemm_tc_body<true, TOK>(BGS_LAUNCH_BLK, w, x, res, out, in, n);                        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)                        \
+        bgs_gemm_tc_silu##SUF(const wt *w, const wt *x, wt *act, int inter, int in, int n) {   \
+        gemm_tc_silu_body<TOK>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);                       \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)                        \
+        bgs_gemm_tc_norm_silu##SUF(const wt *w, const float *res, const float *nw, float eps,  \
+                                   wt *act, int inter, int in, int ldx, int n) {               \
+        gemm_tc_norm_silu_body<TOK>(w, res, nw, eps, act, inter, in, ldx, n);                  \
+    }                                                                                          \
+    extern "C" __global__ void bgs_gemm_tc_norm_rope_kv##SUF(                                  \
+        const wt *w, const float *res, const float *nw, float eps, float *qkv,                 \
+        const float *bias, const int *pos, const int *slot, const float *inv_freq, wt *cache,  \
+        int num_heads, int num_kv_heads, int head_dim, int block_size, long long block_stride, \
+        int in, int ldx, int n) {                                                              \
+        gemm_tc_norm_rope_kv_body<TOK>(w, res, nw, eps, qkv, bias, pos, slot, inv_freq, cache, \
+                                       num_heads, num_kv_heads, head_dim, block_size,          \
+                                       block_stride, in, ldx, n);                              \
+    }
+BGS_TC_ENTRY_POINTS(, BGS_TC_TOKENS)
+BGS_TC_ENTRY_POINTS(_small, BGS_TC_SMALL_TOKENS)
 
 // ---- The persistent form: a whole op list in one launch ----
 //
@@ -1618,7 +1663,7 @@ __device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_bl
                                a[10], a[11], a[12], a[13], a[14], a[15], a[16]);
         break;
     case BGS_OP_GEMM_TC:
-        gemm_tc_body<false>(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
+        gemm_tc_body<false, BGS_TC_TOKENS>(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
         break;
     // (BGS_OP_GEMM_TC_SILU takes two warp groups, more than a persistent block: never
     // encoded, `persistent::encode` refuses it.)

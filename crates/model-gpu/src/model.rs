@@ -85,6 +85,12 @@ pub struct GpuModelOptions {
     /// bits, so buckets may mix the two forms. 0 (the default): never; its first version was
     /// slower on the H200 at every size (docs/gpu-model.md).
     pub tensor_core_gemm_fold_max_tokens: usize,
+    /// Buckets of at most `plan::TC_SMALL_TOKENS` (8) tokens, and LM heads of at most that
+    /// many rows, run the tensor-core kernels' small-tile entry points (`bgs_gemm_tc_small`
+    /// and the others' `_small` forms): fragments for 8 tokens instead of 32, so fewer
+    /// registers and more blocks a multiprocessor, for the same bits (the check compares the
+    /// two). On by default. The persistent form keeps the wide tiles.
+    pub tensor_core_small_tiles: bool,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -145,6 +151,7 @@ impl Default for GpuModelOptions {
             tensor_core_gemm_max_tokens: 0,
             tensor_core_gemm_epilogues: true,
             tensor_core_gemm_fold_max_tokens: 0,
+            tensor_core_small_tiles: true,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -291,6 +298,8 @@ pub struct GpuModel {
     tc_epilogues: bool,
     /// `tensor_core_gemm_fold_max_tokens`.
     tc_fold_max_tokens: usize,
+    /// `tensor_core_small_tiles` (`set_tc_small_tiles` changes it for direct launches).
+    tc_small_tiles: bool,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -490,6 +499,7 @@ impl GpuModel {
             },
             tc_epilogues: opts.tensor_core_gemm_epilogues,
             tc_fold_max_tokens: opts.tensor_core_gemm_fold_max_tokens,
+            tc_small_tiles: opts.tensor_core_small_tiles,
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -828,6 +838,7 @@ impl GpuModel {
             mma_attention: self.mma_attention,
             tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
+            tc_small_tiles: self.tc_small_tiles,
         }
     }
 
@@ -1062,10 +1073,12 @@ impl GpuModel {
             tracing::info!("persistent form off: the step graphs are launched from the device");
             return Ok(());
         }
-        // SiLU·up launched apart from the gate/up GEMM: its folded kernel takes two warp
-        // groups, more than a persistent block, and the two give the same bits.
+        // SiLU·up launched apart from the gate/up GEMM (its folded kernel takes two warp
+        // groups, more than a persistent block) and the wide tiles alone (the persistent
+        // kernel runs bgs_gemm_tc's body for 32 tokens): the same bits either way.
         let mut plan = self.plan();
         plan.tc_epilogues = false;
+        plan.tc_small_tiles = false;
         let mut lists = Vec::new();
         for &n in tb.iter().filter(|&&n| n <= max) {
             lists.push((n, false, plan.body(n)));
@@ -1239,6 +1252,13 @@ impl GpuModel {
     /// with). The same bits either way; the check compares the two.
     pub fn set_tc_epilogues(&mut self, on: bool) {
         self.tc_epilogues = on;
+    }
+
+    /// Run buckets of at most `plan::TC_SMALL_TOKENS` tokens on the tensor-core kernels'
+    /// small tiles (true) or the wide ones (false), for the launches made without graphs. The
+    /// same bits either way; the check compares the two.
+    pub fn set_tc_small_tiles(&mut self, on: bool) {
+        self.tc_small_tiles = on;
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),

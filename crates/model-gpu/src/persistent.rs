@@ -153,7 +153,7 @@ fn weights(kernel: Kernel, args: &[Arg], dtype: GpuDtype) -> Option<(u64, u64)> 
         _ => None,
     };
     let es = dtype.size() as u64;
-    let (w, rows, inp) = match kernel {
+    let (w, rows, inp) = match kernel.wide() {
         // (w, x, y, out, in, n)
         Kernel::GemmTc | Kernel::GemmTcAdd | Kernel::Proj | Kernel::ProjAdd => {
             (p(0)?, n(3)?, n(4)?)
@@ -216,6 +216,17 @@ pub(crate) fn encode(
             // Two 256-thread warp groups (more than a persistent block), or normed rows in
             // dynamic shared memory the persistent block does not reserve: the persistent
             // tables are built with the epilogues apart, the same bits.
+            Kernel::GemmTcSmall
+            | Kernel::GemmTcSiluSmall
+            | Kernel::GemmTcAddSmall
+            | Kernel::GemmTcNormSiluSmall
+            | Kernel::GemmTcNormRopeKvSmall => {
+                return Err(format!(
+                    "op {i} ({}) is a small-tile tensor-core kernel, which the persistent form \
+                     does not run (build its tables with the wide tiles: the same bits)",
+                    k.name()
+                ));
+            }
             Kernel::GemmTcSilu
             | Kernel::GemmTcAdd
             | Kernel::GemmTcNormSilu

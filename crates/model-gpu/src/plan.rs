@@ -26,6 +26,15 @@ const PROJ_STATIC_SHARED: usize = PROJ_TOKENS * NORM_THREADS as usize * 4;
 pub const TC_WARPS: usize = 8;
 /// Tokens of a `bgs_gemm_tc` block (`-DBGS_TC_TOKENS`, a multiple of 8: the MMA's columns).
 pub const TC_TOKENS: usize = 32;
+/// Tokens of a block of the tensor-core kernels' small-tile entry points (`bgs_gemm_tc_small`
+/// and the others' `_small` forms, `-DBGS_TC_SMALL_TOKENS`): buckets of at most this many
+/// tokens (decode at small batch) run them where [`Plan::tc_small_tiles`] is on. Fragments for
+/// 8 tokens instead of 32 take fewer registers, so more blocks share a multiprocessor; every
+/// output is the same sum in the same order, so the same bits as the wide tiles.
+pub const TC_SMALL_TOKENS: usize = 8;
+/// Chunks whose weights a warp of a small tile loads ahead (`-DBGS_TC_SMALL_UNROLL`; the wide
+/// tiles load 4): registers against loads in flight.
+pub const TC_SMALL_UNROLL: usize = 2;
 /// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
 pub(crate) const TC_ROWS: usize = 16;
 /// Values of one `bgs_gemm_tc` chunk: a projection's input width must be a multiple of it.
@@ -53,10 +62,15 @@ pub(crate) enum Kernel {
     GemmTcAdd,
     GemmTcNormSilu,
     GemmTcNormRopeKv,
+    GemmTcSmall,
+    GemmTcSiluSmall,
+    GemmTcAddSmall,
+    GemmTcNormSiluSmall,
+    GemmTcNormRopeKvSmall,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 17] = [
+    pub(crate) const ALL: [Kernel; 22] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -74,6 +88,11 @@ impl Kernel {
         Kernel::GemmTcAdd,
         Kernel::GemmTcNormSilu,
         Kernel::GemmTcNormRopeKv,
+        Kernel::GemmTcSmall,
+        Kernel::GemmTcSiluSmall,
+        Kernel::GemmTcAddSmall,
+        Kernel::GemmTcNormSiluSmall,
+        Kernel::GemmTcNormRopeKvSmall,
     ];
 
     /// The `extern "C"` name.
@@ -96,6 +115,54 @@ impl Kernel {
             Kernel::GemmTcAdd => "bgs_gemm_tc_add",
             Kernel::GemmTcNormSilu => "bgs_gemm_tc_norm_silu",
             Kernel::GemmTcNormRopeKv => "bgs_gemm_tc_norm_rope_kv",
+            Kernel::GemmTcSmall => "bgs_gemm_tc_small",
+            Kernel::GemmTcSiluSmall => "bgs_gemm_tc_silu_small",
+            Kernel::GemmTcAddSmall => "bgs_gemm_tc_add_small",
+            Kernel::GemmTcNormSiluSmall => "bgs_gemm_tc_norm_silu_small",
+            Kernel::GemmTcNormRopeKvSmall => "bgs_gemm_tc_norm_rope_kv_small",
+        }
+    }
+
+    /// The small-tile entry point of a tensor-core kernel (itself for the others).
+    pub(crate) fn small(self) -> Kernel {
+        match self {
+            Kernel::GemmTc => Kernel::GemmTcSmall,
+            Kernel::GemmTcSilu => Kernel::GemmTcSiluSmall,
+            Kernel::GemmTcAdd => Kernel::GemmTcAddSmall,
+            Kernel::GemmTcNormSilu => Kernel::GemmTcNormSiluSmall,
+            Kernel::GemmTcNormRopeKv => Kernel::GemmTcNormRopeKvSmall,
+            k => k,
+        }
+    }
+
+    /// The wide-tile kernel a small-tile entry point computes the same bits as (itself for
+    /// the others): what the emulator and the persistent encoder match on.
+    pub(crate) fn wide(self) -> Kernel {
+        match self {
+            Kernel::GemmTcSmall => Kernel::GemmTc,
+            Kernel::GemmTcSiluSmall => Kernel::GemmTcSilu,
+            Kernel::GemmTcAddSmall => Kernel::GemmTcAdd,
+            Kernel::GemmTcNormSiluSmall => Kernel::GemmTcNormSilu,
+            Kernel::GemmTcNormRopeKvSmall => Kernel::GemmTcNormRopeKv,
+            k => k,
+        }
+    }
+
+    /// Tokens of a block of a tensor-core kernel ([`TC_TOKENS`] or [`TC_SMALL_TOKENS`]), or
+    /// `None` for the others.
+    pub(crate) fn tc_tile_tokens(self) -> Option<usize> {
+        match self {
+            Kernel::GemmTc
+            | Kernel::GemmTcSilu
+            | Kernel::GemmTcAdd
+            | Kernel::GemmTcNormSilu
+            | Kernel::GemmTcNormRopeKv => Some(TC_TOKENS),
+            Kernel::GemmTcSmall
+            | Kernel::GemmTcSiluSmall
+            | Kernel::GemmTcAddSmall
+            | Kernel::GemmTcNormSiluSmall
+            | Kernel::GemmTcNormRopeKvSmall => Some(TC_SMALL_TOKENS),
+            _ => None,
         }
     }
 }
@@ -365,15 +432,15 @@ pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
     .all(|inp| tc_gemm_applies(dtype, inp))
 }
 
-/// A `bgs_gemm_tc` launch over `out` rows and `n` tokens with its parameters `args` (w, x, y,
-/// out, in, n).
-pub(crate) fn tc_gemm_launch(out: usize, n: usize, args: &[Arg]) -> Op {
-    tc_tiles_launch(Kernel::GemmTc, 1, out, n, 0, args)
+/// A `bgs_gemm_tc` launch (`kernel`: it or its small-tile form) over `out` rows and `n`
+/// tokens with its parameters `args` (w, x, y, out, in, n).
+pub(crate) fn tc_gemm_launch(kernel: Kernel, out: usize, n: usize, args: &[Arg]) -> Op {
+    tc_tiles_launch(kernel, 1, out, n, 0, args)
 }
 
-/// A launch of a tensor-core GEMM kernel over tiles of 16 of `rows` and `TC_TOKENS` of `n`
-/// tokens, `groups` warp groups a block (each one `bgs_gemm_tc` block's warps), `shared`
-/// bytes of dynamic shared memory.
+/// A launch of a tensor-core GEMM kernel over tiles of 16 of `rows` and the kernel's tile
+/// width of `n` tokens, `groups` warp groups a block (each one `bgs_gemm_tc` block's warps),
+/// `shared` bytes of dynamic shared memory.
 fn tc_tiles_launch(
     kernel: Kernel,
     groups: usize,
@@ -382,9 +449,12 @@ fn tc_tiles_launch(
     shared: usize,
     args: &[Arg],
 ) -> Op {
+    let tokens = kernel
+        .tc_tile_tokens()
+        .expect("tc_tiles_launch launches tensor-core kernels");
     Op::Launch {
         kernel,
-        grid: (rows.div_ceil(TC_ROWS) as u32, n.div_ceil(TC_TOKENS) as u32),
+        grid: (rows.div_ceil(TC_ROWS) as u32, n.div_ceil(tokens) as u32),
         block: (groups * TC_WARPS * 32) as u32,
         shared: shared as u32,
         args: args.to_vec(),
@@ -516,6 +586,10 @@ pub(crate) struct Plan<'a> {
     /// With `tc_epilogues`, buckets of at most this many tokens take the folded form where it
     /// applies ([`Plan::tc_fold`]; 0: none).
     pub tc_fold_max_tokens: usize,
+    /// Buckets of at most [`TC_SMALL_TOKENS`] tokens (and LM heads of at most that many rows)
+    /// run the tensor-core kernels' small-tile entry points ([`Plan::tc_tokens`]): the same
+    /// bits as the wide tiles.
+    pub tc_small_tiles: bool,
 }
 
 impl Plan<'_> {
@@ -533,7 +607,7 @@ impl Plan<'_> {
             return proj_launch(Kernel::Proj, out, n, usize::MAX, 0, &args);
         }
         if self.tc_gemm(n, inp) {
-            return tc_gemm_launch(out, n, &args);
+            return tc_gemm_launch(self.tc_kernel(Kernel::GemmTc, n), out, n, &args);
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
         // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B
@@ -552,6 +626,26 @@ impl Plan<'_> {
             ldc: out as i32,
             what,
         })
+    }
+
+    /// Tokens of a tensor-core block for a bucket of `n` tokens: [`TC_SMALL_TOKENS`] where the
+    /// small tiles are on and cover it, else [`TC_TOKENS`].
+    pub(crate) fn tc_tokens(&self, n: usize) -> usize {
+        if self.tc_small_tiles && n <= TC_SMALL_TOKENS {
+            TC_SMALL_TOKENS
+        } else {
+            TC_TOKENS
+        }
+    }
+
+    /// The entry point of tensor-core kernel `k` (its wide-tile name) for a bucket of `n`
+    /// tokens ([`Plan::tc_tokens`]).
+    pub(crate) fn tc_kernel(&self, k: Kernel, n: usize) -> Kernel {
+        if self.tc_tokens(n) == TC_TOKENS {
+            k
+        } else {
+            k.small()
+        }
     }
 
     /// Whether a projection of input width `inp` over `n` tokens runs on `bgs_gemm_tc`.
@@ -686,10 +780,10 @@ impl Plan<'_> {
                 // The input norm (prologue), QKV, bias, RoPE and the K/V writes in one launch:
                 // a block per 8 row pairs of a head (16 rows).
                 ops.push(Op::Launch {
-                    kernel: Kernel::GemmTcNormRopeKv,
+                    kernel: self.tc_kernel(Kernel::GemmTcNormRopeKv, n),
                     grid: (
                         ((nh + 2 * nkv) * hd / TC_ROWS) as u32,
-                        n.div_ceil(TC_TOKENS) as u32,
+                        n.div_ceil(self.tc_tokens(n)) as u32,
                     ),
                     block: (TC_WARPS * 32) as u32,
                     shared: fold_shared as u32,
@@ -798,11 +892,11 @@ impl Plan<'_> {
                         Arg::I(inp as i32),
                         Arg::I(n as i32),
                     ];
-                    tc_tiles_launch(Kernel::GemmTcAdd, 1, h, n, 0, &args)
+                    tc_tiles_launch(self.tc_kernel(Kernel::GemmTcAdd, n), 1, h, n, 0, &args)
                 };
                 ops.push(add(lw.o, b.attn, qd));
                 ops.push(tc_tiles_launch(
-                    Kernel::GemmTcNormSilu,
+                    self.tc_kernel(Kernel::GemmTcNormSilu, n),
                     2,
                     inter,
                     n,
@@ -828,7 +922,7 @@ impl Plan<'_> {
                 // gate/up and SiLU·up in one launch (bgs_gemm_tc_silu): two warp groups, the
                 // gate tile and the up tile side by side.
                 ops.push(tc_tiles_launch(
-                    Kernel::GemmTcSilu,
+                    self.tc_kernel(Kernel::GemmTcSilu, n),
                     2,
                     inter,
                     n,
