@@ -34,7 +34,7 @@ pub const TC_TOKENS: usize = 32;
 pub const TC_SMALL_TOKENS: usize = 8;
 /// Chunks whose weights a warp of a small tile loads ahead (`-DBGS_TC_SMALL_UNROLL`; the wide
 /// tiles load 4): registers against loads in flight.
-pub const TC_SMALL_UNROLL: usize = 2;
+pub const TC_SMALL_UNROLL: usize = 4;
 /// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
 pub(crate) const TC_ROWS: usize = 16;
 /// Values of one `bgs_gemm_tc` chunk: a projection's input width must be a multiple of it.
