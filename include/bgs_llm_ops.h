@@ -65,14 +65,12 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 #define BGS_OP_PROJ_NORM_ROPE_KV 11                      /* bgs_proj_norm_rope_kv */
 #define BGS_OP_GEMM_TC 12                                /* bgs_gemm_tc */
 #define BGS_OP_GEMM_TC_SILU 13                           /* bgs_gemm_tc_silu */
-#define BGS_OP_GEMM_TC_ADD 14                            /* bgs_gemm_tc_add */
-#define BGS_OP_GEMM_TC_NORM_SILU 15                      /* bgs_gemm_tc_norm_silu */
-#define BGS_OP_GEMM_TC_NORM_ROPE_KV 16                   /* bgs_gemm_tc_norm_rope_kv */
-#define BGS_OP_GEMM_TC_SMALL 17                          /* bgs_gemm_tc_small */
-#define BGS_OP_GEMM_TC_SILU_SMALL 18                     /* bgs_gemm_tc_silu_small */
-#define BGS_OP_GEMM_TC_ADD_SMALL 19                      /* bgs_gemm_tc_add_small */
-#define BGS_OP_GEMM_TC_NORM_SILU_SMALL 20                /* bgs_gemm_tc_norm_silu_small */
-#define BGS_OP_GEMM_TC_NORM_ROPE_KV_SMALL 21             /* bgs_gemm_tc_norm_rope_kv_small */
+#define BGS_OP_GEMM_TC_ADD_NORM 14                       /* bgs_gemm_tc_add_norm */
+#define BGS_OP_GEMM_TC_ROPE_KV 15                        /* bgs_gemm_tc_rope_kv */
+#define BGS_OP_GEMM_TC_SMALL 16                          /* bgs_gemm_tc_small */
+#define BGS_OP_GEMM_TC_SILU_SMALL 17                     /* bgs_gemm_tc_silu_small */
+#define BGS_OP_GEMM_TC_ADD_NORM_SMALL 18                 /* bgs_gemm_tc_add_norm_small */
+#define BGS_OP_GEMM_TC_ROPE_KV_SMALL 19                  /* bgs_gemm_tc_rope_kv_small */
 #define BGS_OP_NOP 65535                                 /* nothing: the barrier alone */
 
 /* One op of a bgs_persistent table (bgs_model_gpu::persistent::OpRecord). */

@@ -237,21 +237,6 @@ impl Emu {
         assert_eq!(inp % plan::TC_CHUNK, 0, "{name}: partial chunk");
     }
 
-    /// What the folded form's norm kernels add to [`Emu::check_tc`]: the plan's row stride
-    /// and shared memory for the block's normed rows.
-    fn check_tc_norm(&self, k: Kernel, tile: usize, n: usize, inp: usize, ldx: usize, shared: u32) {
-        let name = k.name();
-        assert_eq!(
-            ldx,
-            plan::tc_norm_ldx(inp, self.dtype),
-            "{name}: row stride"
-        );
-        assert!(
-            shared as usize >= n.min(tile) * ldx * self.dtype.size(),
-            "{name}: {shared} bytes of shared memory for rows of {ldx}"
-        );
-    }
-
     /// [`proj_dot`] in the emulated dtype.
     fn proj_dot(&self, w: &[f32], x: &[f32]) -> f32 {
         proj_dot(self.dtype, w, x)
@@ -572,8 +557,11 @@ impl Emu {
                 }
                 self.put_f32s(y, &ys);
             }
-            Kernel::GemmTc | Kernel::GemmTcAdd => {
+            Kernel::GemmTc | Kernel::GemmTcAddNorm => {
+                // (w, x, y, out, in, n), and for the folded o and down steps (nw, eps, xn,
+                // done): y += the product, then xn = y's rows normed.
                 let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
+                let norm = k == Kernel::GemmTcAddNorm;
                 self.check_tc(named, tile, grid, block, 1, (out, n, inp));
                 let xs = self.wts(x, n * inp);
                 let mut ys = self.f32s(y, n * out);
@@ -582,28 +570,27 @@ impl Emu {
                     for t in 0..n {
                         let d = tc_dot(&wr, &xs[t * inp..(t + 1) * inp]);
                         let o = &mut ys[t * out + r];
-                        *o = if k == Kernel::GemmTcAdd { *o + d } else { d };
+                        *o = if norm { *o + d } else { d };
                     }
                 }
                 self.put_f32s(y, &ys);
+                if norm {
+                    let (nw, eps, xn, done) = (p(6), fl(7), p(8), p(9));
+                    assert!(
+                        self.i32s(done, gy).iter().all(|&c| c == 0),
+                        "{}: a token block's count is not zero at launch",
+                        named.name()
+                    );
+                    let normed = self.normed_rows(y, nw, eps, out, n);
+                    self.put_wts(xn, &normed);
+                }
             }
-            Kernel::GemmTcSilu | Kernel::GemmTcNormSilu => {
-                // (w, x, act, inter, in, n), or (w, res, nw, eps, act, inter, in, ldx, n)
-                // with the input normed from the residual.
-                let norm = k == Kernel::GemmTcNormSilu;
+            Kernel::GemmTcSilu => {
+                // (w, x, act, inter, in, n)
                 let w = p(0);
-                let (act, inter, inp, n) = if norm {
-                    (p(4), int(5), int(6), int(8))
-                } else {
-                    (p(2), int(3), int(4), int(5))
-                };
+                let (act, inter, inp, n) = (p(2), int(3), int(4), int(5));
                 self.check_tc(named, tile, grid, block, 2, (inter, n, inp));
-                let xs = if norm {
-                    self.check_tc_norm(named, tile, n, inp, int(7), shared);
-                    self.normed_rows(p(1), p(2), fl(3), inp, n)
-                } else {
-                    self.wts(p(1), n * inp)
-                };
+                let xs = self.wts(p(1), n * inp);
                 let mut o = vec![0f32; n * inter];
                 for i in 0..inter {
                     let wg = self.wts(w + (i * inp) as u64 * es, inp);
@@ -632,13 +619,17 @@ impl Emu {
                 }
                 self.put_wts(act, &o);
             }
-            Kernel::ProjNormRopeKv | Kernel::GemmTcNormRopeKv => {
-                let (w, res, nw, eps, qkv, bias) = (p(0), p(1), p(2), fl(3), p(4), p(5));
-                let (pos, slot, inv_freq, cache) = (p(6), p(7), p(8), p(9));
-                let (nh, nkv, hd, bs, stride) = (int(10), int(11), int(12), int(13), ll(14));
-                let inp = int(15);
-                let tc = k == Kernel::GemmTcNormRopeKv;
-                let n = if tc { int(17) } else { int(16) };
+            Kernel::ProjNormRopeKv | Kernel::GemmTcRopeKv => {
+                // (w, res, nw, eps, qkv, ...) normed in the prologue (the fused form), or
+                // (w, xn, qkv, ...) over normed rows (the folded form); then bgs_rope_kv's
+                // parameters, in, n.
+                let tc = k == Kernel::GemmTcRopeKv;
+                let at = if tc { 3 } else { 5 };
+                let (w, qkv, bias) = (p(0), p(at - 1), p(at));
+                let (pos, slot, inv_freq, cache) = (p(at + 1), p(at + 2), p(at + 3), p(at + 4));
+                let (nh, nkv, hd) = (int(at + 5), int(at + 6), int(at + 7));
+                let (bs, stride) = (int(at + 8), ll(at + 9));
+                let (inp, n) = (int(at + 10), int(at + 11));
                 if tc {
                     let rows = (nh + 2 * nkv) * hd;
                     assert_eq!(hd % plan::TC_ROWS, 0, "{}: head_dim", k.name());
@@ -649,7 +640,6 @@ impl Emu {
                         k.name()
                     );
                     self.check_tc(named, tile, grid, block, 1, (rows, n, inp));
-                    self.check_tc_norm(named, tile, n, inp, int(16), shared);
                 } else {
                     self.check_proj(k, (gx, gy), block, n, inp, inp, shared);
                 }
@@ -657,7 +647,11 @@ impl Emu {
                 let dot = |w: &[f32], x: &[f32]| {
                     if tc { tc_dot(w, x) } else { proj_dot(dt, w, x) }
                 };
-                let xs = self.normed_rows(res, nw, eps, inp, n);
+                let xs = if tc {
+                    self.wts(p(1), n * inp)
+                } else {
+                    self.normed_rows(p(1), p(2), fl(3), inp, n)
+                };
                 let half = hd / 2;
                 let (qd, kvd) = (nh * hd, nkv * hd);
                 let width = qd + 2 * kvd;
@@ -736,9 +730,8 @@ impl Emu {
             }
             Kernel::GemmTcSmall
             | Kernel::GemmTcSiluSmall
-            | Kernel::GemmTcAddSmall
-            | Kernel::GemmTcNormSiluSmall
-            | Kernel::GemmTcNormRopeKvSmall => unreachable!("k is the wide form (Kernel::wide)"),
+            | Kernel::GemmTcAddNormSmall
+            | Kernel::GemmTcRopeKvSmall => unreachable!("k is the wide form (Kernel::wide)"),
         }
     }
 }
@@ -1696,20 +1689,20 @@ mod tests {
                 let layers = cfg.num_layers;
                 let fold = on && cfg.head_dim == 16;
                 let per = |yes: bool| if yes { layers } else { 0 };
-                assert_eq!(count(Kernel::GemmTcNormRopeKv), per(fold));
-                assert_eq!(count(Kernel::GemmTcAdd), 2 * per(fold));
-                assert_eq!(count(Kernel::GemmTcNormSilu), per(fold));
-                assert_eq!(count(Kernel::GemmTcSilu), per(on && !fold));
+                assert_eq!(count(Kernel::GemmTcRopeKv), per(fold));
+                assert_eq!(count(Kernel::GemmTcAddNorm), 2 * per(fold));
+                assert_eq!(count(Kernel::GemmTcSilu), per(on));
                 assert_eq!(count(Kernel::SiluMul), per(!on));
                 assert_eq!(count(Kernel::RopeKv), per(!fold));
                 // The norms: the first layer's input norm and every layer's two apart (the
-                // last one the final norm); folded, only the final one.
+                // last one the final norm); folded, only the first (o and down norm at their
+                // ends).
                 assert_eq!(
                     count(Kernel::AddRmsNorm),
                     if fold { 1 } else { 2 * layers + 1 }
                 );
                 if fold {
-                    // The embedding, five a layer, the final norm.
+                    // The embedding, the first norm, five a layer.
                     assert_eq!(ops.len(), 5 * layers + 2);
                 }
                 logits.push(m.step_logits(&items));
@@ -1735,9 +1728,8 @@ mod tests {
         let small = [
             Kernel::GemmTcSmall,
             Kernel::GemmTcSiluSmall,
-            Kernel::GemmTcAddSmall,
-            Kernel::GemmTcNormSiluSmall,
-            Kernel::GemmTcNormRopeKvSmall,
+            Kernel::GemmTcAddNormSmall,
+            Kernel::GemmTcRopeKvSmall,
         ];
         for fold in [false, true] {
             let model = |on: bool| {
@@ -1893,7 +1885,7 @@ mod tests {
         assert!(e.contains("(bgs_gemm_tc_silu)"), "{e}");
         let m = m.with_tc_fold_max_tokens(8);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
-        assert!(e.contains("op 1 (bgs_gemm_tc_norm_rope_kv)"), "{e}");
+        assert!(e.contains("op 2 (bgs_gemm_tc_rope_kv)"), "{e}");
     }
 
     #[test]

@@ -1401,8 +1401,8 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
 }
 
 #if BGS_HAVE_MMA
-// The folded forms' norm prologue: xs[t][i] (rows ldx values apart) = the norm of the nt rows
-// of the residual at x (row stride `in`) in `wt`, bgs_add_rmsnorm's arithmetic with a warp per
+// The folded form's norm: xs[t][i] (rows ldx values apart) = the norm of the nt rows of the
+// residual at x (row stride `in`) in `wt`, bgs_add_rmsnorm's arithmetic with a warp per
 // row and no block barrier: lane l holds the strided sums of that kernel's threads l, l + 32,
 // ..., l + 224 (BGS_NORM_THREADS = 256 of them), adds them in its tree's first three levels
 // (thread i + 128 into i, then i + 64, then i + 32), and the warp's shuffles are its last five
@@ -1410,13 +1410,19 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
 // row (BGS_TC_NORM_SPAN values per virtual thread: in <= 256 * BGS_TC_NORM_SPAN, which
 // `plan::tc_fold_fits` checks) and the norm weights at once, so a row costs one round trip
 // to memory rather than one per value. Every thread of the block takes part (the warps
-// stride over the rows); the caller synchronizes before xs is read.
+// stride over the rows). x is read through L2 (ld.global.cg): other blocks of the grid wrote
+// it, and an L1 line of this multiprocessor may hold an older copy.
 #if BGS_NORM_THREADS != 256
 #error "tc_norm_rows transcribes the tree of 256 norm threads"
 #endif
 #ifndef BGS_TC_NORM_SPAN
 #error "BGS_TC_NORM_SPAN must be defined (plan::TC_NORM_SPAN)"
 #endif
+__device__ __forceinline__ float ld_cg(const float *p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, float eps, wt *xs,
                                              int ldx, int in, int nt) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -1428,7 +1434,7 @@ __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, fl
 #pragma unroll
             for (int m = 0; m < BGS_TC_NORM_SPAN; m++) {
                 const int i = lane + 32 * k + BGS_NORM_THREADS * m;
-                v[k][m] = i < in ? xr[i] : 0.0f;
+                v[k][m] = i < in ? ld_cg(xr + i) : 0.0f;
                 w[k][m] = i < in ? nw[i] : 0.0f;
             }
         float p[8];
@@ -1494,54 +1500,54 @@ __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w
 #endif
 }
 
-// The folded form's gate/up step: the post-attention norm of the block's tokens into shared
-// memory (tc_norm_rows, rows ldx values apart: dynamic shared memory of min(n - t0, TOK) * ldx
-// values), then bgs_gemm_tc_silu over them. The same bits as bgs_add_rmsnorm, bgs_gemm_tc and
-// bgs_silu_mul.
+// The folded form's o and down steps: bgs_gemm_tc with the residual add (res[t][r] += y, one
+// writer per element: bgs_add_rmsnorm's add), then the norm of the residual rows of the
+// block's token block into xn (norm weights nw) by the block that finishes that token block
+// last: each block's adds are made visible (__threadfence) before it counts itself in done[y],
+// and the block that brings the count to the grid's width norms every row of the token block
+// (tc_norm_rows, bgs_add_rmsnorm's bits, reading through L2) and zeroes the count for the next
+// launch. So the norm that bgs_add_rmsnorm would launch next runs at the end of this grid.
 template <int TOK>
-__device__ __forceinline__ void gemm_tc_norm_silu_body(const wt *w, const float *res,
-                                                       const float *nw, float eps, wt *act,
-                                                       int inter, int in, int ldx, int n) {
+__device__ __forceinline__ void gemm_tc_add_norm_body(const wt *w, const wt *x, float *res,
+                                                      int out, int in, int n, const float *nw,
+                                                      float eps, wt *xn, unsigned *done) {
 #if BGS_HAVE_MMA
-    extern __shared__ __align__(16) unsigned char tc_smem[];
-    wt *xs = (wt *)tc_smem;
+    __shared__ unsigned last;
+    gemm_tc_body<true, TOK>(BGS_LAUNCH_BLK, w, x, res, out, in, n);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.y, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
     const int t0 = blockIdx.y * TOK, nt = min(TOK, n - t0);
-    tc_silu_tiles<TOK>(BGS_LAUNCH_BLK, w, xs, ldx, act, inter, in, n, [&] {
-        tc_norm_rows(res + (size_t)t0 * in, nw, eps, xs, ldx, in, nt);
-        asm volatile("bar.sync 0, %0;" ::"r"(blockDim.x) : "memory");
-    });
+    tc_norm_rows(res + (size_t)t0 * out, nw, eps, xn + (size_t)t0 * out, out, out, nt);
+    if (threadIdx.x == 0) done[blockIdx.y] = 0u;
 #else
     __trap();
 #endif
 }
 
-// The folded form's QKV step: the input norm of the block's tokens into shared memory (as in
-// bgs_gemm_tc_norm_silu), the QKV tile, then bgs_rope_kv's epilogue (qkv_pair_store). The
-// tile's MMA rows 0-7 are rows i0 .. i0 + 7 of a head and rows 8-15 the rows half further on,
-// the pairs RoPE rotates (head_dim a multiple of 16: `plan::tc_fold_fits`): block x is head
+// The folded form's QKV step: the QKV tile over the normed rows xn (the previous down step's
+// epilogue wrote them), then bgs_rope_kv's epilogue (qkv_pair_store). The tile's MMA rows 0-7
+// are rows i0 .. i0 + 7 of a head and rows 8-15 the rows half further on, the pairs RoPE
+// rotates (head_dim a multiple of 16: `plan::tc_fold_fits`): block x is head
 // x / (head_dim / 16), i0 = 8 * (x % (head_dim / 16)). Each output is bgs_gemm_tc's sum, so
-// the same bits as bgs_add_rmsnorm, bgs_gemm_tc and bgs_rope_kv.
+// the same bits as bgs_gemm_tc and bgs_rope_kv.
 template <int TOK>
-__device__ __forceinline__ void gemm_tc_norm_rope_kv_body(
-    const wt *w, const float *res, const float *nw, float eps, float *qkv, const float *bias,
-    const int *pos, const int *slot, const float *inv_freq, wt *cache, int num_heads,
-    int num_kv_heads, int head_dim, int block_size, long long block_stride, int in, int ldx,
-    int n) {
+__device__ __forceinline__ void gemm_tc_rope_kv_body(
+    const wt *w, const wt *xn, float *qkv, const float *bias, const int *pos, const int *slot,
+    const float *inv_freq, wt *cache, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, long long block_stride, int in, int n) {
 #if BGS_HAVE_MMA
-    extern __shared__ __align__(16) unsigned char tc_smem[];
     __shared__ float tile[16][TOK + 1];
-    wt *xs = (wt *)tc_smem;
     const int per_head = head_dim / 16, half = head_dim / 2;
     const int h = blockIdx.x / per_head, i0 = 8 * (blockIdx.x % per_head);
     const int ra = h * head_dim + i0, t0 = blockIdx.y * TOK;
     const int nt = min(TOK, n - t0);
     const int out = (num_heads + 2 * num_kv_heads) * head_dim;
     tc_tile<0, TOK>(
-        w, xs, ldx, ra, ra + half, t0, out, in, n, true,
-        [&] {
-            tc_norm_rows(res + (size_t)t0 * in, nw, eps, xs, ldx, in, nt);
-            __syncthreads();
-        },
+        w, xn + (size_t)t0 * in, in, ra, ra + half, t0, out, in, n, true, [] {},
         [&](int row, int col, float s) { tile[row][col] = s; });
     __syncthreads();
     for (int e = threadIdx.x; e < 8 * nt; e += blockDim.x) {
@@ -1557,37 +1563,31 @@ __device__ __forceinline__ void gemm_tc_norm_rope_kv_body(
 
 // The tensor-core kernels' entry points for one tile width TOK, names suffixed SUF:
 //   bgs_gemm_tc             y = x · wᵀ
-//   bgs_gemm_tc_add         res += x · wᵀ (the folded form's o_proj and down_proj)
 //   bgs_gemm_tc_silu        gate/up with SiLU·up (512 threads: at most 128 registers a
 //                           thread, or the launch runs out of them)
-//   bgs_gemm_tc_norm_silu   the folded gate/up step (512 threads)
-//   bgs_gemm_tc_norm_rope_kv  the folded QKV step
+//   bgs_gemm_tc_add_norm    the folded form's o and down steps: res += x · wᵀ, then the next
+//                           norm of res into xn by the token block's last block
+//   bgs_gemm_tc_rope_kv     the folded form's QKV step
 #define BGS_TC_ENTRY_POINTS(SUF, TOK)                                                          \
     extern "C" __global__ void bgs_gemm_tc##SUF(const wt *w, const wt *x, float *y, int out,   \
                                                 int in, int n) {                               \
         gemm_tc_body<false, TOK>(BGS_LAUNCH_BLK, w, x, y, out, in, n);                         \
     }                                                                                          \
-    extern "C" __global__ void bgs_gemm_tc_add##SUF(const wt *w, const wt *x, float *res,      \
-                                                    int out, int in, int n) {                  \
-        gemm_tc_body<true, TOK>(BGS_LAUNCH_BLK, w, x, res, out, in, n);                        \
-    }                                                                                          \
     extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)                        \
         bgs_gemm_tc_silu##SUF(const wt *w, const wt *x, wt *act, int inter, int in, int n) {   \
         gemm_tc_silu_body<TOK>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);                       \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)                        \
-        bgs_gemm_tc_norm_silu##SUF(const wt *w, const float *res, const float *nw, float eps,  \
-                                   wt *act, int inter, int in, int ldx, int n) {               \
-        gemm_tc_norm_silu_body<TOK>(w, res, nw, eps, act, inter, in, ldx, n);                  \
+    extern "C" __global__ void bgs_gemm_tc_add_norm##SUF(                                      \
+        const wt *w, const wt *x, float *res, int out, int in, int n, const float *nw,         \
+        float eps, wt *xn, unsigned *done) {                                                   \
+        gemm_tc_add_norm_body<TOK>(w, x, res, out, in, n, nw, eps, xn, done);                  \
     }                                                                                          \
-    extern "C" __global__ void bgs_gemm_tc_norm_rope_kv##SUF(                                  \
-        const wt *w, const float *res, const float *nw, float eps, float *qkv,                 \
-        const float *bias, const int *pos, const int *slot, const float *inv_freq, wt *cache,  \
-        int num_heads, int num_kv_heads, int head_dim, int block_size, long long block_stride, \
-        int in, int ldx, int n) {                                                              \
-        gemm_tc_norm_rope_kv_body<TOK>(w, res, nw, eps, qkv, bias, pos, slot, inv_freq, cache, \
-                                       num_heads, num_kv_heads, head_dim, block_size,          \
-                                       block_stride, in, ldx, n);                              \
+    extern "C" __global__ void bgs_gemm_tc_rope_kv##SUF(                                       \
+        const wt *w, const wt *xn, float *qkv, const float *bias, const int *pos,              \
+        const int *slot, const float *inv_freq, wt *cache, int num_heads, int num_kv_heads,    \
+        int head_dim, int block_size, long long block_stride, int in, int n) {                 \
+        gemm_tc_rope_kv_body<TOK>(w, xn, qkv, bias, pos, slot, inv_freq, cache, num_heads,     \
+                                  num_kv_heads, head_dim, block_size, block_stride, in, n);    \
     }
 BGS_TC_ENTRY_POINTS(, BGS_TC_TOKENS)
 BGS_TC_ENTRY_POINTS(_small, BGS_TC_SMALL_TOKENS)

@@ -79,11 +79,11 @@ pub struct GpuModelOptions {
     pub tensor_core_gemm_epilogues: bool,
     /// With the epilogues on, buckets of at most this many tokens whose every projection runs
     /// on the tensor-core GEMM take the **folded form** (where the model fits: head_dim a
-    /// multiple of 16, hidden at most `plan::TC_NORM_MAX_HIDDEN`): the norms become prologues
-    /// of the QKV and gate/up GEMMs, RoPE and the K/V writes the QKV GEMM's epilogue and the
-    /// residual adds those of o and down, five launches a layer instead of eight for the same
-    /// bits, so buckets may mix the two forms. 0 (the default): never; its first version was
-    /// slower on the H200 at every size (docs/gpu-model.md).
+    /// multiple of 16, hidden at most `plan::TC_NORM_MAX_HIDDEN`): the residual adds and the
+    /// norms after them become the epilogues of o and down (the grid's last block of a token
+    /// block norms its rows), RoPE and the K/V writes the QKV GEMM's epilogue, five launches a
+    /// layer instead of eight for the same bits, so buckets may mix the two forms. 0 (the
+    /// default): never (docs/gpu-model.md has what it measured).
     pub tensor_core_gemm_fold_max_tokens: usize,
     /// Buckets of at most `plan::TC_SMALL_TOKENS` (8) tokens, and LM heads of at most that
     /// many rows, run the tensor-core kernels' small-tile entry points (`bgs_gemm_tc_small`
@@ -570,29 +570,6 @@ impl GpuModel {
             .iter()
             .map(|k| get_function(self.module, k.name()))
             .collect::<Result<_, _>>()?;
-        if plan::tc_fold_fits(&self.cfg, self.dtype).is_ok() {
-            // The folded form's norm kernels keep TC_TOKENS normed rows in dynamic shared
-            // memory, which may pass the 48 KB a launch gets without asking.
-            let bytes = plan::tc_norm_shared(plan::TC_TOKENS, self.cfg.hidden_size, self.dtype);
-            for k in [Kernel::GemmTcNormSilu, Kernel::GemmTcNormRopeKv] {
-                let f = self.func(k)?;
-                ck(
-                    // SAFETY: `f` is a kernel of the loaded module; `bytes` is at most
-                    // plan::TC_NORM_MAX_SHARED, within what sm_80+ devices allow.
-                    unsafe {
-                        cu::cuFuncSetAttribute(
-                            f,
-                            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            bytes as i32,
-                        )
-                    },
-                    &format!(
-                        "cuFuncSetAttribute({}, max dynamic shared memory)",
-                        k.name()
-                    ),
-                )?;
-            }
-        }
         ck(
             // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
             unsafe { cu::cuStreamCreate(&mut self.stream, STREAM_NON_BLOCKING) },

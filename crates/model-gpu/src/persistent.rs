@@ -155,20 +155,19 @@ fn weights(kernel: Kernel, args: &[Arg], dtype: GpuDtype) -> Option<(u64, u64)> 
     let es = dtype.size() as u64;
     let (w, rows, inp) = match kernel.wide() {
         // (w, x, y, out, in, n)
-        Kernel::GemmTc | Kernel::GemmTcAdd | Kernel::Proj | Kernel::ProjAdd => {
+        Kernel::GemmTc | Kernel::GemmTcAddNorm | Kernel::Proj | Kernel::ProjAdd => {
             (p(0)?, n(3)?, n(4)?)
         }
-        // (w, res, nw, eps, act, inter, in, ldx, n): gate and up rows.
-        Kernel::GemmTcNormSilu => (p(0)?, 2 * n(5)?, n(6)?),
         // (w, res, nw, eps, act, inter, in, n): gate and up rows.
         Kernel::ProjNormSilu => (p(0)?, 2 * n(5)?, n(6)?),
         // (w, x, act, inter, in, n): gate and up rows.
         Kernel::GemmTcSilu => (p(0)?, 2 * n(3)?, n(4)?),
         // (w, res, nw, eps, qkv, bias, pos, slot, inv_freq, cache, heads, kv heads,
         // head_dim, block_size, block_stride, in, n)
-        Kernel::ProjNormRopeKv | Kernel::GemmTcNormRopeKv => {
-            (p(0)?, (n(10)? + 2 * n(11)?) * n(12)?, n(15)?)
-        }
+        Kernel::ProjNormRopeKv => (p(0)?, (n(10)? + 2 * n(11)?) * n(12)?, n(15)?),
+        // (w, xn, qkv, bias, pos, slot, inv_freq, cache, heads, kv heads, head_dim,
+        // block_size, block_stride, in, n)
+        Kernel::GemmTcRopeKv => (p(0)?, (n(8)? + 2 * n(9)?) * n(10)?, n(13)?),
         _ => return None,
     };
     Some((w, rows * inp * es))
@@ -213,24 +212,20 @@ pub(crate) fn encode(
             | Kernel::ProjNormSilu
             | Kernel::ProjNormRopeKv
             | Kernel::GemmTc => *block == THREADS,
-            // Two 256-thread warp groups (more than a persistent block), or normed rows in
-            // dynamic shared memory the persistent block does not reserve: the persistent
-            // tables are built with the epilogues apart, the same bits.
             Kernel::GemmTcSmall
             | Kernel::GemmTcSiluSmall
-            | Kernel::GemmTcAddSmall
-            | Kernel::GemmTcNormSiluSmall
-            | Kernel::GemmTcNormRopeKvSmall => {
+            | Kernel::GemmTcAddNormSmall
+            | Kernel::GemmTcRopeKvSmall => {
                 return Err(format!(
                     "op {i} ({}) is a small-tile tensor-core kernel, which the persistent form \
                      does not run (build its tables with the wide tiles: the same bits)",
                     k.name()
                 ));
             }
-            Kernel::GemmTcSilu
-            | Kernel::GemmTcAdd
-            | Kernel::GemmTcNormSilu
-            | Kernel::GemmTcNormRopeKv => {
+            // Two 256-thread warp groups (more than a persistent block), or a norm by the
+            // grid's last block (blockIdx, gridDim: a launch's, not a virtual block's): the
+            // persistent tables are built with the epilogues apart, the same bits.
+            Kernel::GemmTcSilu | Kernel::GemmTcAddNorm | Kernel::GemmTcRopeKv => {
                 return Err(format!(
                     "op {i} ({}) is a tensor-core GEMM with a folded epilogue, which the \
                      persistent form does not run (build its tables with the epilogues apart: \

@@ -59,18 +59,16 @@ pub(crate) enum Kernel {
     ProjNormRopeKv,
     GemmTc,
     GemmTcSilu,
-    GemmTcAdd,
-    GemmTcNormSilu,
-    GemmTcNormRopeKv,
+    GemmTcAddNorm,
+    GemmTcRopeKv,
     GemmTcSmall,
     GemmTcSiluSmall,
-    GemmTcAddSmall,
-    GemmTcNormSiluSmall,
-    GemmTcNormRopeKvSmall,
+    GemmTcAddNormSmall,
+    GemmTcRopeKvSmall,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 22] = [
+    pub(crate) const ALL: [Kernel; 20] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -85,14 +83,12 @@ impl Kernel {
         Kernel::ProjNormRopeKv,
         Kernel::GemmTc,
         Kernel::GemmTcSilu,
-        Kernel::GemmTcAdd,
-        Kernel::GemmTcNormSilu,
-        Kernel::GemmTcNormRopeKv,
+        Kernel::GemmTcAddNorm,
+        Kernel::GemmTcRopeKv,
         Kernel::GemmTcSmall,
         Kernel::GemmTcSiluSmall,
-        Kernel::GemmTcAddSmall,
-        Kernel::GemmTcNormSiluSmall,
-        Kernel::GemmTcNormRopeKvSmall,
+        Kernel::GemmTcAddNormSmall,
+        Kernel::GemmTcRopeKvSmall,
     ];
 
     /// The `extern "C"` name.
@@ -112,14 +108,12 @@ impl Kernel {
             Kernel::ProjNormRopeKv => "bgs_proj_norm_rope_kv",
             Kernel::GemmTc => "bgs_gemm_tc",
             Kernel::GemmTcSilu => "bgs_gemm_tc_silu",
-            Kernel::GemmTcAdd => "bgs_gemm_tc_add",
-            Kernel::GemmTcNormSilu => "bgs_gemm_tc_norm_silu",
-            Kernel::GemmTcNormRopeKv => "bgs_gemm_tc_norm_rope_kv",
+            Kernel::GemmTcAddNorm => "bgs_gemm_tc_add_norm",
+            Kernel::GemmTcRopeKv => "bgs_gemm_tc_rope_kv",
             Kernel::GemmTcSmall => "bgs_gemm_tc_small",
             Kernel::GemmTcSiluSmall => "bgs_gemm_tc_silu_small",
-            Kernel::GemmTcAddSmall => "bgs_gemm_tc_add_small",
-            Kernel::GemmTcNormSiluSmall => "bgs_gemm_tc_norm_silu_small",
-            Kernel::GemmTcNormRopeKvSmall => "bgs_gemm_tc_norm_rope_kv_small",
+            Kernel::GemmTcAddNormSmall => "bgs_gemm_tc_add_norm_small",
+            Kernel::GemmTcRopeKvSmall => "bgs_gemm_tc_rope_kv_small",
         }
     }
 
@@ -128,9 +122,8 @@ impl Kernel {
         match self {
             Kernel::GemmTc => Kernel::GemmTcSmall,
             Kernel::GemmTcSilu => Kernel::GemmTcSiluSmall,
-            Kernel::GemmTcAdd => Kernel::GemmTcAddSmall,
-            Kernel::GemmTcNormSilu => Kernel::GemmTcNormSiluSmall,
-            Kernel::GemmTcNormRopeKv => Kernel::GemmTcNormRopeKvSmall,
+            Kernel::GemmTcAddNorm => Kernel::GemmTcAddNormSmall,
+            Kernel::GemmTcRopeKv => Kernel::GemmTcRopeKvSmall,
             k => k,
         }
     }
@@ -141,9 +134,8 @@ impl Kernel {
         match self {
             Kernel::GemmTcSmall => Kernel::GemmTc,
             Kernel::GemmTcSiluSmall => Kernel::GemmTcSilu,
-            Kernel::GemmTcAddSmall => Kernel::GemmTcAdd,
-            Kernel::GemmTcNormSiluSmall => Kernel::GemmTcNormSilu,
-            Kernel::GemmTcNormRopeKvSmall => Kernel::GemmTcNormRopeKv,
+            Kernel::GemmTcAddNormSmall => Kernel::GemmTcAddNorm,
+            Kernel::GemmTcRopeKvSmall => Kernel::GemmTcRopeKv,
             k => k,
         }
     }
@@ -152,16 +144,13 @@ impl Kernel {
     /// `None` for the others.
     pub(crate) fn tc_tile_tokens(self) -> Option<usize> {
         match self {
-            Kernel::GemmTc
-            | Kernel::GemmTcSilu
-            | Kernel::GemmTcAdd
-            | Kernel::GemmTcNormSilu
-            | Kernel::GemmTcNormRopeKv => Some(TC_TOKENS),
+            Kernel::GemmTc | Kernel::GemmTcSilu | Kernel::GemmTcAddNorm | Kernel::GemmTcRopeKv => {
+                Some(TC_TOKENS)
+            }
             Kernel::GemmTcSmall
             | Kernel::GemmTcSiluSmall
-            | Kernel::GemmTcAddSmall
-            | Kernel::GemmTcNormSiluSmall
-            | Kernel::GemmTcNormRopeKvSmall => Some(TC_SMALL_TOKENS),
+            | Kernel::GemmTcAddNormSmall
+            | Kernel::GemmTcRopeKvSmall => Some(TC_SMALL_TOKENS),
             _ => None,
         }
     }
@@ -329,6 +318,10 @@ pub(crate) struct Bufs {
     pub next: u64,
     /// f32 `[head_dim / 2]`: RoPE inverse frequencies.
     pub inv_freq: u64,
+    /// u32 `[token blocks]`, zero between launches: the folded form's o and down steps count
+    /// their finished blocks per token block here (`bgs_gemm_tc_add_norm`; the last one norms
+    /// the rows and zeroes its count).
+    pub tiles_done: u64,
 }
 
 /// Allocate the activation buffers for `t` tokens and `s` sampled rows, and upload the RoPE
@@ -359,6 +352,7 @@ pub(crate) fn alloc_bufs(
         logits: d.alloc(s * vocab * 4, "logits")?,
         next: d.alloc(s * 4, "next tokens")?,
         inv_freq: d.upload(&GpuDtype::F32.encode(&inv_freq), "RoPE frequencies")?,
+        tiles_done: d.alloc(t.div_ceil(TC_SMALL_TOKENS) * 4, "tile counts")?,
     })
 }
 
@@ -461,40 +455,16 @@ fn tc_tiles_launch(
     }
 }
 
-/// Row stride, in values, of the folded form's normed rows in shared memory (`ldx` of
-/// `bgs_gemm_tc_norm_silu` and `bgs_gemm_tc_norm_rope_kv`) for an input `inp` wide: rows an
-/// odd multiple of 64 bytes apart, so the 8 lanes of a quarter warp (two rows, four 16-byte
-/// chunks each) read distinct banks.
-pub(crate) fn tc_norm_ldx(inp: usize, dtype: GpuDtype) -> usize {
-    let per64 = 64 / dtype.size();
-    if (inp / per64).is_multiple_of(2) {
-        inp + per64
-    } else {
-        inp
-    }
-}
-
-/// Dynamic shared memory of a folded-form norm kernel over `n` tokens of an input `inp` wide:
-/// the normed rows of a block's tokens (at most `TC_TOKENS`).
-pub(crate) fn tc_norm_shared(n: usize, inp: usize, dtype: GpuDtype) -> usize {
-    n.min(TC_TOKENS) * tc_norm_ldx(inp, dtype) * dtype.size()
-}
-
-/// Values of a row each of the folded norm prologue's 256 virtual threads holds in registers
-/// at once (`-DBGS_TC_NORM_SPAN`): every load of a row is in flight together.
+/// Values of a row each of the folded form's norm (`tc_norm_rows`, 256 virtual threads) holds
+/// in registers at once (`-DBGS_TC_NORM_SPAN`): every load of a row is in flight together.
 pub const TC_NORM_SPAN: usize = 4;
-/// The widest row the folded norm prologue takes (`NORM_THREADS * TC_NORM_SPAN`).
+/// The widest row the folded form's norm takes (`NORM_THREADS * TC_NORM_SPAN`).
 pub(crate) const TC_NORM_MAX_HIDDEN: usize = NORM_THREADS as usize * TC_NORM_SPAN;
-
-/// The most dynamic shared memory a folded-form norm kernel may ask for (the H100/H200 allow
-/// 227 KB a block; the kernels' static arrays come on top: 38 KB for the SiLU one).
-pub(crate) const TC_NORM_MAX_SHARED: usize = 160 * 1024;
 
 /// Whether the folded tensor-core form (`Plan::tc_epilogues` with every projection of the
 /// bucket on `bgs_gemm_tc`) can run `cfg` in `dtype`: the QKV epilogue pairs the rows RoPE
-/// rotates inside a 16-row tile (head_dim a multiple of 16), the norm prologue holds a row
-/// (hidden at most [`TC_NORM_MAX_HIDDEN`]), and the normed rows of `TC_TOKENS` tokens fit
-/// [`TC_NORM_MAX_SHARED`]. `Err` says why not.
+/// rotates inside a 16-row tile (head_dim a multiple of 16), and the norm at the end of o and
+/// down holds a row in registers (hidden at most [`TC_NORM_MAX_HIDDEN`]). `Err` says why not.
 pub(crate) fn tc_fold_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), String> {
     if !tc_gemm_covers(cfg, dtype) {
         return Err(format!(
@@ -510,15 +480,7 @@ pub(crate) fn tc_fold_fits(cfg: &ModelConfig, dtype: GpuDtype) -> Result<(), Str
     }
     if cfg.hidden_size > TC_NORM_MAX_HIDDEN {
         return Err(format!(
-            "hidden_size {} is wider than the norm prologue's {TC_NORM_MAX_HIDDEN}",
-            cfg.hidden_size
-        ));
-    }
-    let shared = tc_norm_shared(TC_TOKENS, cfg.hidden_size, dtype);
-    if shared > TC_NORM_MAX_SHARED {
-        return Err(format!(
-            "{TC_TOKENS} normed rows of {} values need {shared} bytes of shared memory, more \
-             than {TC_NORM_MAX_SHARED}",
+            "hidden_size {} is wider than the folded norm's {TC_NORM_MAX_HIDDEN}",
             cfg.hidden_size
         ));
     }
@@ -736,12 +698,16 @@ impl Plan<'_> {
             ],
         )];
         let fold = !fused && self.tc_fold(n);
-        let ldx = tc_norm_ldx(h, self.dtype);
-        let fold_shared = tc_norm_shared(n, h, self.dtype);
         let xn_shared = (PROJ_TOKENS * h) as u32 * es as u32;
         let norm_blocks = PROJ_NORM_BLOCKS_PER_SM * self.sms as usize;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let cache_l = self.cache + (l * layer_elems) as u64 * es;
+            // The norm after this layer: the next layer's input norm, or the final one.
+            let next_norm = self
+                .w
+                .layers
+                .get(l + 1)
+                .map_or(self.w.final_norm, |nl| nl.input_norm);
             // bgs_rope_kv's parameters after `qkv`, which the fused QKV kernel shares.
             let rope_kv = [
                 Arg::P(lw.qkv_bias),
@@ -777,26 +743,24 @@ impl Plan<'_> {
                     .concat(),
                 ));
             } else if fold {
-                // The input norm (prologue), QKV, bias, RoPE and the K/V writes in one launch:
-                // a block per 8 row pairs of a head (16 rows).
+                // QKV over the normed rows (the first layer's from its own norm, the others'
+                // from the down step before), bias, RoPE and the K/V writes in one launch: a
+                // block per 8 row pairs of a head (16 rows).
+                if l == 0 {
+                    ops.push(norm(0, lw.input_norm));
+                }
                 ops.push(Op::Launch {
-                    kernel: self.tc_kernel(Kernel::GemmTcNormRopeKv, n),
+                    kernel: self.tc_kernel(Kernel::GemmTcRopeKv, n),
                     grid: (
                         ((nh + 2 * nkv) * hd / TC_ROWS) as u32,
                         n.div_ceil(self.tc_tokens(n)) as u32,
                     ),
                     block: (TC_WARPS * 32) as u32,
-                    shared: fold_shared as u32,
+                    shared: 0,
                     args: [
-                        &[
-                            Arg::P(lw.qkv),
-                            Arg::P(b.x),
-                            Arg::P(lw.input_norm),
-                            Arg::F(eps),
-                            Arg::P(b.qkv),
-                        ][..],
+                        &[Arg::P(lw.qkv), Arg::P(b.xn), Arg::P(b.qkv)][..],
                         &rope_kv,
-                        &[Arg::I(h as i32), Arg::I(ldx as i32), Arg::I(n as i32)],
+                        &[Arg::I(h as i32), Arg::I(n as i32)],
                     ]
                     .concat(),
                 });
@@ -883,7 +847,10 @@ impl Plan<'_> {
                 continue;
             }
             if fold {
-                let add = |w: u64, x: u64, inp: usize| {
+                // o and down with the residual add, each ending in the norm that follows it
+                // (post-attention; the next layer's input norm, or the final one): the token
+                // block's last block writes xn.
+                let add_norm = |w: u64, x: u64, inp: usize, nw: u64| {
                     let args = [
                         Arg::P(w),
                         Arg::P(x),
@@ -891,29 +858,31 @@ impl Plan<'_> {
                         Arg::I(h as i32),
                         Arg::I(inp as i32),
                         Arg::I(n as i32),
+                        Arg::P(nw),
+                        Arg::F(eps),
+                        Arg::P(b.xn),
+                        Arg::P(b.tiles_done),
                     ];
-                    tc_tiles_launch(self.tc_kernel(Kernel::GemmTcAdd, n), 1, h, n, 0, &args)
+                    let k = self.tc_kernel(Kernel::GemmTcAddNorm, n);
+                    tc_tiles_launch(k, 1, h, n, 0, &args)
                 };
-                ops.push(add(lw.o, b.attn, qd));
+                ops.push(add_norm(lw.o, b.attn, qd, lw.post_norm));
                 ops.push(tc_tiles_launch(
-                    self.tc_kernel(Kernel::GemmTcNormSilu, n),
+                    self.tc_kernel(Kernel::GemmTcSilu, n),
                     2,
                     inter,
                     n,
-                    fold_shared,
+                    0,
                     &[
                         Arg::P(lw.gate_up),
-                        Arg::P(b.x),
-                        Arg::P(lw.post_norm),
-                        Arg::F(eps),
+                        Arg::P(b.xn),
                         Arg::P(b.act),
                         Arg::I(inter as i32),
                         Arg::I(h as i32),
-                        Arg::I(ldx as i32),
                         Arg::I(n as i32),
                     ],
                 ));
-                ops.push(add(lw.down, b.act, inter));
+                ops.push(add_norm(lw.down, b.act, inter, next_norm));
                 continue;
             }
             ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));
@@ -951,16 +920,11 @@ impl Plan<'_> {
                 ));
             }
             ops.push(self.gemm(lw.down, b.act, b.tmp, [h, inter, n], "down_proj"));
-            let next_norm = self
-                .w
-                .layers
-                .get(l + 1)
-                .map_or(self.w.final_norm, |nl| nl.input_norm);
             ops.push(norm(b.tmp, next_norm));
         }
-        if fused || fold {
-            // The final norm, for the LM head (the fused and folded layers norm inside their
-            // projections).
+        if fused {
+            // The final norm, for the LM head (the fused layers norm inside their
+            // projections' prologues; the folded ones' last down step wrote it).
             ops.push(norm(0, self.w.final_norm));
         }
         ops

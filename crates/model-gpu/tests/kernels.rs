@@ -25,7 +25,7 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 18] = [
+const ENTRY_POINTS: [&str; 21] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -40,9 +40,12 @@ const ENTRY_POINTS: [&str; 18] = [
     "bgs_proj_norm_rope_kv",
     "bgs_gemm_tc",
     "bgs_gemm_tc_silu",
-    "bgs_gemm_tc_add",
-    "bgs_gemm_tc_norm_silu",
-    "bgs_gemm_tc_norm_rope_kv",
+    "bgs_gemm_tc_add_norm",
+    "bgs_gemm_tc_rope_kv",
+    "bgs_gemm_tc_small",
+    "bgs_gemm_tc_silu_small",
+    "bgs_gemm_tc_add_norm_small",
+    "bgs_gemm_tc_rope_kv_small",
     "bgs_persistent",
 ];
 

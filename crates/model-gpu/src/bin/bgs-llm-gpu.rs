@@ -87,8 +87,8 @@ struct DeviceArgs {
     #[arg(long)]
     no_tc_epilogues: bool,
     /// Buckets of at most this many tokens whose projections all run on the tensor-core GEMM
-    /// take the folded form (norms as GEMM prologues, RoPE/KV and the residual adds as
-    /// epilogues; the same bits, which the check compares; 0: never).
+    /// take the folded form (the residual adds and the norms after them as the epilogues of o
+    /// and down, RoPE/KV as QKV's; the same bits, which the check compares; 0: never).
     #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_gemm_fold_max_tokens)]
     tc_fold_max_tokens: usize,
     /// Run every bucket on the tensor-core kernels' wide (32-token) tiles (by default buckets
@@ -491,7 +491,8 @@ fn check(a: CheckArgs) -> Result<bool, String> {
     }
 
     // (g) The tensor-core GEMM's epilogues (SiLU·up, and where every projection is on it the
-    //     folded form: norms as prologues, RoPE/KV and the residual adds as epilogues)
+    //     folded form: the residual adds and norms as o's and down's epilogues, RoPE/KV as
+    //     QKV's)
     //     against the launches apart, direct launches: the same bits, for the prefill and
     //     decode steps of 1, 3 and 33 sequences (33: two token blocks of the GEMM) at position
     //     20 (each run writes the same K/V, so both see the same cache). The prefill's prompts
