@@ -1709,9 +1709,11 @@ mod tests {
             }
             assert_eq!(logits[0], logits[1], "head_dim {}", cfg.head_dim);
         }
-        // The fold stops at its bucket limit (and is off by default).
+        // The fold stops at its bucket limit (4 tokens by default), and 0 turns it off.
         let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
         let m = EmuModel::new(cfg, &w, GpuDtype::Bf16, [16, 16, 64, 16], true);
+        assert!(m.plan().tc_fold(4) && !m.plan().tc_fold(8));
+        let m = m.with_tc_fold_max_tokens(0);
         assert!(!m.plan().tc_fold(1));
         let m = m.with_tc_fold_max_tokens(8);
         assert!(m.plan().tc_fold(8) && !m.plan().tc_fold(16));

@@ -82,8 +82,10 @@ pub struct GpuModelOptions {
     /// multiple of 16, hidden at most `plan::TC_NORM_MAX_HIDDEN`): the residual adds and the
     /// norms after them become the epilogues of o and down (the grid's last block of a token
     /// block norms its rows), RoPE and the K/V writes the QKV GEMM's epilogue, five launches a
-    /// layer instead of eight for the same bits, so buckets may mix the two forms. 0 (the
-    /// default): never (docs/gpu-model.md has what it measured).
+    /// layer instead of eight for the same bits, so buckets may mix the two forms. 4 by
+    /// default: on the H200 it takes 5% off the Qwen2.5-0.5B-shape step at batch 1 and is
+    /// slower past 8 tokens (its last block norms a token block's rows alone); 0: never
+    /// (docs/gpu-model.md).
     pub tensor_core_gemm_fold_max_tokens: usize,
     /// Buckets of at most `plan::TC_SMALL_TOKENS` (8) tokens, and LM heads of at most that
     /// many rows, run the tensor-core kernels' small-tile entry points (`bgs_gemm_tc_small`
@@ -150,7 +152,7 @@ impl Default for GpuModelOptions {
             fused_max_tokens: 0,
             tensor_core_gemm_max_tokens: 0,
             tensor_core_gemm_epilogues: true,
-            tensor_core_gemm_fold_max_tokens: 0,
+            tensor_core_gemm_fold_max_tokens: 4,
             tensor_core_small_tiles: true,
             programmatic_launch: true,
             attention_warps: 4,
