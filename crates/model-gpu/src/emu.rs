@@ -845,7 +845,7 @@ pub(crate) struct EmuModel {
     tensor_core_attention: bool,
     tc_epilogues: bool,
     tc_fold_max_tokens: usize,
-    tc_small_tiles: bool,
+    tc_small_max_tokens: usize,
 }
 
 impl EmuModel {
@@ -896,14 +896,15 @@ impl EmuModel {
             tensor_core_attention: true,
             tc_epilogues: crate::GpuModelOptions::default().tensor_core_gemm_epilogues,
             tc_fold_max_tokens: crate::GpuModelOptions::default().tensor_core_gemm_fold_max_tokens,
-            tc_small_tiles: crate::GpuModelOptions::default().tensor_core_small_tiles,
+            tc_small_max_tokens: crate::GpuModelOptions::default()
+                .tensor_core_small_tiles_max_tokens,
         }
     }
 
-    /// Small tensor-core tiles for buckets of at most `plan::TC_SMALL_TOKENS` tokens (as
-    /// `GpuModelOptions::tensor_core_small_tiles`).
-    pub(crate) fn with_tc_small_tiles(mut self, on: bool) -> EmuModel {
-        self.tc_small_tiles = on;
+    /// Small tensor-core tiles for buckets of at most `n` tokens (as
+    /// `GpuModelOptions::tensor_core_small_tiles_max_tokens`).
+    pub(crate) fn with_tc_small_max_tokens(mut self, n: usize) -> EmuModel {
+        self.tc_small_max_tokens = n;
         self
     }
 
@@ -968,7 +969,7 @@ impl EmuModel {
                     .is_some(),
             tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
-            tc_small_tiles: self.tc_small_tiles,
+            tc_small_max_tokens: self.tc_small_max_tokens,
         }
     }
 
@@ -1720,8 +1721,9 @@ mod tests {
     }
 
     /// The small tensor-core tiles: buckets of at most `TC_SMALL_TOKENS` tokens (and LM heads
-    /// of at most that many rows) launch the `_small` entry points with token blocks of that
-    /// width, larger ones the wide tiles, in the apart and the folded form; the emulated
+    /// of at most that many rows; or up to 16 tokens, in two token blocks) launch the `_small`
+    /// entry points with token blocks of that width, larger ones the wide tiles, in the apart
+    /// and the folded form; the emulated
     /// logits are those of the wide tiles (the emulator checks every grid against its
     /// kernel's tile width).
     #[test]
@@ -1733,14 +1735,14 @@ mod tests {
             Kernel::GemmTcAddNormSmall,
             Kernel::GemmTcRopeKvSmall,
         ];
-        for fold in [false, true] {
-            let model = |on: bool| {
+        for (fold, max) in [(false, 8), (true, 8), (false, 16), (true, 16)] {
+            let model = |max: usize| {
                 EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
                     .with_tc_fold_max_tokens(if fold { 64 } else { 0 })
-                    .with_tc_small_tiles(on)
+                    .with_tc_small_max_tokens(max)
             };
-            let m = model(true);
-            for n in [1, 8, 16] {
+            let m = model(max);
+            for n in [1, 8, 16, 32] {
                 let plan = m.plan();
                 let ops = [plan.body(n), plan.head(n)].concat();
                 let tc: Vec<(Kernel, u32)> = ops
@@ -1754,29 +1756,25 @@ mod tests {
                     .collect();
                 assert!(!tc.is_empty());
                 for (k, gy) in tc {
-                    let want = if n <= plan::TC_SMALL_TOKENS {
-                        k.wide().small()
-                    } else {
-                        k.wide()
-                    };
-                    assert_eq!(k, want, "bucket {n}, fold {fold}");
-                    assert_eq!(small.contains(&k), n <= plan::TC_SMALL_TOKENS);
+                    let want = if n <= max { k.wide().small() } else { k.wide() };
+                    assert_eq!(k, want, "bucket {n}, fold {fold}, small to {max}");
+                    assert_eq!(small.contains(&k), n <= max);
                     assert_eq!(gy as usize, n.div_ceil(k.tc_tile_tokens().unwrap()));
                 }
             }
-            let ops = model(false).plan().body(1);
+            let ops = model(0).plan().body(1);
             assert!(
                 ops.iter()
                     .all(|op| !matches!(op, Op::Launch { kernel, .. } if small.contains(kernel)))
             );
-            // Decode steps of 1, 3 and 8 sequences after a prefill, small tiles on and off.
-            for b in [1usize, 3, 8] {
+            // Decode steps of 1, 3, 8 and 16 sequences after a prefill, small tiles on and off.
+            for b in [1usize, 3, 8, 16] {
                 let lens: Vec<usize> = (0..b).map(|i| 2 + i % 3).collect();
                 let prompts = prompts(cfg.vocab_size, &lens);
                 let blocks: Vec<Vec<u32>> = (0..b as u32).map(|i| vec![i]).collect();
                 let mut logits = Vec::new();
-                for on in [true, false] {
-                    let mut m = model(on);
+                for small_max in [max, 0] {
+                    let mut m = model(small_max);
                     let pre: Vec<StepItem<'_>> = prompts
                         .iter()
                         .zip(&blocks)
@@ -1804,7 +1802,10 @@ mod tests {
                         .collect();
                     logits.push((first, m.step_logits(&dec)));
                 }
-                assert_eq!(logits[0], logits[1], "batch {b}, fold {fold}");
+                assert_eq!(
+                    logits[0], logits[1],
+                    "batch {b}, fold {fold}, small to {max}"
+                );
             }
         }
     }
@@ -1827,7 +1828,7 @@ mod tests {
             let mut m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv)
                 .with_attention_warps(4)
                 .with_tc_epilogues(false)
-                .with_tc_small_tiles(false);
+                .with_tc_small_max_tokens(0);
             if fused > 0 {
                 m = m.with_fused_max_tokens(fused).with_tc_gemm_max_tokens(8);
             }
@@ -1882,7 +1883,7 @@ mod tests {
             e.contains("op 2 (bgs_gemm_tc_small) is a small-tile"),
             "{e}"
         );
-        let m = m.with_tc_small_tiles(false);
+        let m = m.with_tc_small_max_tokens(0);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(e.contains("(bgs_gemm_tc_silu)"), "{e}");
         let m = m.with_tc_fold_max_tokens(8);

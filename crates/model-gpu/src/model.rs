@@ -87,12 +87,13 @@ pub struct GpuModelOptions {
     /// slower past 8 tokens (its last block norms a token block's rows alone); 0: never
     /// (docs/gpu-model.md).
     pub tensor_core_gemm_fold_max_tokens: usize,
-    /// Buckets of at most `plan::TC_SMALL_TOKENS` (8) tokens, and LM heads of at most that
-    /// many rows, run the tensor-core kernels' small-tile entry points (`bgs_gemm_tc_small`
-    /// and the others' `_small` forms): fragments for 8 tokens instead of 32, so fewer
-    /// registers and more blocks a multiprocessor, for the same bits (the check compares the
-    /// two). On by default. The persistent form keeps the wide tiles.
-    pub tensor_core_small_tiles: bool,
+    /// Buckets of at most this many tokens, and LM heads of at most this many rows, run the
+    /// tensor-core kernels' small-tile entry points (`bgs_gemm_tc_small` and the others'
+    /// `_small` forms): fragments for `plan::TC_SMALL_TOKENS` (8) tokens instead of 32, so
+    /// fewer registers and more blocks a multiprocessor, for the same bits (the check compares
+    /// the two); past 8 tokens a bucket takes several token blocks, each reading the weights.
+    /// 8 by default; 0: the wide tiles everywhere. The persistent form keeps the wide tiles.
+    pub tensor_core_small_tiles_max_tokens: usize,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -153,7 +154,7 @@ impl Default for GpuModelOptions {
             tensor_core_gemm_max_tokens: 0,
             tensor_core_gemm_epilogues: true,
             tensor_core_gemm_fold_max_tokens: 4,
-            tensor_core_small_tiles: true,
+            tensor_core_small_tiles_max_tokens: plan::TC_SMALL_TOKENS,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -300,8 +301,10 @@ pub struct GpuModel {
     tc_epilogues: bool,
     /// `tensor_core_gemm_fold_max_tokens`.
     tc_fold_max_tokens: usize,
-    /// `tensor_core_small_tiles` (`set_tc_small_tiles` changes it for direct launches).
-    tc_small_tiles: bool,
+    /// `tensor_core_small_tiles_max_tokens`.
+    tc_small_max_tokens: usize,
+    /// Whether the small tiles are used (`set_tc_small_tiles` changes it for direct launches).
+    tc_small_on: bool,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -501,7 +504,8 @@ impl GpuModel {
             },
             tc_epilogues: opts.tensor_core_gemm_epilogues,
             tc_fold_max_tokens: opts.tensor_core_gemm_fold_max_tokens,
-            tc_small_tiles: opts.tensor_core_small_tiles,
+            tc_small_max_tokens: opts.tensor_core_small_tiles_max_tokens,
+            tc_small_on: true,
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -817,7 +821,11 @@ impl GpuModel {
             mma_attention: self.mma_attention,
             tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
-            tc_small_tiles: self.tc_small_tiles,
+            tc_small_max_tokens: if self.tc_small_on {
+                self.tc_small_max_tokens
+            } else {
+                0
+            },
         }
     }
 
@@ -1057,7 +1065,7 @@ impl GpuModel {
         // kernel runs bgs_gemm_tc's body for 32 tokens): the same bits either way.
         let mut plan = self.plan();
         plan.tc_epilogues = false;
-        plan.tc_small_tiles = false;
+        plan.tc_small_max_tokens = 0;
         let mut lists = Vec::new();
         for &n in tb.iter().filter(|&&n| n <= max) {
             lists.push((n, false, plan.body(n)));
@@ -1233,11 +1241,16 @@ impl GpuModel {
         self.tc_epilogues = on;
     }
 
-    /// Run buckets of at most `plan::TC_SMALL_TOKENS` tokens on the tensor-core kernels'
+    /// Run the buckets `tensor_core_small_tiles_max_tokens` covers on the tensor-core kernels'
     /// small tiles (true) or the wide ones (false), for the launches made without graphs. The
     /// same bits either way; the check compares the two.
     pub fn set_tc_small_tiles(&mut self, on: bool) {
-        self.tc_small_tiles = on;
+        self.tc_small_on = on;
+    }
+
+    /// `tensor_core_small_tiles_max_tokens`.
+    pub fn tc_small_max_tokens(&self) -> usize {
+        self.tc_small_max_tokens
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),

@@ -548,10 +548,10 @@ pub(crate) struct Plan<'a> {
     /// With `tc_epilogues`, buckets of at most this many tokens take the folded form where it
     /// applies ([`Plan::tc_fold`]; 0: none).
     pub tc_fold_max_tokens: usize,
-    /// Buckets of at most [`TC_SMALL_TOKENS`] tokens (and LM heads of at most that many rows)
-    /// run the tensor-core kernels' small-tile entry points ([`Plan::tc_tokens`]): the same
-    /// bits as the wide tiles.
-    pub tc_small_tiles: bool,
+    /// Buckets of at most this many tokens (and LM heads of at most this many rows) run the
+    /// tensor-core kernels' small-tile entry points ([`Plan::tc_tokens`]): the same bits as
+    /// the wide tiles (0: none).
+    pub tc_small_max_tokens: usize,
 }
 
 impl Plan<'_> {
@@ -591,9 +591,9 @@ impl Plan<'_> {
     }
 
     /// Tokens of a tensor-core block for a bucket of `n` tokens: [`TC_SMALL_TOKENS`] where the
-    /// small tiles are on and cover it, else [`TC_TOKENS`].
+    /// small tiles cover it, else [`TC_TOKENS`].
     pub(crate) fn tc_tokens(&self, n: usize) -> usize {
-        if self.tc_small_tiles && n <= TC_SMALL_TOKENS {
+        if n <= self.tc_small_max_tokens {
             TC_SMALL_TOKENS
         } else {
             TC_TOKENS

@@ -91,10 +91,10 @@ struct DeviceArgs {
     /// and down, RoPE/KV as QKV's; the same bits, which the check compares; 0: never).
     #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_gemm_fold_max_tokens)]
     tc_fold_max_tokens: usize,
-    /// Run every bucket on the tensor-core kernels' wide (32-token) tiles (by default buckets
-    /// of at most 8 tokens take the 8-token tiles; the same bits, which the check compares).
-    #[arg(long)]
-    no_tc_small_tiles: bool,
+    /// Buckets of at most this many tokens run the tensor-core kernels' 8-token tiles (the
+    /// others the 32-token ones; the same bits, which the check compares; 0: never).
+    #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_small_tiles_max_tokens)]
+    tc_small_max_tokens: usize,
     /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
     no_pdl: bool,
@@ -214,7 +214,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         tensor_core_gemm_max_tokens: dev.tc_gemm_max_tokens,
         tensor_core_gemm_epilogues: !dev.no_tc_epilogues,
         tensor_core_gemm_fold_max_tokens: dev.tc_fold_max_tokens,
-        tensor_core_small_tiles: !dev.no_tc_small_tiles,
+        tensor_core_small_tiles_max_tokens: dev.tc_small_max_tokens,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
@@ -530,9 +530,13 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             );
         }
         gpu.set_tc_epilogues(!a.dev.no_tc_epilogues);
-        // The small tensor-core tiles against the wide ones: decode steps of 1, 3 and 8
-        // sequences (every bucket the small tiles take is at most 8 tokens).
-        for b in [1usize, 3, 8] {
+        // The small tensor-core tiles against the wide ones: decode steps of 1, 3, 8 and 16
+        // sequences, those whose bucket the small tiles take.
+        let small_max = gpu.tc_small_max_tokens();
+        for b in [1usize, 3, 8, 16] {
+            if bgs_model_gpu::host::bucket_for(b).is_none_or(|n| n > small_max) {
+                continue;
+            }
             let (toks, tables) = step_inputs(&vec![1; b], per, vocab);
             let step = step_items(&toks, &tables, 20);
             gpu.set_tc_small_tiles(false);
@@ -549,7 +553,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
                 &mut results,
             );
         }
-        gpu.set_tc_small_tiles(!a.dev.no_tc_small_tiles);
+        gpu.set_tc_small_tiles(true);
         gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
     }
 
@@ -662,7 +666,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "tc_epilogues": !a.dev.no_tc_epilogues,
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
-        "tc_small_tiles": !a.dev.no_tc_small_tiles,
+        "tc_small_max_tokens": a.dev.tc_small_max_tokens,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": gpu.tensor_core_attention(),
         "persistent_buckets": gpu.persistent_buckets(),
@@ -1039,7 +1043,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "fused_max_tokens": a.dev.fused_max_tokens, "pdl": !a.dev.no_pdl,
         "tc_epilogues": !a.dev.no_tc_epilogues,
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
-        "tc_small_tiles": !a.dev.no_tc_small_tiles,
+        "tc_small_max_tokens": a.dev.tc_small_max_tokens,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": m.tensor_core_attention(),
         "persistent_buckets": m.persistent_buckets(),
