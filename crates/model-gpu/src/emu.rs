@@ -1087,6 +1087,25 @@ mod tests {
         }
     }
 
+    /// A step of sequence i's `toks[i]` at position `pos[i]` over block table `blocks[i]`,
+    /// every sequence sampled.
+    fn sampled<'a>(
+        toks: &'a [Vec<u32>],
+        blocks: &'a [Vec<u32>],
+        pos: &[usize],
+    ) -> Vec<StepItem<'a>> {
+        toks.iter()
+            .zip(blocks)
+            .zip(pos)
+            .map(|((t, b), &pos)| StepItem {
+                tokens: t,
+                pos,
+                blocks: b,
+                sample: true,
+            })
+            .collect()
+    }
+
     fn prompts(vocab: usize, lens: &[usize]) -> Vec<Vec<u32>> {
         let mut rng = SplitMix64::new(99);
         lens.iter()
@@ -1174,16 +1193,7 @@ mod tests {
         let tables: Vec<Vec<u32>> = (0..4)
             .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
             .collect();
-        let items: Vec<StepItem<'_>> = ps
-            .iter()
-            .zip(&tables)
-            .map(|(p, t)| StepItem {
-                tokens: p,
-                pos: 0,
-                blocks: t,
-                sample: true,
-            })
-            .collect();
+        let items = sampled(&ps, &tables, &[0; 4]);
         let d = max_rel_diff(&cpu.step_logits(&items).unwrap(), &emu.step_logits(&items));
         assert!(
             d <= tol,
@@ -1664,16 +1674,7 @@ mod tests {
             let lens: Vec<usize> = (0..12).map(|i| 1 + (i * 5) % 7).collect();
             let prompts = prompts(cfg.vocab_size, &lens);
             let blocks: Vec<Vec<u32>> = (0..prompts.len() as u32).map(|i| vec![i]).collect();
-            let items: Vec<StepItem<'_>> = prompts
-                .iter()
-                .zip(&blocks)
-                .map(|(t, b)| StepItem {
-                    tokens: t,
-                    pos: 0,
-                    blocks: b,
-                    sample: true,
-                })
-                .collect();
+            let items = sampled(&prompts, &blocks, &vec![0; prompts.len()]);
             let tokens: usize = lens.iter().sum();
             assert!(tokens > plan::TC_TOKENS, "two token blocks");
             let mut logits = Vec::new();
@@ -1775,32 +1776,11 @@ mod tests {
                 let mut logits = Vec::new();
                 for small_max in [max, 0] {
                     let mut m = model(small_max);
-                    let pre: Vec<StepItem<'_>> = prompts
-                        .iter()
-                        .zip(&blocks)
-                        .map(|(t, bl)| StepItem {
-                            tokens: t,
-                            pos: 0,
-                            blocks: bl,
-                            sample: true,
-                        })
+                    let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; b]));
+                    let next: Vec<Vec<u32>> = (0..b as u32)
+                        .map(|i| vec![(7 * i + 1) % cfg.vocab_size as u32])
                         .collect();
-                    let first = m.step_logits(&pre);
-                    let next: Vec<[u32; 1]> = (0..first.len() as u32)
-                        .map(|i| [(7 * i + 1) % cfg.vocab_size as u32])
-                        .collect();
-                    let dec: Vec<StepItem<'_>> = next
-                        .iter()
-                        .zip(&blocks)
-                        .zip(&lens)
-                        .map(|((t, bl), &len)| StepItem {
-                            tokens: t,
-                            pos: len,
-                            blocks: bl,
-                            sample: true,
-                        })
-                        .collect();
-                    logits.push((first, m.step_logits(&dec)));
+                    logits.push((first, m.step_logits(&sampled(&next, &blocks, &lens))));
                 }
                 assert_eq!(
                     logits[0], logits[1],

@@ -56,7 +56,7 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         format!("-DBGS_TC_TOKENS={}", plan::TC_TOKENS),
         format!("-DBGS_TC_SMALL_TOKENS={}", plan::TC_SMALL_TOKENS),
         format!("-DBGS_TC_SMALL_UNROLL={}", plan::TC_SMALL_UNROLL),
-        // The folded form's norm prologue: values of a row per virtual thread.
+        // The folded form's norm: values of a row per virtual thread.
         format!("-DBGS_TC_NORM_SPAN={}", plan::TC_NORM_SPAN),
     ];
     // Experiments only: extra `-D` definitions (e.g. `BGS_ATTN_SCALAR=1`), each replacing the

@@ -1248,7 +1248,7 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
 // Weights never change during a step, so the first chunks' weights are loaded before waiting
 // on the previous kernel (programmatic dependent launch), overlapping its tail.
 // Two tile widths: BGS_TC_TOKENS tokens (the kernels' plain names) and BGS_TC_SMALL_TOKENS
-// (the `_small` entry points, decode at small batch: `Plan::tc_tokens`). A tile's width only
+// (the `_small` entry points, decode at small batch: `Plan::tc_kernel`). A tile's width only
 // sizes its fragments (registers, hence blocks per multiprocessor) and its token blocks; every
 // output is the same sum of the same products in the same order either way, so the two give a
 // token the same bits. Chunks whose weights a warp loads ahead: BGS_TC_UNROLL for the wide
@@ -1275,13 +1275,12 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
 #if BGS_HAVE_MMA
 // One 16-row x TOK-token tile of y = x · wᵀ (tokens t0.. of n): the MMA's rows 0-7 are
 // w's rows ra.. and its rows 8-15 w's rows rb.. (rb = ra + 8 for a plain tile; the QKV
-// epilogue pairs the two halves RoPE rotates), of `out` rows. x is the row of token t0,
-// ldx values apart (the input in global memory, or the normed rows in shared memory). The
-// warps' MMA sums, then epi(row, col, s) for every (row, col) of the tile, s the warps'
-// partial sums added in warp order (rows and tokens past the ends included: the epilogue
-// skips them). Every thread of the group takes part; `pdl`: wait on the previous grid after
-// the first weights are in flight (a launch with programmatic dependent launch); then pre()
-// (a prologue that writes x) before x is read.
+// epilogue pairs the two halves RoPE rotates), of `out` rows. x is the row of token t0 (rows
+// `in` values apart). The warps' MMA sums, then epi(row, col, s) for every (row, col) of the
+// tile, s the warps' partial sums added in warp order (rows and tokens past the ends
+// included: the epilogue skips them). Every thread of the group takes part; `pdl`: wait on
+// the previous grid after the first weights are in flight (a launch with programmatic
+// dependent launch) and before x is read.
 // The warps' partial sums of a tile, one array per warp group G and tile width (a __shared__
 // variable in tc_tile itself would be one per instantiation, epilogue included).
 template <int TOK>
@@ -1297,9 +1296,9 @@ __device__ __forceinline__ float (*tc_red1())[16][TOK + 1] {
 // G: which group of BGS_TC_WARPS warps of the block computes the tile (threads G * 256 ..);
 // it synchronizes with named barrier 1 + G of its own threads only, so two groups can compute
 // two tiles side by side (bgs_gemm_tc_silu).
-template <int G, int TOK, class Pre, class Epi>
-__device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int ra, int rb, int t0,
-                                        int out, int in, int n, bool pdl, Pre pre, Epi epi) {
+template <int G, int TOK, class Epi>
+__device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb, int t0, int out,
+                                        int in, int n, bool pdl, Epi epi) {
     constexpr int TILES = TOK / 8;
     constexpr int UNROLL = TOK == BGS_TC_TOKENS ? BGS_TC_UNROLL : BGS_TC_SMALL_UNROLL;
     float(*red)[16][TOK + 1] = G ? tc_red1<TOK>() : tc_red0<TOK>();
@@ -1324,7 +1323,6 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
         }
     }
     if (pdl) BGS_PDL_BEGIN();
-    pre();
     for (int c0 = warp; c0 < chunks; c0 += UNROLL * BGS_TC_WARPS) {
         bgs_u4 b[UNROLL][TILES];
 #pragma unroll
@@ -1335,7 +1333,7 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ldx, int r
                 const int t = t0 + 8 * j + g;
                 b[u][j] = bgs_u4{0u, 0u, 0u, 0u};
                 if (c < chunks && j < tiles && t < n)
-                    b[u][j] = ((const bgs_u4 *)(x + (size_t)(t - t0) * ldx))[4 * c + q];
+                    b[u][j] = ((const bgs_u4 *)(x + (size_t)(t - t0) * in))[4 * c + q];
             }
         }
 #pragma unroll
@@ -1386,7 +1384,7 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
                                              int out, int in, int n) {
 #if BGS_HAVE_MMA
     const int r0 = bk.x * 16, t0 = bk.y * TOK;
-    tc_tile<0, TOK>(w, x + (size_t)t0 * in, in, r0, r0 + 8, t0, out, in, n, bk.pdl, [] {},
+    tc_tile<0, TOK>(w, x + (size_t)t0 * in, r0, r0 + 8, t0, out, in, n, bk.pdl,
                [&](int row, int col, float s) {
                    const int r = r0 + row, t = t0 + col;
                    if (r < out && t < n) {
@@ -1401,8 +1399,8 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
 }
 
 #if BGS_HAVE_MMA
-// The folded form's norm: xs[t][i] (rows ldx values apart) = the norm of the nt rows of the
-// residual at x (row stride `in`) in `wt`, bgs_add_rmsnorm's arithmetic with a warp per
+// The folded form's norm: xs[t][i] = the norm of the nt rows of the residual at x in `wt`
+// (rows `in` values apart in both), bgs_add_rmsnorm's arithmetic with a warp per
 // row and no block barrier: lane l holds the strided sums of that kernel's threads l, l + 32,
 // ..., l + 224 (BGS_NORM_THREADS = 256 of them), adds them in its tree's first three levels
 // (thread i + 128 into i, then i + 64, then i + 32), and the warp's shuffles are its last five
@@ -1424,7 +1422,7 @@ __device__ __forceinline__ float ld_cg(const float *p) {
     return v;
 }
 __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, float eps, wt *xs,
-                                             int ldx, int in, int nt) {
+                                             int in, int nt) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     for (int t = warp; t < nt; t += warps) {
         const float *xr = x + (size_t)t * in;
@@ -1451,7 +1449,7 @@ __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, fl
         float sum = l2[0] + l2[1];
         for (int s = 16; s > 0; s >>= 1) sum = sum + __shfl_down_sync(0xffffffffu, sum, s);
         const float inv = rms_inv(__shfl_sync(0xffffffffu, sum, 0), in, eps);
-        wt *o = xs + (size_t)t * ldx;
+        wt *o = xs + (size_t)t * in;
 #pragma unroll
         for (int k = 0; k < 8; k++)
 #pragma unroll
@@ -1465,19 +1463,17 @@ __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, fl
 // Both tiles of the gate/up projection and SiLU·up: w is the fused [gate; up] weight (2 *
 // inter rows), act[t][i] = silu(g) * u in `wt` with g and u bgs_gemm_tc's values for rows i and
 // inter + i. A block of two warp groups: the first computes 16 gate rows while the second
-// computes the same 16 up rows, for up to TOK tokens; x is token t0's input row (ldx
-// values apart), `pre` as in tc_tile (each thread calls it once, from its group's tile).
-template <int TOK, class Pre>
+// computes the same 16 up rows, for up to TOK tokens; x is token t0's input row.
+template <int TOK>
 __device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, const wt *x,
-                                              int ldx, wt *act, int inter, int in, int n,
-                                              Pre pre) {
+                                              wt *act, int inter, int in, int n) {
     __shared__ float gate[16][TOK + 1], up[16][TOK + 1];
     const int r0 = bk.x * 16, t0 = bk.y * TOK;
     if ((int)threadIdx.x < BGS_TC_WARPS * 32)
-        tc_tile<0, TOK>(w, x, ldx, r0, r0 + 8, t0, inter, in, n, bk.pdl, pre,
+        tc_tile<0, TOK>(w, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
                    [&](int row, int col, float s) { gate[row][col] = s; });
     else
-        tc_tile<1, TOK>(w + (size_t)inter * in, x, ldx, r0, r0 + 8, t0, inter, in, n, bk.pdl, pre,
+        tc_tile<1, TOK>(w + (size_t)inter * in, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
                    [&](int row, int col, float s) { up[row][col] = s; });
     __syncthreads();
     for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
@@ -1494,7 +1490,7 @@ template <int TOK>
 __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w, const wt *x,
                                                   wt *act, int inter, int in, int n) {
 #if BGS_HAVE_MMA
-    tc_silu_tiles<TOK>(bk, w, x + (size_t)bk.y * TOK * in, in, act, inter, in, n, [] {});
+    tc_silu_tiles<TOK>(bk, w, x + (size_t)bk.y * TOK * in, act, inter, in, n);
 #else
     __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
 #endif
@@ -1521,7 +1517,7 @@ __device__ __forceinline__ void gemm_tc_add_norm_body(const wt *w, const wt *x, 
     if (!last) return;
     __threadfence();
     const int t0 = blockIdx.y * TOK, nt = min(TOK, n - t0);
-    tc_norm_rows(res + (size_t)t0 * out, nw, eps, xn + (size_t)t0 * out, out, out, nt);
+    tc_norm_rows(res + (size_t)t0 * out, nw, eps, xn + (size_t)t0 * out, out, nt);
     if (threadIdx.x == 0) done[blockIdx.y] = 0u;
 #else
     __trap();
@@ -1546,9 +1542,8 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
     const int ra = h * head_dim + i0, t0 = blockIdx.y * TOK;
     const int nt = min(TOK, n - t0);
     const int out = (num_heads + 2 * num_kv_heads) * head_dim;
-    tc_tile<0, TOK>(
-        w, xn + (size_t)t0 * in, in, ra, ra + half, t0, out, in, n, true, [] {},
-        [&](int row, int col, float s) { tile[row][col] = s; });
+    tc_tile<0, TOK>(w, xn + (size_t)t0 * in, ra, ra + half, t0, out, in, n, true,
+                    [&](int row, int col, float s) { tile[row][col] = s; });
     __syncthreads();
     for (int e = threadIdx.x; e < 8 * nt; e += blockDim.x) {
         const int i = e % 8, col = e / 8;

@@ -153,21 +153,15 @@ fn weights(kernel: Kernel, args: &[Arg], dtype: GpuDtype) -> Option<(u64, u64)> 
         _ => None,
     };
     let es = dtype.size() as u64;
-    let (w, rows, inp) = match kernel.wide() {
+    // (The kernels `encode` refuses, the folded and small-tile ones, never get here.)
+    let (w, rows, inp) = match kernel {
         // (w, x, y, out, in, n)
-        Kernel::GemmTc | Kernel::GemmTcAddNorm | Kernel::Proj | Kernel::ProjAdd => {
-            (p(0)?, n(3)?, n(4)?)
-        }
+        Kernel::GemmTc | Kernel::Proj | Kernel::ProjAdd => (p(0)?, n(3)?, n(4)?),
         // (w, res, nw, eps, act, inter, in, n): gate and up rows.
         Kernel::ProjNormSilu => (p(0)?, 2 * n(5)?, n(6)?),
-        // (w, x, act, inter, in, n): gate and up rows.
-        Kernel::GemmTcSilu => (p(0)?, 2 * n(3)?, n(4)?),
         // (w, res, nw, eps, qkv, bias, pos, slot, inv_freq, cache, heads, kv heads,
         // head_dim, block_size, block_stride, in, n)
         Kernel::ProjNormRopeKv => (p(0)?, (n(10)? + 2 * n(11)?) * n(12)?, n(15)?),
-        // (w, xn, qkv, bias, pos, slot, inv_freq, cache, heads, kv heads, head_dim,
-        // block_size, block_stride, in, n)
-        Kernel::GemmTcRopeKv => (p(0)?, (n(8)? + 2 * n(9)?) * n(10)?, n(13)?),
         _ => return None,
     };
     Some((w, rows * inp * es))

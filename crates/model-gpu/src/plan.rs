@@ -129,7 +129,8 @@ impl Kernel {
     }
 
     /// The wide-tile kernel a small-tile entry point computes the same bits as (itself for
-    /// the others): what the emulator and the persistent encoder match on.
+    /// the others): what the emulator (test builds only) matches on.
+    #[cfg(test)]
     pub(crate) fn wide(self) -> Kernel {
         match self {
             Kernel::GemmTcSmall => Kernel::GemmTc,
@@ -549,7 +550,7 @@ pub(crate) struct Plan<'a> {
     /// applies ([`Plan::tc_fold`]; 0: none).
     pub tc_fold_max_tokens: usize,
     /// Buckets of at most this many tokens (and LM heads of at most this many rows) run the
-    /// tensor-core kernels' small-tile entry points ([`Plan::tc_tokens`]): the same bits as
+    /// tensor-core kernels' small-tile entry points ([`Plan::tc_kernel`]): the same bits as
     /// the wide tiles (0: none).
     pub tc_small_max_tokens: usize,
 }
@@ -590,23 +591,13 @@ impl Plan<'_> {
         })
     }
 
-    /// Tokens of a tensor-core block for a bucket of `n` tokens: [`TC_SMALL_TOKENS`] where the
-    /// small tiles cover it, else [`TC_TOKENS`].
-    pub(crate) fn tc_tokens(&self, n: usize) -> usize {
-        if n <= self.tc_small_max_tokens {
-            TC_SMALL_TOKENS
-        } else {
-            TC_TOKENS
-        }
-    }
-
     /// The entry point of tensor-core kernel `k` (its wide-tile name) for a bucket of `n`
-    /// tokens ([`Plan::tc_tokens`]).
+    /// tokens: its small-tile form where `tc_small_max_tokens` covers the bucket.
     pub(crate) fn tc_kernel(&self, k: Kernel, n: usize) -> Kernel {
-        if self.tc_tokens(n) == TC_TOKENS {
-            k
-        } else {
+        if n <= self.tc_small_max_tokens {
             k.small()
+        } else {
+            k
         }
     }
 
@@ -721,6 +712,11 @@ impl Plan<'_> {
                 Arg::I(bs as i32),
                 Arg::L(block_stride),
             ];
+            if !fused && l == 0 {
+                // The first layer's input norm (the fused form norms in its QKV prologue; after
+                // it, the norm before QKV is the previous layer's last).
+                ops.push(norm(0, lw.input_norm));
+            }
             if fused {
                 // The input norm, QKV, bias, RoPE and the K/V writes in one launch.
                 ops.push(proj_launch(
@@ -745,29 +741,21 @@ impl Plan<'_> {
             } else if fold {
                 // QKV over the normed rows (the first layer's from its own norm, the others'
                 // from the down step before), bias, RoPE and the K/V writes in one launch: a
-                // block per 8 row pairs of a head (16 rows).
-                if l == 0 {
-                    ops.push(norm(0, lw.input_norm));
-                }
-                ops.push(Op::Launch {
-                    kernel: self.tc_kernel(Kernel::GemmTcRopeKv, n),
-                    grid: (
-                        ((nh + 2 * nkv) * hd / TC_ROWS) as u32,
-                        n.div_ceil(self.tc_tokens(n)) as u32,
-                    ),
-                    block: (TC_WARPS * 32) as u32,
-                    shared: 0,
-                    args: [
+                // block per 8 row pairs of a head (16 rows: head_dim is a multiple of 16).
+                ops.push(tc_tiles_launch(
+                    self.tc_kernel(Kernel::GemmTcRopeKv, n),
+                    1,
+                    qd + 2 * kvd,
+                    n,
+                    0,
+                    &[
                         &[Arg::P(lw.qkv), Arg::P(b.xn), Arg::P(b.qkv)][..],
                         &rope_kv,
                         &[Arg::I(h as i32), Arg::I(n as i32)],
                     ]
                     .concat(),
-                });
+                ));
             } else {
-                if l == 0 {
-                    ops.push(norm(0, lw.input_norm));
-                }
                 ops.push(self.gemm(lw.qkv, b.xn, b.qkv, [qd + 2 * kvd, h, n], "qkv"));
                 ops.push(launch(
                     Kernel::RopeKv,

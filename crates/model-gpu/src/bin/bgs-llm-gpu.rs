@@ -506,11 +506,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         for (lens, pos) in cases {
             let (toks, tables) = step_inputs(lens, per, vocab);
             let step = step_items(&toks, &tables, pos);
-            gpu.set_tc_epilogues(false);
-            let apart = gpu.step_logits(&step).map_err(|e| e.to_string());
-            gpu.set_tc_epilogues(true);
-            let folded = gpu.step_logits(&step).map_err(|e| e.to_string());
-            let (apart, folded) = (apart?, folded?);
+            let [apart, folded] = logits_off_on(&mut gpu, &step, GpuModel::set_tc_epilogues)?;
             let b = lens.len();
             let (what, name) = if pos == 0 {
                 ("same prefill".to_string(), "tc_epilogues".to_string())
@@ -539,11 +535,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             }
             let (toks, tables) = step_inputs(&vec![1; b], per, vocab);
             let step = step_items(&toks, &tables, 20);
-            gpu.set_tc_small_tiles(false);
-            let wide = gpu.step_logits(&step).map_err(|e| e.to_string());
-            gpu.set_tc_small_tiles(true);
-            let small = gpu.step_logits(&step).map_err(|e| e.to_string());
-            let (wide, small) = (wide?, small?);
+            let [wide, small] = logits_off_on(&mut gpu, &step, GpuModel::set_tc_small_tiles)?;
             ok &= report_bitwise(
                 &format!("tensor-core small tiles vs wide tiles, decode step of {b}"),
                 &format!("tc_small_tiles_decode_{b}"),
@@ -566,11 +558,9 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         }
         let (toks, tables) = step_inputs(&vec![1; b], per, vocab);
         let items = step_items(&toks, &tables, 20);
-        gpu.set_persistent(false);
-        let launched = gpu.step_logits(&items).map_err(|e| e.to_string());
-        gpu.set_persistent(true);
-        let persistent = gpu.step_logits(&items).map_err(|e| e.to_string())?;
-        let launched = launched?;
+        let [launched, persistent] = logits_off_on(&mut gpu, &items, |m, on| {
+            m.set_persistent(on);
+        })?;
         ok &= report_bitwise(
             &format!("persistent form vs launched ops, decode step of {b}"),
             &format!("persistent_vs_launched_{b}"),
@@ -809,6 +799,19 @@ fn step_items<'a>(toks: &'a [Vec<u32>], tables: &'a [Vec<u32>], pos: usize) -> V
             sample: true,
         })
         .collect()
+}
+
+/// The logits of `step` with an option of the model off, then on (`set`), left on.
+fn logits_off_on(
+    gpu: &mut GpuModel,
+    step: &[StepItem<'_>],
+    set: impl Fn(&mut GpuModel, bool),
+) -> Result<[Vec<Vec<f32>>; 2], String> {
+    set(gpu, false);
+    let off = gpu.step_logits(step).map_err(|e| e.to_string());
+    set(gpu, true);
+    let on = gpu.step_logits(step).map_err(|e| e.to_string());
+    Ok([off?, on?])
 }
 
 /// Print and record (as `name`, with `bitwise_equal`) whether `got` is bit for bit `want`;
