@@ -208,9 +208,7 @@ impl Emu {
 
     /// The launch properties the tensor-core GEMM kernels are written for: 16-bit types,
     /// `groups` warp groups a block, every one of `rows` output rows and `n` tokens in the
-    /// grid, whole 32-value chunks of the input width `inp`, and `kblocks` blocks a row tile
-    /// (the input's k-blocks, for the kernels that split it; else 1).
-    #[allow(clippy::too_many_arguments)] // a launch's shape and the kernel's view of it
+    /// grid, whole 32-value chunks of the input width `inp`.
     fn check_tc(
         &self,
         k: Kernel,
@@ -218,7 +216,6 @@ impl Emu {
         (gx, gy): (u32, u32),
         block: u32,
         groups: usize,
-        kblocks: usize,
         (rows, n, inp): (usize, usize, usize),
     ) {
         let name = k.name();
@@ -228,10 +225,9 @@ impl Emu {
             groups * plan::TC_WARPS * 32,
             "{name}: block"
         );
-        assert_eq!(
-            gx as usize,
-            rows.div_ceil(plan::TC_ROWS) * kblocks,
-            "{name}: grid is not a block per k-block of every row tile"
+        assert!(
+            gx as usize * plan::TC_ROWS >= rows,
+            "{name}: grid misses rows"
         );
         assert!(gy as usize * tile >= n, "{name}: grid misses tokens");
         assert!(
@@ -562,44 +558,24 @@ impl Emu {
                 self.put_f32s(y, &ys);
             }
             Kernel::GemmTc | Kernel::GemmTcAddNorm => {
-                // (w, x, y, out, in, n, part, cnt), and for the folded o and down steps (nw,
-                // eps, xn, done): y += the product, then xn = y's rows normed.
+                // (w, x, y, out, in, n), and for the folded o and down steps (nw, eps, xn,
+                // done): y += the product, then xn = y's rows normed.
                 let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
                 let norm = k == Kernel::GemmTcAddNorm;
-                // The plan's k-blocks, as the kernel reads them: the grid over the row tiles.
-                let kbs = gx / out.div_ceil(plan::TC_ROWS);
-                self.check_tc(named, tile, grid, block, 1, kbs, (out, n, inp));
-                let run = (inp / plan::TC_CHUNK).div_ceil(kbs);
-                assert!(
-                    (kbs - 1) * run < inp / plan::TC_CHUNK,
-                    "{}: an empty k-block",
-                    named.name()
-                );
-                if kbs > 1 {
-                    // The split's sums and counts: a slice a tile, a count a tile (the
-                    // allocations must hold them: `locate` panics past one), counts zero.
-                    let (part, cnt) = (p(6), p(7));
-                    let tiles = out.div_ceil(plan::TC_ROWS) * gy;
-                    let _ = self.bytes(part, tiles * kbs * plan::TC_ROWS * tile * 4);
-                    assert!(
-                        self.i32s(cnt, tiles).iter().all(|&c| c == 0),
-                        "{}: a tile's k-block count is not zero at launch",
-                        named.name()
-                    );
-                }
+                self.check_tc(named, tile, grid, block, 1, (out, n, inp));
                 let xs = self.wts(x, n * inp);
                 let mut ys = self.f32s(y, n * out);
                 for r in 0..out {
                     let wr = self.wts(w + (r * inp) as u64 * es, inp);
                     for t in 0..n {
-                        let d = tc_dot(&wr, &xs[t * inp..(t + 1) * inp], kbs);
+                        let d = tc_dot(&wr, &xs[t * inp..(t + 1) * inp]);
                         let o = &mut ys[t * out + r];
                         *o = if norm { *o + d } else { d };
                     }
                 }
                 self.put_f32s(y, &ys);
                 if norm {
-                    let (nw, eps, xn, done) = (p(8), fl(9), p(10), p(11));
+                    let (nw, eps, xn, done) = (p(6), fl(7), p(8), p(9));
                     assert!(
                         self.i32s(done, gy).iter().all(|&c| c == 0),
                         "{}: a token block's count is not zero at launch",
@@ -613,7 +589,7 @@ impl Emu {
                 // (w, x, act, inter, in, n)
                 let w = p(0);
                 let (act, inter, inp, n) = (p(2), int(3), int(4), int(5));
-                self.check_tc(named, tile, grid, block, 2, 1, (inter, n, inp));
+                self.check_tc(named, tile, grid, block, 2, (inter, n, inp));
                 let xs = self.wts(p(1), n * inp);
                 let mut o = vec![0f32; n * inter];
                 for i in 0..inter {
@@ -621,7 +597,7 @@ impl Emu {
                     let wu = self.wts(w + ((inter + i) * inp) as u64 * es, inp);
                     for t in 0..n {
                         let xt = &xs[t * inp..(t + 1) * inp];
-                        o[t * inter + i] = silu_times(tc_dot(&wg, xt, 1), tc_dot(&wu, xt, 1));
+                        o[t * inter + i] = silu_times(tc_dot(&wg, xt), tc_dot(&wu, xt));
                     }
                 }
                 self.put_wts(act, &o);
@@ -663,17 +639,13 @@ impl Emu {
                         "{}: a block per 16 rows",
                         k.name()
                     );
-                    self.check_tc(named, tile, grid, block, 1, 1, (rows, n, inp));
+                    self.check_tc(named, tile, grid, block, 1, (rows, n, inp));
                 } else {
                     self.check_proj(k, (gx, gy), block, n, inp, inp, shared);
                 }
                 let dt = self.dtype;
                 let dot = |w: &[f32], x: &[f32]| {
-                    if tc {
-                        tc_dot(w, x, 1)
-                    } else {
-                        proj_dot(dt, w, x)
-                    }
+                    if tc { tc_dot(w, x) } else { proj_dot(dt, w, x) }
                 };
                 let xs = if tc {
                     self.wts(p(1), n * inp)
@@ -836,29 +808,20 @@ fn butterfly(v: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     v[0]
 }
 
-/// `bgs_gemm_tc`'s order over `kbs` k-blocks: the 32-value chunks in runs of ceil(chunks /
-/// kbs); in each, warp w sums the run's chunks w, w + TC_WARPS, ... in order (each chunk's
-/// products in order; the MMA's own order inside a chunk is the hardware's) and the warps'
-/// sums are added in warp order; then the k-blocks' sums in k-block order. (Gate/up with
-/// SiLU·up and QKV with RoPE sum in one k-block.)
-fn tc_dot(w: &[f32], x: &[f32], kbs: usize) -> f32 {
+/// `bgs_gemm_tc`'s order: warp w sums the 32-value chunks w, w + TC_WARPS, ... in order (each
+/// chunk's products in order; the MMA's own order inside a chunk is the hardware's), then the
+/// warps' sums are added in warp order.
+fn tc_dot(w: &[f32], x: &[f32]) -> f32 {
     let chunks = w.len() / plan::TC_CHUNK;
-    let run = chunks.div_ceil(kbs);
     let mut total = 0f32;
-    for kb in 0..kbs {
-        let first = kb * run;
-        let end = chunks.min(first + run);
-        let mut block = 0f32;
-        for warp in 0..plan::TC_WARPS {
-            let mut acc = 0f32;
-            for c in (first + warp..end).step_by(plan::TC_WARPS) {
-                for k in c * plan::TC_CHUNK..(c + 1) * plan::TC_CHUNK {
-                    acc += w[k] * x[k];
-                }
+    for warp in 0..plan::TC_WARPS {
+        let mut acc = 0f32;
+        for c in (warp..chunks).step_by(plan::TC_WARPS) {
+            for k in c * plan::TC_CHUNK..(c + 1) * plan::TC_CHUNK {
+                acc += w[k] * x[k];
             }
-            block = if warp == 0 { acc } else { block + acc };
         }
-        total = if kb == 0 { block } else { total + block };
+        total = if warp == 0 { acc } else { total + acc };
     }
     total
 }
@@ -883,7 +846,6 @@ pub(crate) struct EmuModel {
     tc_epilogues: bool,
     tc_fold_max_tokens: usize,
     tc_small_max_tokens: usize,
-    tc_split_chunks: usize,
 }
 
 impl EmuModel {
@@ -899,14 +861,7 @@ impl EmuModel {
         let w = plan::upload_weights(&mut emu, weights, dtype).unwrap();
         let geo =
             host::geometry(&cfg, block_size, num_blocks, max_batched_tokens, max_seqs).unwrap();
-        let split = crate::GpuModelOptions::default().tensor_core_split_chunks;
-        let b = plan::alloc_bufs(
-            &mut emu,
-            &cfg,
-            [geo.max_tokens, geo.max_samples, split],
-            dtype,
-        )
-        .unwrap();
+        let b = plan::alloc_bufs(&mut emu, &cfg, geo.max_tokens, geo.max_samples, dtype).unwrap();
         let cache = emu
             .alloc(
                 num_blocks * host::kv_block_bytes(&cfg, block_size, dtype),
@@ -943,22 +898,7 @@ impl EmuModel {
             tc_fold_max_tokens: crate::GpuModelOptions::default().tensor_core_gemm_fold_max_tokens,
             tc_small_max_tokens: crate::GpuModelOptions::default()
                 .tensor_core_small_tiles_max_tokens,
-            tc_split_chunks: split,
         }
-    }
-
-    /// Tensor-core GEMM k-blocks of at most `n` chunks (as
-    /// `GpuModelOptions::tensor_core_split_chunks`): the split's buffers allocated anew for it.
-    pub(crate) fn with_tc_split_chunks(mut self, n: usize) -> EmuModel {
-        self.b = plan::alloc_bufs(
-            &mut self.emu,
-            &self.cfg,
-            [self.geo.max_tokens, self.geo.max_samples, n],
-            self.dtype,
-        )
-        .unwrap();
-        self.tc_split_chunks = n;
-        self
     }
 
     /// Small tensor-core tiles for buckets of at most `n` tokens (as
@@ -1030,7 +970,6 @@ impl EmuModel {
             tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
             tc_small_max_tokens: self.tc_small_max_tokens,
-            tc_split_chunks: self.tc_split_chunks,
         }
     }
 
@@ -1565,7 +1504,7 @@ mod tests {
         };
         assert_eq!(*grid, (vocab.div_ceil(16) as u32, 1));
         assert_eq!(*block as usize, plan::TC_WARPS * 32);
-        assert_eq!(args[3..6], [Arg::I(vocab as i32), Arg::I(64), Arg::I(4)]);
+        assert_eq!(args[3..], [Arg::I(vocab as i32), Arg::I(64), Arg::I(4)]);
         let off = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [4, 64, 32, 4], false)
             .with_tc_gemm_max_tokens(0);
         assert_eq!(ops(&off, 8, 4), (0, gemms));
@@ -1596,15 +1535,10 @@ mod tests {
         let xd = e.upload(&GpuDtype::Bf16.encode(&xv), "x").unwrap();
         let y40 = e.alloc(40 * out * 4, "y40").unwrap();
         let y4 = e.alloc(4 * out * 4, "y4").unwrap();
-        let split = [e.alloc(4, "part").unwrap(), e.alloc(4, "cnt").unwrap()].map(Arg::P);
         let gemm = |y: u64, n: usize| {
             let args = [wd, xd, y].map(Arg::P);
             let dims = [out, inp, n].map(|v| Arg::I(v as i32));
-            plan::tc_gemm_launch(
-                Kernel::GemmTc,
-                [out, 1, n],
-                &[&args[..], &dims, &split].concat(),
-            )
+            plan::tc_gemm_launch(Kernel::GemmTc, out, n, &[args, dims].concat())
         };
         e.run(&[gemm(y40, 40), gemm(y4, 4)]);
         assert_eq!(e.f32s(y40, 4 * out), e.f32s(y4, 4 * out));
@@ -1785,74 +1719,6 @@ mod tests {
         assert!(!m.plan().tc_fold(1));
         let m = m.with_tc_fold_max_tokens(8);
         assert!(m.plan().tc_fold(8) && !m.plan().tc_fold(16));
-    }
-
-    /// An input wider than one k-block (`tensor_core_split_chunks`, 32 by default): down_proj
-    /// over an intermediate size of 33 chunks launches two blocks a row tile, in the folded
-    /// form and apart (o_proj over 2 chunks one), with the split's sums and counts as
-    /// arguments; runs of 8 chunks make it 5, of 1 chunk every projection splits (and the
-    /// fold and SiLU·up epilogue, which sum hidden in one block, are not planned), 0 none. At
-    /// each, the folded form's logits are the launches apart's, bit for bit; with the default
-    /// the model stays within the bf16 tolerance of the oracle and each sequence alone equals
-    /// the batch.
-    #[test]
-    fn wide_inputs_split_into_k_blocks() {
-        let split = |i| plan::tc_kblocks(i, plan::TC_SPLIT_CHUNKS);
-        assert_eq!([896, 1024, 1056, 1536, 4864].map(split), [1, 1, 2, 2, 5]);
-        assert_eq!(plan::tc_kblocks(4864, 0), 1);
-        assert_eq!(plan::tc_kblocks(4864, 64), 3);
-        let mut cfg = synth_config(SynthArch::TinyQwen2);
-        cfg.intermediate_size = 33 * plan::TC_CHUNK;
-        let (cfg, w) = synth_weights_for(cfg, 3, DType::F32);
-        let row_tiles = cfg.hidden_size.div_ceil(plan::TC_ROWS) as u32;
-        let lens: Vec<usize> = (0..12).map(|i| 1 + (i * 5) % 7).collect();
-        let prompts = prompts(cfg.vocab_size, &lens);
-        let blocks: Vec<Vec<u32>> = (0..prompts.len() as u32).map(|i| vec![i]).collect();
-        let items = sampled(&prompts, &blocks, &vec![0; prompts.len()]);
-        for (chunks, o_kbs, down_kbs) in [(32, 1, 2), (8, 1, 5), (1, 2, 33), (0, 1, 1)] {
-            let mut logits = Vec::new();
-            for fold in [64, 0] {
-                let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 16, 64, 16], true)
-                    .with_tc_split_chunks(chunks)
-                    .with_tc_fold_max_tokens(fold);
-                let folded = fold > 0 && chunks != 1;
-                for n in [64, 8] {
-                    assert_eq!(m.plan().tc_fold(n), folded, "{chunks} chunks, fold {fold}");
-                    let ops = m.plan().body(n);
-                    let grids: Vec<(u32, usize)> = ops
-                        .iter()
-                        .filter_map(|op| match op {
-                            Op::Launch {
-                                kernel, grid, args, ..
-                            } if matches!(
-                                kernel.wide(),
-                                Kernel::GemmTc | Kernel::GemmTcAddNorm
-                            ) && args[3] == Arg::I(64) =>
-                            {
-                                Some((grid.0, args.len()))
-                            }
-                            _ => None,
-                        })
-                        .collect();
-                    // o_proj and down_proj of each layer (out = hidden = 64), the folded
-                    // ones with the norm's four arguments more.
-                    let a = if folded { 12 } else { 8 };
-                    let layer = [(o_kbs * row_tiles, a), (down_kbs * row_tiles, a)];
-                    assert_eq!(
-                        grids,
-                        layer.repeat(cfg.num_layers),
-                        "{chunks} chunks, {n} tokens"
-                    );
-                    let silu = ops.iter().any(|op| {
-                        matches!(op, Op::Launch { kernel, .. } if kernel.wide() == Kernel::GemmTcSilu)
-                    });
-                    assert_eq!(silu, chunks != 1, "{chunks} chunks: SiLU·up epilogue");
-                }
-                logits.push(m.step_logits(&items));
-            }
-            assert_eq!(logits[0], logits[1], "{chunks} chunks: folded vs apart");
-        }
-        check_arch_with(cfg, GpuDtype::Bf16, 5e-2, false, true, 1, &[3, 9, 1, 14]);
     }
 
     /// The small tensor-core tiles: buckets of at most `TC_SMALL_TOKENS` tokens (and LM heads

@@ -1273,11 +1273,10 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
 }
 #endif
 #if BGS_HAVE_MMA
-// One 16-row x TOK-token tile of y = x · wᵀ (tokens t0.. of n) over `width` values of the
-// input: the MMA's rows 0-7 are w's rows ra.. and its rows 8-15 w's rows rb.. (rb = ra + 8
-// for a plain tile; the QKV epilogue pairs the two halves RoPE rotates), of `out` rows. w's
-// rows and x's rows are `in` values apart; w and x point at the first value the tile sums (a
-// k-block's, below), x at token t0's row. The warps' MMA sums, then epi(row, col, s) for every (row, col) of the
+// One 16-row x TOK-token tile of y = x · wᵀ (tokens t0.. of n): the MMA's rows 0-7 are
+// w's rows ra.. and its rows 8-15 w's rows rb.. (rb = ra + 8 for a plain tile; the QKV
+// epilogue pairs the two halves RoPE rotates), of `out` rows. x is the row of token t0 (rows
+// `in` values apart). The warps' MMA sums, then epi(row, col, s) for every (row, col) of the
 // tile, s the warps' partial sums added in warp order (rows and tokens past the ends
 // included: the epilogue skips them). Every thread of the group takes part; `pdl`: wait on
 // the previous grid after the first weights are in flight (a launch with programmatic
@@ -1299,14 +1298,14 @@ __device__ __forceinline__ float (*tc_red1())[16][TOK + 1] {
 // two tiles side by side (bgs_gemm_tc_silu).
 template <int G, int TOK, class Epi>
 __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb, int t0, int out,
-                                        int in, int width, int n, bool pdl, Epi epi) {
+                                        int in, int n, bool pdl, Epi epi) {
     constexpr int TILES = TOK / 8;
     constexpr int UNROLL = TOK == BGS_TC_TOKENS ? BGS_TC_UNROLL : BGS_TC_SMALL_UNROLL;
     float(*red)[16][TOK + 1] = G ? tc_red1<TOK>() : tc_red0<TOK>();
     const int tid = threadIdx.x - G * BGS_TC_WARPS * 32;
     const int lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
-    const int chunks = width / 32;
+    const int chunks = in / 32;
     // Rows past `out` read the last row (never stored).
     const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(ra + g, out - 1) * in) + q;
     const bgs_u4 *wb = (const bgs_u4 *)(w + (size_t)min(rb + g, out - 1) * in) + q;
@@ -1378,91 +1377,24 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb
 }
 #endif
 
-#if BGS_HAVE_MMA
-// A load through L2 (ld.global.cg): for values other blocks of the grid wrote, which an L1
-// line of this multiprocessor may hold an older copy of.
-__device__ __forceinline__ float ld_cg(const float *p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
-#endif
-
-// The input's k-blocks: a GEMM's grid holds kbs blocks for each of its row tiles, and its
-// 32-value chunks are dealt out to them in runs of ceil(chunks / kbs) (the last run shorter),
-// a block each. The plan chooses kbs from the input width alone (`plan::tc_kblocks`: runs of
-// at most `tensor_core_split_chunks` chunks), so each warp's weights can all be in flight
-// before the block waits on the previous kernel, and a wide input (down_proj's) is spread
-// over kbs times the blocks rather than each warp walking its row in rounds of loads.
-__device__ __forceinline__ int tc_run_chunks(int in, int kbs) {
-    return (in / 32 + kbs - 1) / kbs;
-}
-
-#if BGS_HAVE_MMA
-// The k-blocks' sums of one output tile, added in k-block order: each block of the tile wrote
-// its sums to its slice of tp ([kblocks][16][TOK] f32), made them visible (__threadfence)
-// and counted itself in *cnt; the block that brings the count to `kbs` adds the slices in
-// order (reading through L2), calls epi(row, col, s) for every (row, col) of the tile and
-// zeroes the count for the next launch. Returns whether this block was that one.
-template <int TOK, class Epi>
-__device__ __forceinline__ bool tc_split_combine(const bgs_blk &bk, const float *tp, int kbs,
-                                                 unsigned *cnt, Epi epi) {
-    __shared__ unsigned last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(cnt, 1u) == (unsigned)kbs - 1u;
-    __syncthreads();
-    if (!last) return false;
-    __threadfence();
-    for (int e = threadIdx.x; e < 16 * TOK; e += bk.nt) {
-        const int row = e % 16, col = e / 16;
-        float s = ld_cg(tp + row * TOK + col);
-        for (int k = 1; k < kbs; k++) s = s + ld_cg(tp + (k * 16 + row) * TOK + col);
-        epi(row, col, s);
-    }
-    if (threadIdx.x == 0) *cnt = 0u;
-    return true;
-}
-#endif
-
 // y[t][r] = x[t] · w[r] (ADD: y[t][r] += it, the folded form's o_proj and down_proj with the
-// residual add: one writer per element, bgs_add_rmsnorm's add). Block x is k-block x % kbs of
-// row tile x / kbs (kbs = the grid's width over the row tiles); with more than one k-block, the tile's blocks leave
-// their sums in `part` (the tile's slice: tile = y * row tiles + row tile) and the last one
-// (tc_split_combine, counting in cnt[tile]) adds them and stores. Each output is then the
-// k-blocks' sums in k-block order, each one the warps' sums in warp order: the same for every
-// bucket and tile width. Returns whether this block stored its tile (always, with one k-block).
+// residual add: one writer per element, bgs_add_rmsnorm's add).
 template <bool ADD, int TOK>
-__device__ __forceinline__ bool gemm_tc_body(const bgs_blk &bk, const wt *w, const wt *x, float *y,
-                                             int out, int in, int n, float *part, unsigned *cnt) {
+__device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, const wt *x, float *y,
+                                             int out, int in, int n) {
 #if BGS_HAVE_MMA
-    const int kbs = bk.gx / ((out + 15) / 16);
-    const int rt = bk.x / kbs, kb = bk.x % kbs;
-    const int r0 = rt * 16, t0 = bk.y * TOK;
-    const int run = tc_run_chunks(in, kbs) * 32, k0 = kb * run;
-    const auto store = [&](int row, int col, float s) {
-        const int r = r0 + row, t = t0 + col;
-        if (r < out && t < n) {
-            float *o = y + (size_t)t * out + r;
-            *o = ADD ? *o + s : s;
-        }
-    };
-    const int tile = bk.y * (bk.gx / kbs) + rt;
-    float *tp = part + (size_t)tile * kbs * 16 * TOK;
-    // One tile call for both cases (one inlined copy: registers).
-    tc_tile<0, TOK>(w + k0, x + (size_t)t0 * in + k0, r0, r0 + 8, t0, out, in, min(in - k0, run),
-                    n, bk.pdl,
-                    [&](int row, int col, float s) {
-                        if (kbs == 1)
-                            store(row, col, s);
-                        else
-                            tp[(kb * 16 + row) * TOK + col] = s;
-                    });
-    return kbs == 1 || tc_split_combine<TOK>(bk, tp, kbs, cnt + tile, store);
+    const int r0 = bk.x * 16, t0 = bk.y * TOK;
+    tc_tile<0, TOK>(w, x + (size_t)t0 * in, r0, r0 + 8, t0, out, in, n, bk.pdl,
+               [&](int row, int col, float s) {
+                   const int r = r0 + row, t = t0 + col;
+                   if (r < out && t < n) {
+                       float *o = y + (size_t)t * out + r;
+                       *o = ADD ? *o + s : s;
+                   }
+               });
 #else
     // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
     __trap();
-    return false;
 #endif
 }
 
@@ -1476,13 +1408,19 @@ __device__ __forceinline__ bool gemm_tc_body(const bgs_blk &bk, const wt *w, con
 // row (BGS_TC_NORM_SPAN values per virtual thread: in <= 256 * BGS_TC_NORM_SPAN, which
 // `plan::tc_fold_fits` checks) and the norm weights at once, so a row costs one round trip
 // to memory rather than one per value. Every thread of the block takes part (the warps
-// stride over the rows). x is read through L2 (ld_cg): other blocks of the grid wrote it.
+// stride over the rows). x is read through L2 (ld.global.cg): other blocks of the grid wrote
+// it, and an L1 line of this multiprocessor may hold an older copy.
 #if BGS_NORM_THREADS != 256
 #error "tc_norm_rows transcribes the tree of 256 norm threads"
 #endif
 #ifndef BGS_TC_NORM_SPAN
 #error "BGS_TC_NORM_SPAN must be defined (plan::TC_NORM_SPAN)"
 #endif
+__device__ __forceinline__ float ld_cg(const float *p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, float eps, wt *xs,
                                              int in, int nt) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -1531,13 +1469,11 @@ __device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, co
                                               wt *act, int inter, int in, int n) {
     __shared__ float gate[16][TOK + 1], up[16][TOK + 1];
     const int r0 = bk.x * 16, t0 = bk.y * TOK;
-    // (The whole input in one block: the plan launches this only where bgs_gemm_tc would sum
-    // it in one k-block too.)
     if ((int)threadIdx.x < BGS_TC_WARPS * 32)
-        tc_tile<0, TOK>(w, x, r0, r0 + 8, t0, inter, in, in, n, bk.pdl,
+        tc_tile<0, TOK>(w, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
                    [&](int row, int col, float s) { gate[row][col] = s; });
     else
-        tc_tile<1, TOK>(w + (size_t)inter * in, x, r0, r0 + 8, t0, inter, in, in, n, bk.pdl,
+        tc_tile<1, TOK>(w + (size_t)inter * in, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
                    [&](int row, int col, float s) { up[row][col] = s; });
     __syncthreads();
     for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
@@ -1567,20 +1503,16 @@ __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w
 // and the block that brings the count to the grid's width norms every row of the token block
 // (tc_norm_rows, bgs_add_rmsnorm's bits, reading through L2) and zeroes the count for the next
 // launch. So the norm that bgs_add_rmsnorm would launch next runs at the end of this grid.
-// With k-blocks (a wide input), only the block that stores a tile counts: the token block
-// has gridDim.x / kblocks of them.
 template <int TOK>
 __device__ __forceinline__ void gemm_tc_add_norm_body(const wt *w, const wt *x, float *res,
-                                                      int out, int in, int n, float *part,
-                                                      unsigned *cnt, const float *nw,
+                                                      int out, int in, int n, const float *nw,
                                                       float eps, wt *xn, unsigned *done) {
 #if BGS_HAVE_MMA
     __shared__ unsigned last;
-    if (!gemm_tc_body<true, TOK>(BGS_LAUNCH_BLK, w, x, res, out, in, n, part, cnt)) return;
+    gemm_tc_body<true, TOK>(BGS_LAUNCH_BLK, w, x, res, out, in, n);
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0)
-        last = atomicAdd(done + blockIdx.y, 1u) == (unsigned)(out + 15) / 16u - 1u;
+    if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.y, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -1610,8 +1542,7 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
     const int ra = h * head_dim + i0, t0 = blockIdx.y * TOK;
     const int nt = min(TOK, n - t0);
     const int out = (num_heads + 2 * num_kv_heads) * head_dim;
-    // (One k-block, as in tc_silu_tiles.)
-    tc_tile<0, TOK>(w, xn + (size_t)t0 * in, ra, ra + half, t0, out, in, in, n, true,
+    tc_tile<0, TOK>(w, xn + (size_t)t0 * in, ra, ra + half, t0, out, in, n, true,
                     [&](int row, int col, float s) { tile[row][col] = s; });
     __syncthreads();
     for (int e = threadIdx.x; e < 8 * nt; e += blockDim.x) {
@@ -1626,8 +1557,7 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
 }
 
 // The tensor-core kernels' entry points for one tile width TOK, names suffixed SUF:
-//   bgs_gemm_tc             y = x · wᵀ (part, cnt: the k-blocks' sums and counts, used
-//                           where the input has more than one k-block)
+//   bgs_gemm_tc             y = x · wᵀ
 //   bgs_gemm_tc_silu        gate/up with SiLU·up (512 threads: at most 128 registers a
 //                           thread, or the launch runs out of them)
 //   bgs_gemm_tc_add_norm    the folded form's o and down steps: res += x · wᵀ, then the next
@@ -1635,17 +1565,17 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
 //   bgs_gemm_tc_rope_kv     the folded form's QKV step
 #define BGS_TC_ENTRY_POINTS(SUF, TOK)                                                          \
     extern "C" __global__ void bgs_gemm_tc##SUF(const wt *w, const wt *x, float *y, int out,   \
-                                                int in, int n, float *part, unsigned *cnt) {   \
-        gemm_tc_body<false, TOK>(BGS_LAUNCH_BLK, w, x, y, out, in, n, part, cnt);              \
+                                                int in, int n) {                               \
+        gemm_tc_body<false, TOK>(BGS_LAUNCH_BLK, w, x, y, out, in, n);                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)                        \
         bgs_gemm_tc_silu##SUF(const wt *w, const wt *x, wt *act, int inter, int in, int n) {   \
         gemm_tc_silu_body<TOK>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);                       \
     }                                                                                          \
     extern "C" __global__ void bgs_gemm_tc_add_norm##SUF(                                      \
-        const wt *w, const wt *x, float *res, int out, int in, int n, float *part,             \
-        unsigned *cnt, const float *nw, float eps, wt *xn, unsigned *done) {                   \
-        gemm_tc_add_norm_body<TOK>(w, x, res, out, in, n, part, cnt, nw, eps, xn, done);       \
+        const wt *w, const wt *x, float *res, int out, int in, int n, const float *nw,         \
+        float eps, wt *xn, unsigned *done) {                                                   \
+        gemm_tc_add_norm_body<TOK>(w, x, res, out, in, n, nw, eps, xn, done);                  \
     }                                                                                          \
     extern "C" __global__ void bgs_gemm_tc_rope_kv##SUF(                                       \
         const wt *w, const wt *xn, float *qkv, const float *bias, const int *pos,              \
@@ -1728,7 +1658,7 @@ __device__ __forceinline__ void bgs_run_op(const struct bgs_op *op, const bgs_bl
                                a[10], a[11], a[12], a[13], a[14], a[15], a[16]);
         break;
     case BGS_OP_GEMM_TC:
-        gemm_tc_body<false, BGS_TC_TOKENS>(bk, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+        gemm_tc_body<false, BGS_TC_TOKENS>(bk, a[0], a[1], a[2], a[3], a[4], a[5]);
         break;
     // (BGS_OP_GEMM_TC_SILU takes two warp groups, more than a persistent block: never
     // encoded, `persistent::encode` refuses it.)

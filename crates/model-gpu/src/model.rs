@@ -96,15 +96,6 @@ pub struct GpuModelOptions {
     /// than in one wide one, the 32-token bucket 4-20% slower); 0: the wide tiles everywhere.
     /// The persistent form keeps the wide tiles.
     pub tensor_core_small_tiles_max_tokens: usize,
-    /// The most 32-value chunks of the input a tensor-core GEMM block sums: a wider input
-    /// (down_proj's 4,864 values in Qwen2.5-0.5B, 152 chunks) is split over
-    /// ceil(chunks / this) blocks a row tile, whose sums the tile's last block adds in order
-    /// (`plan::tc_kblocks`). 32 by default (`plan::TC_SPLIT_CHUNKS`: every weight a warp reads
-    /// in flight before the block waits on the kernel before it); 0: one block sums the whole
-    /// input. The split depends on the input width alone, so batch invariance holds for any
-    /// value, but the sums' order, hence the bits, depend on it; the fold and the SiLU·up
-    /// epilogue need hidden in one k-block.
-    pub tensor_core_split_chunks: usize,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -166,7 +157,6 @@ impl Default for GpuModelOptions {
             tensor_core_gemm_epilogues: true,
             tensor_core_gemm_fold_max_tokens: 4,
             tensor_core_small_tiles_max_tokens: 2 * plan::TC_SMALL_TOKENS,
-            tensor_core_split_chunks: plan::TC_SPLIT_CHUNKS,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -317,8 +307,6 @@ pub struct GpuModel {
     tc_small_max_tokens: usize,
     /// Whether the small tiles are used (`set_tc_small_tiles` changes it for direct launches).
     tc_small_on: bool,
-    /// `tensor_core_split_chunks`.
-    tc_split_chunks: usize,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -520,7 +508,6 @@ impl GpuModel {
             tc_fold_max_tokens: opts.tensor_core_gemm_fold_max_tokens,
             tc_small_max_tokens: opts.tensor_core_small_tiles_max_tokens,
             tc_small_on: true,
-            tc_split_chunks: opts.tensor_core_split_chunks,
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -623,11 +610,8 @@ impl GpuModel {
         self.b = plan::alloc_bufs(
             self,
             &cfg,
-            [
-                provisional.max_tokens,
-                provisional.max_samples,
-                opts.tensor_core_split_chunks,
-            ],
+            provisional.max_tokens,
+            provisional.max_samples,
             self.dtype,
         )?;
         self.workspace = self.alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?;
@@ -844,7 +828,6 @@ impl GpuModel {
             } else {
                 0
             },
-            tc_split_chunks: self.tc_split_chunks,
         }
     }
 
@@ -1270,11 +1253,6 @@ impl GpuModel {
     /// `tensor_core_small_tiles_max_tokens`.
     pub fn tc_small_max_tokens(&self) -> usize {
         self.tc_small_max_tokens
-    }
-
-    /// `tensor_core_split_chunks`.
-    pub fn tc_split_chunks(&self) -> usize {
-        self.tc_split_chunks
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),

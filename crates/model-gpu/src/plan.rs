@@ -35,13 +35,6 @@ pub const TC_SMALL_TOKENS: usize = 8;
 /// Chunks whose weights a warp of a small tile loads ahead (`-DBGS_TC_SMALL_UNROLL`; the wide
 /// tiles load 4): registers against loads in flight.
 pub const TC_SMALL_UNROLL: usize = 4;
-/// The most chunks of a tensor-core GEMM's k-block by default
-/// (`GpuModelOptions::tensor_core_split_chunks`): an input of more chunks is split into
-/// [`tc_kblocks`] runs, a block each, whose sums the tile's last block adds in order. At
-/// [`TC_WARPS`] × the unroll, every weight a warp reads is in flight before the block waits on
-/// the kernel before it; inputs of at most this many chunks (hidden sizes to 1,024) are one
-/// k-block, summed as before the split.
-pub const TC_SPLIT_CHUNKS: usize = 32;
 /// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
 pub(crate) const TC_ROWS: usize = 16;
 /// Values of one `bgs_gemm_tc` chunk: a projection's input width must be a multiple of it.
@@ -330,70 +323,21 @@ pub(crate) struct Bufs {
     /// their finished blocks per token block here (`bgs_gemm_tc_add_norm`; the last one norms
     /// the rows and zeroes its count).
     pub tiles_done: u64,
-    /// f32: the k-blocks' sums of the tensor-core GEMMs whose input is wider than one k-block
-    /// ([`tc_kblocks`]; `[tile][k-block][16][tile tokens]`, one GEMM at a time).
-    pub tc_part: u64,
-    /// u32 `[tile]`, zero between launches: those GEMMs' finished k-blocks per output tile
-    /// (the last one adds the sums and zeroes its count).
-    pub tc_split_done: u64,
 }
 
-/// The k-blocks of a tensor-core GEMM over an input `inp` values wide, runs of at most
-/// `split` chunks (0: one k-block): the kernels deal the chunks out in runs of
-/// ceil(chunks / k-blocks), a block each (`tc_run_chunks`).
-pub(crate) fn tc_kblocks(inp: usize, split: usize) -> usize {
-    if split == 0 {
-        1
-    } else {
-        (inp / TC_CHUNK).div_ceil(split).max(1)
-    }
-}
-
-/// (f32 values, u32 counts) the split tensor-core GEMMs of `cfg` over up to `t` tokens (or
-/// sampled rows) need in [`Bufs::tc_part`] and [`Bufs::tc_split_done`], for either tile
-/// width, with runs of at most `split` chunks: every projection whose input has more than
-/// one k-block (by default down_proj, where the intermediate size passes 1,024).
-fn tc_split_sizes(cfg: &ModelConfig, t: usize, split: usize) -> (usize, usize) {
-    let (h, inter, qd) = (
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.num_heads * cfg.head_dim,
-    );
-    let gemms = [
-        (qd + 2 * cfg.kv_dim(), h),
-        (h, qd),
-        (2 * inter, h),
-        (h, inter),
-        (cfg.vocab_size, h),
-    ];
-    let (mut part, mut counts) = (0, 0);
-    for (out, inp) in gemms {
-        let kbs = tc_kblocks(inp, split);
-        if kbs > 1 {
-            let tiles = out.div_ceil(TC_ROWS);
-            // Values a tile's slice holds: tokens padded to the wide tiles (the most); counts:
-            // token blocks of the small ones (the most).
-            part = part.max(tiles * kbs * TC_ROWS * t.div_ceil(TC_TOKENS) * TC_TOKENS);
-            counts = counts.max(tiles * t.div_ceil(TC_SMALL_TOKENS));
-        }
-    }
-    (part, counts)
-}
-
-/// Allocate the activation buffers for `t` tokens and `s` sampled rows (the tensor-core
-/// GEMMs' split sums for runs of at most `split` chunks), and upload the RoPE frequencies
-/// (the CPU oracle's, bit for bit: computed in f64 and rounded).
+/// Allocate the activation buffers for `t` tokens and `s` sampled rows, and upload the RoPE
+/// frequencies (the CPU oracle's, bit for bit: computed in f64 and rounded).
 pub(crate) fn alloc_bufs(
     d: &mut impl DeviceMem,
     cfg: &ModelConfig,
-    [t, s, split]: [usize; 3],
+    t: usize,
+    s: usize,
     dt: GpuDtype,
 ) -> Result<Bufs, GpuModelError> {
     let (h, inter, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.kv_dim());
     let es = dt.size();
     let hd = cfg.head_dim;
-    let (split_part, split_counts) = tc_split_sizes(cfg, t.max(s), split);
     let inv_freq: Vec<f32> = (0..hd / 2)
         .map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / hd as f64)) as f32)
         .collect();
@@ -410,8 +354,6 @@ pub(crate) fn alloc_bufs(
         next: d.alloc(s * 4, "next tokens")?,
         inv_freq: d.upload(&GpuDtype::F32.encode(&inv_freq), "RoPE frequencies")?,
         tiles_done: d.alloc(t.div_ceil(TC_SMALL_TOKENS) * 4, "tile counts")?,
-        tc_part: d.alloc(split_part * 4, "k-block sums")?,
-        tc_split_done: d.alloc(split_counts * 4, "k-block counts")?,
     })
 }
 
@@ -486,21 +428,18 @@ pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
 }
 
 /// A `bgs_gemm_tc` launch (`kernel`: it or its small-tile form) over `out` rows and `n`
-/// tokens with its parameters `args` (w, x, y, out, in, n, part, cnt): `kblocks` blocks a row
-/// tile ([`tc_kblocks`] of the input).
-pub(crate) fn tc_gemm_launch(kernel: Kernel, [out, kblocks, n]: [usize; 3], args: &[Arg]) -> Op {
-    tc_tiles_launch(kernel, 1, out, kblocks, n, 0, args)
+/// tokens with its parameters `args` (w, x, y, out, in, n).
+pub(crate) fn tc_gemm_launch(kernel: Kernel, out: usize, n: usize, args: &[Arg]) -> Op {
+    tc_tiles_launch(kernel, 1, out, n, 0, args)
 }
 
 /// A launch of a tensor-core GEMM kernel over tiles of 16 of `rows` and the kernel's tile
-/// width of `n` tokens, `kblocks` blocks a tile (the input's k-blocks: 1 for the kernels that
-/// sum the whole input in one block), `groups` warp groups a block (each one `bgs_gemm_tc`
-/// block's warps), `shared` bytes of dynamic shared memory.
+/// width of `n` tokens, `groups` warp groups a block (each one `bgs_gemm_tc` block's warps),
+/// `shared` bytes of dynamic shared memory.
 fn tc_tiles_launch(
     kernel: Kernel,
     groups: usize,
     rows: usize,
-    kblocks: usize,
     n: usize,
     shared: usize,
     args: &[Arg],
@@ -510,10 +449,7 @@ fn tc_tiles_launch(
         .expect("tc_tiles_launch launches tensor-core kernels");
     Op::Launch {
         kernel,
-        grid: (
-            (rows.div_ceil(TC_ROWS) * kblocks) as u32,
-            n.div_ceil(tokens) as u32,
-        ),
+        grid: (rows.div_ceil(TC_ROWS) as u32, n.div_ceil(tokens) as u32),
         block: (groups * TC_WARPS * 32) as u32,
         shared: shared as u32,
         args: args.to_vec(),
@@ -617,8 +553,6 @@ pub(crate) struct Plan<'a> {
     /// tensor-core kernels' small-tile entry points ([`Plan::tc_kernel`]): the same bits as
     /// the wide tiles (0: none).
     pub tc_small_max_tokens: usize,
-    /// The most chunks of a tensor-core GEMM's k-block ([`tc_kblocks`]; 0: never split).
-    pub tc_split_chunks: usize,
 }
 
 impl Plan<'_> {
@@ -636,12 +570,7 @@ impl Plan<'_> {
             return proj_launch(Kernel::Proj, out, n, usize::MAX, 0, &args);
         }
         if self.tc_gemm(n, inp) {
-            let split = [Arg::P(self.b.tc_part), Arg::P(self.b.tc_split_done)];
-            return tc_gemm_launch(
-                self.tc_kernel(Kernel::GemmTc, n),
-                [out, tc_kblocks(inp, self.tc_split_chunks), n],
-                &[&args[..], &split].concat(),
-            );
+            return tc_gemm_launch(self.tc_kernel(Kernel::GemmTc, n), out, n, &args);
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
         // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B
@@ -672,22 +601,14 @@ impl Plan<'_> {
         }
     }
 
-    /// Whether `bgs_gemm_tc` sums an input `inp` values wide in one block: what the kernels
-    /// that fold an epilogue into the whole input's sum (gate/up with SiLU·up, QKV with RoPE)
-    /// need for its bits.
-    fn one_kblock(&self, inp: usize) -> bool {
-        tc_kblocks(inp, self.tc_split_chunks) == 1
-    }
-
     /// Whether a projection of input width `inp` over `n` tokens runs on `bgs_gemm_tc`.
     fn tc_gemm(&self, n: usize, inp: usize) -> bool {
         !self.invariant_gemm && n <= self.tc_gemm_max_tokens && tc_gemm_applies(self.dtype, inp)
     }
 
     /// Whether a bucket of `n` tokens runs the folded tensor-core form: at most
-    /// `tc_fold_max_tokens`, every projection on `bgs_gemm_tc` with the epilogues on, hidden
-    /// one k-block (QKV and gate/up sum it whole) and [`tc_fold_fits`] the model. A layer is
-    /// then
+    /// `tc_fold_max_tokens`, every projection on `bgs_gemm_tc` with the epilogues on, and
+    /// [`tc_fold_fits`] the model. A layer is then
     /// five launches (QKV with the input norm, RoPE and K/V; attention; o with the residual
     /// add; gate/up with the post-attention norm and SiLU·up; down with the residual add) for
     /// the same bits as the launches apart.
@@ -698,7 +619,6 @@ impl Plan<'_> {
             && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
                 .into_iter()
                 .all(|inp| self.tc_gemm(n, inp))
-            && self.one_kblock(c.hidden_size)
             && tc_fold_fits(c, self.dtype).is_ok()
     }
 
@@ -826,7 +746,6 @@ impl Plan<'_> {
                     self.tc_kernel(Kernel::GemmTcRopeKv, n),
                     1,
                     qd + 2 * kvd,
-                    1,
                     n,
                     0,
                     &[
@@ -927,22 +846,19 @@ impl Plan<'_> {
                         Arg::I(h as i32),
                         Arg::I(inp as i32),
                         Arg::I(n as i32),
-                        Arg::P(b.tc_part),
-                        Arg::P(b.tc_split_done),
                         Arg::P(nw),
                         Arg::F(eps),
                         Arg::P(b.xn),
                         Arg::P(b.tiles_done),
                     ];
                     let k = self.tc_kernel(Kernel::GemmTcAddNorm, n);
-                    tc_tiles_launch(k, 1, h, tc_kblocks(inp, self.tc_split_chunks), n, 0, &args)
+                    tc_tiles_launch(k, 1, h, n, 0, &args)
                 };
                 ops.push(add_norm(lw.o, b.attn, qd, lw.post_norm));
                 ops.push(tc_tiles_launch(
                     self.tc_kernel(Kernel::GemmTcSilu, n),
                     2,
                     inter,
-                    1,
                     n,
                     0,
                     &[
@@ -959,15 +875,13 @@ impl Plan<'_> {
             }
             ops.push(self.gemm(lw.o, b.attn, b.tmp, [h, qd, n], "o_proj"));
             ops.push(norm(b.tmp, lw.post_norm));
-            if self.tc_epilogues && self.tc_gemm(n, h) && self.one_kblock(h) {
+            if self.tc_epilogues && self.tc_gemm(n, h) {
                 // gate/up and SiLU·up in one launch (bgs_gemm_tc_silu): two warp groups, the
-                // gate tile and the up tile side by side, each summing the whole input (one
-                // k-block: bgs_gemm_tc's order).
+                // gate tile and the up tile side by side.
                 ops.push(tc_tiles_launch(
                     self.tc_kernel(Kernel::GemmTcSilu, n),
                     2,
                     inter,
-                    1,
                     n,
                     0,
                     &[

@@ -95,11 +95,6 @@ struct DeviceArgs {
     /// others the 32-token ones; the same bits, which the check compares; 0: never).
     #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_small_tiles_max_tokens)]
     tc_small_max_tokens: usize,
-    /// The most 32-value chunks of the input one tensor-core GEMM block sums: wider inputs
-    /// (down_proj's) are split over more blocks a row tile, their sums added in order by the
-    /// tile's last block (0: never split). The bits depend on it; invariance does not.
-    #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_split_chunks)]
-    tc_split_chunks: usize,
     /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
     no_pdl: bool,
@@ -220,7 +215,6 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         tensor_core_gemm_epilogues: !dev.no_tc_epilogues,
         tensor_core_gemm_fold_max_tokens: dev.tc_fold_max_tokens,
         tensor_core_small_tiles_max_tokens: dev.tc_small_max_tokens,
-        tensor_core_split_chunks: dev.tc_split_chunks,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
@@ -663,7 +657,6 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "tc_epilogues": !a.dev.no_tc_epilogues,
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
-        "tc_split_chunks": a.dev.tc_split_chunks,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": gpu.tensor_core_attention(),
         "persistent_buckets": gpu.persistent_buckets(),
@@ -1054,7 +1047,6 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "tc_epilogues": !a.dev.no_tc_epilogues,
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
-        "tc_split_chunks": a.dev.tc_split_chunks,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": m.tensor_core_attention(),
         "persistent_buckets": m.persistent_buckets(),
