@@ -209,12 +209,18 @@ impl Emu {
     /// The launch properties the tensor-core GEMM kernels are written for: 16-bit types,
     /// `groups` warp groups a block, every one of `rows` output rows and `n` tokens in the
     /// grid, whole 32-value chunks of the input width `inp`.
+    /// The staged small-tile entry points ([`plan::TC_STAGED_KERNELS`]) take row tiles
+    /// x, x + gx, ...: any grid width up to the tiles covers every row, and `shared`, where
+    /// given, must hold every block's tiles' weights (or the kernel would load them into
+    /// registers: a plan that gives too little has miscounted).
+    #[allow(clippy::too_many_arguments)] // one launch's properties, each checked
     fn check_tc(
         &self,
         k: Kernel,
         tile: usize,
         (gx, gy): (u32, u32),
         block: u32,
+        shared: u32,
         groups: usize,
         (rows, n, inp): (usize, usize, usize),
     ) {
@@ -225,10 +231,31 @@ impl Emu {
             groups * plan::TC_WARPS * 32,
             "{name}: block"
         );
-        assert!(
-            gx as usize * plan::TC_ROWS >= rows,
-            "{name}: grid misses rows"
-        );
+        let tiles = rows.div_ceil(plan::TC_ROWS);
+        if plan::TC_STAGED_KERNELS.contains(&k) {
+            assert!(
+                gx >= 1 && gx as usize <= tiles,
+                "{name}: {gx} blocks for {tiles} row tiles"
+            );
+            if shared > 0 {
+                let mine = tiles.div_ceil(gx as usize);
+                let need = mine
+                    * groups
+                    * plan::TC_WARPS
+                    * (inp / plan::TC_CHUNK).div_ceil(plan::TC_WARPS)
+                    * 1024;
+                assert!(
+                    mine <= plan::TC_STAGE_MAX && shared as usize >= need,
+                    "{name}: {shared} bytes of shared memory for {mine} staged tiles of {need}"
+                );
+            }
+        } else {
+            assert!(
+                gx as usize * plan::TC_ROWS >= rows,
+                "{name}: grid misses rows"
+            );
+            assert_eq!(shared, 0, "{name}: dynamic shared memory");
+        }
         assert!(gy as usize * tile >= n, "{name}: grid misses tokens");
         assert!(
             (gy as usize - 1) * tile < n,
@@ -562,7 +589,7 @@ impl Emu {
                 // done): y += the product, then xn = y's rows normed.
                 let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
                 let norm = k == Kernel::GemmTcAddNorm;
-                self.check_tc(named, tile, grid, block, 1, (out, n, inp));
+                self.check_tc(named, tile, grid, block, shared, 1, (out, n, inp));
                 let xs = self.wts(x, n * inp);
                 let mut ys = self.f32s(y, n * out);
                 for r in 0..out {
@@ -589,7 +616,7 @@ impl Emu {
                 // (w, x, act, inter, in, n)
                 let w = p(0);
                 let (act, inter, inp, n) = (p(2), int(3), int(4), int(5));
-                self.check_tc(named, tile, grid, block, 2, (inter, n, inp));
+                self.check_tc(named, tile, grid, block, shared, 2, (inter, n, inp));
                 let xs = self.wts(p(1), n * inp);
                 let mut o = vec![0f32; n * inter];
                 for i in 0..inter {
@@ -639,7 +666,7 @@ impl Emu {
                         "{}: a block per 16 rows",
                         k.name()
                     );
-                    self.check_tc(named, tile, grid, block, 1, (rows, n, inp));
+                    self.check_tc(named, tile, grid, block, shared, 1, (rows, n, inp));
                 } else {
                     self.check_proj(k, (gx, gy), block, n, inp, inp, shared);
                 }
@@ -846,6 +873,7 @@ pub(crate) struct EmuModel {
     tc_epilogues: bool,
     tc_fold_max_tokens: usize,
     tc_small_max_tokens: usize,
+    tc_stage_bytes: usize,
 }
 
 impl EmuModel {
@@ -898,6 +926,8 @@ impl EmuModel {
             tc_fold_max_tokens: crate::GpuModelOptions::default().tensor_core_gemm_fold_max_tokens,
             tc_small_max_tokens: crate::GpuModelOptions::default()
                 .tensor_core_small_tiles_max_tokens,
+            // An H100/H200's opt-in limit (227 KB): the plan stages where its rules say.
+            tc_stage_bytes: plan::tc_stage_budget(232_448),
         }
     }
 
@@ -905,6 +935,13 @@ impl EmuModel {
     /// `GpuModelOptions::tensor_core_small_tiles_max_tokens`).
     pub(crate) fn with_tc_small_max_tokens(mut self, n: usize) -> EmuModel {
         self.tc_small_max_tokens = n;
+        self
+    }
+
+    /// Dynamic shared memory a staged small-tile block may take (0: never staged; as
+    /// `GpuModelOptions::tensor_core_staged_tiles` on a device allowing `n + 16 KB`).
+    pub(crate) fn with_tc_stage_bytes(mut self, n: usize) -> EmuModel {
+        self.tc_stage_bytes = n;
         self
     }
 
@@ -970,6 +1007,7 @@ impl EmuModel {
             tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
             tc_small_max_tokens: self.tc_small_max_tokens,
+            tc_stage_bytes: self.tc_stage_bytes,
         }
     }
 
@@ -1719,6 +1757,56 @@ mod tests {
         assert!(!m.plan().tc_fold(1));
         let m = m.with_tc_fold_max_tokens(8);
         assert!(m.plan().tc_fold(8) && !m.plan().tc_fold(16));
+    }
+
+    /// Staged small tiles: on the emulator's two multiprocessors the tiny Qwen2's small-tile
+    /// GEMMs and SiLU tiles take several row tiles a block with their weights in shared memory
+    /// (the emulator checks each launch's grid and room), and the logits of prefill and decode
+    /// steps are those of the plan without staging.
+    #[test]
+    fn staged_small_tiles_plan_and_bits() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 5, DType::F32);
+        let model = |bytes: usize| {
+            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
+                .with_tc_stage_bytes(bytes)
+        };
+        let staged = |m: &EmuModel, n: usize| -> Vec<Kernel> {
+            m.plan()
+                .body(n)
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Launch { kernel, shared, .. }
+                        if plan::TC_STAGED_KERNELS.contains(kernel) && *shared > 0 =>
+                    {
+                        Some(*kernel)
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let on = model(plan::tc_stage_budget(232_448));
+        let kinds = staged(&on, 1);
+        assert!(kinds.contains(&Kernel::GemmTcSiluSmall), "{kinds:?}");
+        assert!(staged(&model(0), 1).is_empty());
+        assert!(
+            staged(&on, 32).is_empty(),
+            "the wide tiles are never staged"
+        );
+        for b in [1usize, 3, 8] {
+            let lens: Vec<usize> = (0..b).map(|i| 2 + i % 3).collect();
+            let prompts = prompts(cfg.vocab_size, &lens);
+            let blocks: Vec<Vec<u32>> = (0..b as u32).map(|i| vec![i]).collect();
+            let mut logits = Vec::new();
+            for bytes in [plan::tc_stage_budget(232_448), 0] {
+                let mut m = model(bytes);
+                let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; b]));
+                let next: Vec<Vec<u32>> = (0..b as u32)
+                    .map(|i| vec![(5 * i + 2) % cfg.vocab_size as u32])
+                    .collect();
+                logits.push((first, m.step_logits(&sampled(&next, &blocks, &lens))));
+            }
+            assert_eq!(logits[0], logits[1], "batch {b}");
+        }
     }
 
     /// The small tensor-core tiles: buckets of at most `TC_SMALL_TOKENS` tokens (and LM heads

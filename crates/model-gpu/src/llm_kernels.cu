@@ -650,6 +650,34 @@ __device__ __forceinline__ void mma_16816(float *c, const unsigned *a, unsigned 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
+// Shared-memory addresses and asynchronous copies (the tensor-core attention's K/V tiles, the
+// staged small GEMM tiles' weights).
+__device__ __forceinline__ unsigned smem_u32(const void *p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+// 16 bytes global -> shared without registers; `bytes` 0 writes zeros (reads nothing).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Wait until at most `pending` (0..3) of this thread's committed copy groups are in flight.
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+    if (pending >= 3)
+        asm volatile("cp.async.wait_group 3;" ::: "memory");
+    else if (pending == 2)
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
+    else if (pending == 1)
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+    else
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
 #else
 #define BGS_HAVE_MMA 0
 #endif
@@ -671,9 +699,6 @@ __device__ __forceinline__ void split_wt2(float x0, float x1, unsigned &hi, unsi
     hi = pack_wt2(h0, h1);
     lo = pack_wt2(st(x0 - ld(h0)), st(x1 - ld(h1)));
 }
-__device__ __forceinline__ unsigned smem_u32(const void *p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
 // Two 8x8 b16 matrices (lanes 0-7 and 8-15 give their rows' addresses).
 __device__ __forceinline__ void ldsm_x2(unsigned addr, unsigned &r0, unsigned &r1) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
@@ -686,15 +711,6 @@ __device__ __forceinline__ void ldsm_x2_trans(unsigned addr, unsigned &r0, unsig
                  : "=r"(r0), "=r"(r1)
                  : "r"(addr)
                  : "memory");
-}
-// 16 bytes global -> shared without registers; `bytes` 0 writes zeros (reads nothing).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void *src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_all;" ::: "memory");
 }
 #endif
 
@@ -1296,9 +1312,53 @@ __device__ __forceinline__ float (*tc_red1())[16][TOK + 1] {
 // G: which group of BGS_TC_WARPS warps of the block computes the tile (threads G * 256 ..);
 // it synchronizes with named barrier 1 + G of its own threads only, so two groups can compute
 // two tiles side by side (bgs_gemm_tc_silu).
-template <int G, int TOK, class Epi>
-__device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb, int t0, int out,
-                                        int in, int n, bool pdl, Epi epi) {
+// Where a tile's weight fragments come from: wsrc(c, h) is this lane's 16 bytes of chunk c
+// for the MMA's rows 0-7 (h = 0: w's row ra + g) or 8-15 (h = 1: row rb + g), values 8q ..
+// 8q + 7. TcGlobalW loads them from global memory; TcStagedW reads the copies this thread
+// made in shared memory (tc_stage). The same bytes either way, so the same bits.
+struct TcGlobalW {
+    const bgs_u4 *wa, *wb;
+    __device__ __forceinline__ bgs_u4 operator()(int c, int h) const {
+        return ld_nc16((h ? wb : wa) + 4 * c);
+    }
+};
+// Rows past `out` read the last row (never stored).
+__device__ __forceinline__ TcGlobalW tc_global_w(const wt *w, int ra, int rb, int out, int in) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    return TcGlobalW{(const bgs_u4 *)(w + (size_t)min(ra + g, out - 1) * in) + q,
+                     (const bgs_u4 *)(w + (size_t)min(rb + g, out - 1) * in) + q};
+}
+// A warp's staged weights of one tile: the warp's k-th chunk (c = warp + k * BGS_TC_WARPS)
+// at s[(2k + h) * 32 + lane], so a warp's 16-byte reads of one (k, h) are 512 contiguous
+// bytes (no bank conflicts). TC_STAGE_U4(in) is one warp's region, in bgs_u4.
+#define TC_STAGE_U4(in) ((((in) / 32 + BGS_TC_WARPS - 1) / BGS_TC_WARPS) * 64)
+struct TcStagedW {
+    const bgs_u4 *s;
+    int warp, lane;
+    __device__ __forceinline__ bgs_u4 operator()(int c, int h) const {
+        return s[(2 * ((c - warp) / BGS_TC_WARPS) + h) * 32 + lane];
+    }
+};
+// Copy this thread's weight fragments of a tile (what tc_global_w would load) into its warp's
+// region `s` (TcStagedW's layout), asynchronously: the caller commits and waits.
+__device__ __forceinline__ void tc_stage(const wt *w, int ra, int rb, int out, int in,
+                                         bgs_u4 *s, int warp) {
+    const int lane = threadIdx.x % 32;
+    const TcGlobalW src = tc_global_w(w, ra, rb, out, in);
+    for (int c = warp, k = 0; c < in / 32; c += BGS_TC_WARPS, k++) {
+        cp_async16(smem_u32(s + (2 * k) * 32 + lane), src.wa + 4 * c, 16);
+        cp_async16(smem_u32(s + (2 * k + 1) * 32 + lane), src.wb + 4 * c, 16);
+    }
+}
+// The dynamic shared memory this launch was given.
+__device__ __forceinline__ unsigned tc_dynamic_smem() {
+    unsigned r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+template <int G, int TOK, class WSrc, class Epi>
+__device__ __forceinline__ void tc_tile_from(WSrc wsrc, const wt *x, int t0, int in, int n,
+                                             bool pdl, Epi epi) {
     constexpr int TILES = TOK / 8;
     constexpr int UNROLL = TOK == BGS_TC_TOKENS ? BGS_TC_UNROLL : BGS_TC_SMALL_UNROLL;
     float(*red)[16][TOK + 1] = G ? tc_red1<TOK>() : tc_red0<TOK>();
@@ -1306,9 +1366,6 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb
     const int lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, q = lane % 4;
     const int chunks = in / 32;
-    // Rows past `out` read the last row (never stored).
-    const bgs_u4 *wa = (const bgs_u4 *)(w + (size_t)min(ra + g, out - 1) * in) + q;
-    const bgs_u4 *wb = (const bgs_u4 *)(w + (size_t)min(rb + g, out - 1) * in) + q;
     const int tiles = min(TILES, (n - t0 + 7) / 8);
     float acc[TILES][4];
 #pragma unroll
@@ -1318,8 +1375,8 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb
     for (int u = 0; u < UNROLL; u++) {
         const int c = warp + u * BGS_TC_WARPS;
         if (c < chunks) {
-            a[u][0] = ld_nc16(wa + 4 * c);
-            a[u][1] = ld_nc16(wb + 4 * c);
+            a[u][0] = wsrc(c, 0);
+            a[u][1] = wsrc(c, 1);
         }
     }
     if (pdl) BGS_PDL_BEGIN();
@@ -1353,8 +1410,8 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb
         for (int u = 0; u < UNROLL; u++) {
             const int c = c0 + (UNROLL + u) * BGS_TC_WARPS;
             if (c < chunks) {
-                a[u][0] = ld_nc16(wa + 4 * c);
-                a[u][1] = ld_nc16(wb + 4 * c);
+                a[u][0] = wsrc(c, 0);
+                a[u][1] = wsrc(c, 1);
             }
         }
     }
@@ -1375,23 +1432,76 @@ __device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb
         epi(row, col, s);
     }
 }
+template <int G, int TOK, class Epi>
+__device__ __forceinline__ void tc_tile(const wt *w, const wt *x, int ra, int rb, int t0, int out,
+                                        int in, int n, bool pdl, Epi epi) {
+    tc_tile_from<G, TOK>(tc_global_w(w, ra, rb, out, in), x, t0, in, n, pdl, epi);
+}
+// The staged form of the small-tile entry points (`plan::tc_stage`): a block owns row tiles
+// bk.x, bk.x + gx, ... (`mine` of them, at most BGS_TC_STAGE_MAX) rather than one, and where
+// the launch gave it room for all of their weights (groups warp groups a tile) it copies them
+// into shared memory at once, before waiting on the previous kernel: every weight byte of the
+// block is in flight together, where loading them into registers takes one round trip per
+// BGS_TC_SMALL_UNROLL chunks a warp and one wave of blocks per multiprocessor slot. Each tile
+// is then computed as tc_tile computes it, from the staged copies: the same bits.
+#if !defined(BGS_TC_STAGE_MAX) || BGS_TC_STAGE_MAX < 1 || BGS_TC_STAGE_MAX > 4
+#error "BGS_TC_STAGE_MAX (1..=4: cp_async_wait_pending's range) must be defined (plan::TC_STAGE_MAX)"
+#endif
+__device__ __forceinline__ bool tc_staged(const bgs_blk &bk, int mine, int groups, int in) {
+    return mine <= BGS_TC_STAGE_MAX &&
+           tc_dynamic_smem() >= (unsigned)(mine * groups * BGS_TC_WARPS * TC_STAGE_U4(in) * 16);
+}
 #endif
 
 // y[t][r] = x[t] · w[r] (ADD: y[t][r] += it, the folded form's o_proj and down_proj with the
 // residual add: one writer per element, bgs_add_rmsnorm's add).
-template <bool ADD, int TOK>
+// STAGE (the small-tile entry points): the block's row tiles bk.x, bk.x + gx, ..., staged
+// where the launch gave the room (tc_staged); otherwise the one tile bk.x.
+template <bool ADD, int TOK, bool STAGE = false>
 __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, const wt *x, float *y,
                                              int out, int in, int n) {
 #if BGS_HAVE_MMA
-    const int r0 = bk.x * 16, t0 = bk.y * TOK;
-    tc_tile<0, TOK>(w, x + (size_t)t0 * in, r0, r0 + 8, t0, out, in, n, bk.pdl,
-               [&](int row, int col, float s) {
-                   const int r = r0 + row, t = t0 + col;
-                   if (r < out && t < n) {
-                       float *o = y + (size_t)t * out + r;
-                       *o = ADD ? *o + s : s;
-                   }
-               });
+    const int t0 = bk.y * TOK;
+    auto epi = [&](int r0) {
+        return [=](int row, int col, float s) {
+            const int r = r0 + row, t = t0 + col;
+            if (r < out && t < n) {
+                float *o = y + (size_t)t * out + r;
+                *o = ADD ? *o + s : s;
+            }
+        };
+    };
+    if constexpr (!STAGE) {
+        const int r0 = bk.x * 16;
+        tc_tile<0, TOK>(w, x + (size_t)t0 * in, r0, r0 + 8, t0, out, in, n, bk.pdl, epi(r0));
+        return;
+    }
+    const int rt = (out + 15) / 16, mine = (rt - bk.x + bk.gx - 1) / bk.gx;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (tc_staged(bk, mine, 1, in)) {
+        extern __shared__ bgs_u4 tc_stage_smem[];
+        auto region = [&](int i) { return tc_stage_smem + (i * BGS_TC_WARPS + warp) * TC_STAGE_U4(in); };
+        for (int i = 0; i < mine; i++) {
+            const int r0 = (bk.x + i * bk.gx) * 16;
+            tc_stage(w, r0, r0 + 8, out, in, region(i), warp);
+            cp_async_commit();
+        }
+        if (bk.pdl) BGS_PDL_BEGIN();
+        for (int i = 0; i < mine; i++) {
+            const int r0 = (bk.x + i * bk.gx) * 16;
+            if (i) __syncthreads();  // the previous tile's partial sums are read
+            cp_async_wait_pending(mine - 1 - i);
+            tc_tile_from<0, TOK>(TcStagedW{region(i), warp, lane}, x + (size_t)t0 * in, t0, in, n,
+                                 false, epi(r0));
+        }
+        return;
+    }
+    for (int i = 0; i < mine; i++) {
+        const int r0 = (bk.x + i * bk.gx) * 16;
+        if (i) __syncthreads();
+        tc_tile<0, TOK>(w, x + (size_t)t0 * in, r0, r0 + 8, t0, out, in, n, bk.pdl && !i,
+                        epi(r0));
+    }
 #else
     // Never launched: f32 models and devices before sm_80 use cuBLAS (`plan::tc_gemm_applies`).
     __trap();
@@ -1464,33 +1574,83 @@ __device__ __forceinline__ void tc_norm_rows(const float *x, const float *nw, fl
 // inter rows), act[t][i] = silu(g) * u in `wt` with g and u bgs_gemm_tc's values for rows i and
 // inter + i. A block of two warp groups: the first computes 16 gate rows while the second
 // computes the same 16 up rows, for up to TOK tokens; x is token t0's input row.
-template <int TOK>
+// STAGE (the small-tile entry point): the block's row tiles bk.x, bk.x + gx, ..., staged where
+// the launch gave the room (tc_staged, both groups' weights); otherwise the one tile bk.x.
+template <int TOK, bool STAGE = false>
 __device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, const wt *x,
                                               wt *act, int inter, int in, int n) {
     __shared__ float gate[16][TOK + 1], up[16][TOK + 1];
-    const int r0 = bk.x * 16, t0 = bk.y * TOK;
-    if ((int)threadIdx.x < BGS_TC_WARPS * 32)
-        tc_tile<0, TOK>(w, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
-                   [&](int row, int col, float s) { gate[row][col] = s; });
-    else
-        tc_tile<1, TOK>(w + (size_t)inter * in, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
-                   [&](int row, int col, float s) { up[row][col] = s; });
-    __syncthreads();
-    for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
-        const int row = e % 16, col = e / 16;
-        const int i = r0 + row, t = t0 + col;
-        if (i < inter && t < n) act[(size_t)t * inter + i] = silu_times(gate[row][col], up[row][col]);
+    const int t0 = bk.y * TOK;
+    if constexpr (!STAGE) {
+        const int r0 = bk.x * 16;
+        if ((int)threadIdx.x < BGS_TC_WARPS * 32)
+            tc_tile<0, TOK>(w, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
+                            [&](int row, int col, float s) { gate[row][col] = s; });
+        else
+            tc_tile<1, TOK>(w + (size_t)inter * in, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
+                            [&](int row, int col, float s) { up[row][col] = s; });
+        __syncthreads();
+        for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
+            const int row = e % 16, col = e / 16;
+            const int i = r0 + row, t = t0 + col;
+            if (i < inter && t < n)
+                act[(size_t)t * inter + i] = silu_times(gate[row][col], up[row][col]);
+        }
+        return;
+    }
+    const bool first = (int)threadIdx.x < BGS_TC_WARPS * 32;  // the gate group
+    const int warp = (threadIdx.x / 32) % BGS_TC_WARPS, lane = threadIdx.x % 32;
+    const wt *wg = first ? w : w + (size_t)inter * in;  // this group's rows
+    const int rt = (inter + 15) / 16, mine = (rt - bk.x + bk.gx - 1) / bk.gx;
+    const bool staged = tc_staged(bk, mine, 2, in);
+    extern __shared__ bgs_u4 tc_stage_smem[];
+    auto region = [&](int i) {
+        return tc_stage_smem + ((i * 2 + !first) * BGS_TC_WARPS + warp) * TC_STAGE_U4(in);
+    };
+    if (staged) {
+        for (int i = 0; i < mine; i++) {
+            const int r0 = (bk.x + i * bk.gx) * 16;
+            tc_stage(wg, r0, r0 + 8, inter, in, region(i), warp);
+            cp_async_commit();
+        }
+        if (bk.pdl) BGS_PDL_BEGIN();
+    }
+    for (int i = 0; i < mine; i++) {
+        const int r0 = (bk.x + i * bk.gx) * 16;
+        if (i) __syncthreads();  // the previous tile's gate and up values are read
+        const bool pdl = !staged && bk.pdl && !i;
+        if (staged) cp_async_wait_pending(mine - 1 - i);
+        if (first) {
+            auto epi = [&](int row, int col, float s) { gate[row][col] = s; };
+            if (staged)
+                tc_tile_from<0, TOK>(TcStagedW{region(i), warp, lane}, x, t0, in, n, false, epi);
+            else
+                tc_tile<0, TOK>(wg, x, r0, r0 + 8, t0, inter, in, n, pdl, epi);
+        } else {
+            auto epi = [&](int row, int col, float s) { up[row][col] = s; };
+            if (staged)
+                tc_tile_from<1, TOK>(TcStagedW{region(i), warp, lane}, x, t0, in, n, false, epi);
+            else
+                tc_tile<1, TOK>(wg, x, r0, r0 + 8, t0, inter, in, n, pdl, epi);
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
+            const int row = e % 16, col = e / 16;
+            const int r = r0 + row, t = t0 + col;
+            if (r < inter && t < n)
+                act[(size_t)t * inter + r] = silu_times(gate[row][col], up[row][col]);
+        }
     }
 }
 #endif
 
 // The gate/up projection with bgs_silu_mul as its epilogue (the same bits as bgs_gemm_tc then
 // bgs_silu_mul, without the f32 gate/up activations or a launch).
-template <int TOK>
+template <int TOK, bool STAGE = false>
 __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w, const wt *x,
                                                   wt *act, int inter, int in, int n) {
 #if BGS_HAVE_MMA
-    tc_silu_tiles<TOK>(bk, w, x + (size_t)bk.y * TOK * in, act, inter, in, n);
+    tc_silu_tiles<TOK, STAGE>(bk, w, x + (size_t)bk.y * TOK * in, act, inter, in, n);
 #else
     __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
 #endif
@@ -1503,13 +1663,13 @@ __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w
 // and the block that brings the count to the grid's width norms every row of the token block
 // (tc_norm_rows, bgs_add_rmsnorm's bits, reading through L2) and zeroes the count for the next
 // launch. So the norm that bgs_add_rmsnorm would launch next runs at the end of this grid.
-template <int TOK>
+template <int TOK, bool STAGE>
 __device__ __forceinline__ void gemm_tc_add_norm_body(const wt *w, const wt *x, float *res,
                                                       int out, int in, int n, const float *nw,
                                                       float eps, wt *xn, unsigned *done) {
 #if BGS_HAVE_MMA
     __shared__ unsigned last;
-    gemm_tc_body<true, TOK>(BGS_LAUNCH_BLK, w, x, res, out, in, n);
+    gemm_tc_body<true, TOK, STAGE>(BGS_LAUNCH_BLK, w, x, res, out, in, n);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.y, 1u) == gridDim.x - 1;
@@ -1563,19 +1723,19 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
 //   bgs_gemm_tc_add_norm    the folded form's o and down steps: res += x · wᵀ, then the next
 //                           norm of res into xn by the token block's last block
 //   bgs_gemm_tc_rope_kv     the folded form's QKV step
-#define BGS_TC_ENTRY_POINTS(SUF, TOK)                                                          \
+#define BGS_TC_ENTRY_POINTS(SUF, TOK, STAGE)                                                        \
     extern "C" __global__ void bgs_gemm_tc##SUF(const wt *w, const wt *x, float *y, int out,   \
                                                 int in, int n) {                               \
-        gemm_tc_body<false, TOK>(BGS_LAUNCH_BLK, w, x, y, out, in, n);                         \
+        gemm_tc_body<false, TOK, STAGE>(BGS_LAUNCH_BLK, w, x, y, out, in, n);                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)                        \
         bgs_gemm_tc_silu##SUF(const wt *w, const wt *x, wt *act, int inter, int in, int n) {   \
-        gemm_tc_silu_body<TOK>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);                       \
+        gemm_tc_silu_body<TOK, STAGE>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);                    \
     }                                                                                          \
     extern "C" __global__ void bgs_gemm_tc_add_norm##SUF(                                      \
         const wt *w, const wt *x, float *res, int out, int in, int n, const float *nw,         \
         float eps, wt *xn, unsigned *done) {                                                   \
-        gemm_tc_add_norm_body<TOK>(w, x, res, out, in, n, nw, eps, xn, done);                  \
+        gemm_tc_add_norm_body<TOK, STAGE>(w, x, res, out, in, n, nw, eps, xn, done);            \
     }                                                                                          \
     extern "C" __global__ void bgs_gemm_tc_rope_kv##SUF(                                       \
         const wt *w, const wt *xn, float *qkv, const float *bias, const int *pos,              \
@@ -1584,8 +1744,8 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
         gemm_tc_rope_kv_body<TOK>(w, xn, qkv, bias, pos, slot, inv_freq, cache, num_heads,     \
                                   num_kv_heads, head_dim, block_size, block_stride, in, n);    \
     }
-BGS_TC_ENTRY_POINTS(, BGS_TC_TOKENS)
-BGS_TC_ENTRY_POINTS(_small, BGS_TC_SMALL_TOKENS)
+BGS_TC_ENTRY_POINTS(, BGS_TC_TOKENS, false)
+BGS_TC_ENTRY_POINTS(_small, BGS_TC_SMALL_TOKENS, true)
 
 // ---- The persistent form: a whole op list in one launch ----
 //

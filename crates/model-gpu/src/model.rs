@@ -96,6 +96,13 @@ pub struct GpuModelOptions {
     /// than in one wide one, the 32-token bucket 4-20% slower); 0: the wide tiles everywhere.
     /// The persistent form keeps the wide tiles.
     pub tensor_core_small_tiles_max_tokens: usize,
+    /// Let the small-tile GEMMs stage their weights in shared memory (`plan::Plan::tc_stage`):
+    /// where a warp's share of a row tile takes more than one round of loads into registers
+    /// (down_proj) or the row tiles outnumber the multiprocessors (gate/up), a block takes up
+    /// to 4 row tiles and copies all their weights into shared memory at once, before waiting
+    /// on the previous kernel; the same bits. Used where the device's shared memory a block
+    /// holds them (sm_80 and later); on by default.
+    pub tensor_core_staged_tiles: bool,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -157,6 +164,7 @@ impl Default for GpuModelOptions {
             tensor_core_gemm_epilogues: true,
             tensor_core_gemm_fold_max_tokens: 4,
             tensor_core_small_tiles_max_tokens: 2 * plan::TC_SMALL_TOKENS,
+            tensor_core_staged_tiles: true,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -239,6 +247,9 @@ struct Env {
     driver: i32,
     /// Streaming multiprocessors (the fused form's norm kernels size their grids by them).
     sms: u32,
+    /// Shared memory a block may hold with the opt-in
+    /// (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`).
+    smem_optin: usize,
 }
 
 fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
@@ -252,8 +263,21 @@ fn init(device: usize, cuda_home: Option<&Path>) -> Result<Env, GpuError> {
             libs::NVRTC,
         ],
     )?;
+    let mut optin = 0i32;
+    ck(
+        // SAFETY: `d.dev` is a device handle cuDeviceGet returned; out-pointer valid.
+        unsafe {
+            cu::cuDeviceGetAttribute(
+                &mut optin,
+                cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                d.dev,
+            )
+        },
+        "cuDeviceGetAttribute(shared memory a block, opt-in)",
+    )?;
     Ok(Env {
         dev: d.dev,
+        smem_optin: optin.max(0) as usize,
         name: d.name,
         cc: d.compute_capability,
         sms: d.multiprocessors,
@@ -307,6 +331,10 @@ pub struct GpuModel {
     tc_small_max_tokens: usize,
     /// Whether the small tiles are used (`set_tc_small_tiles` changes it for direct launches).
     tc_small_on: bool,
+    /// Dynamic shared memory the staged small tiles may take a block (0: not staged).
+    tc_stage_bytes: usize,
+    /// Whether the plan stages (`set_tc_staged_tiles` changes it for direct launches).
+    tc_stage_on: bool,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -508,6 +536,12 @@ impl GpuModel {
             tc_fold_max_tokens: opts.tensor_core_gemm_fold_max_tokens,
             tc_small_max_tokens: opts.tensor_core_small_tiles_max_tokens,
             tc_small_on: true,
+            tc_stage_on: true,
+            tc_stage_bytes: if opts.tensor_core_staged_tiles && env.cc.0 >= 8 {
+                plan::tc_stage_budget(env.smem_optin)
+            } else {
+                0
+            },
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -578,6 +612,28 @@ impl GpuModel {
             .iter()
             .map(|k| get_function(self.module, k.name()))
             .collect::<Result<_, _>>()?;
+        if self.tc_stage_bytes > 0 {
+            // The staged small tiles take more dynamic shared memory than a block gets without
+            // the opt-in (`plan::Plan::tc_stage` stays within tc_stage_bytes).
+            for k in plan::TC_STAGED_KERNELS {
+                ck(
+                    // SAFETY: `func(k)` is a kernel of the loaded module; the size is within
+                    // the device's opt-in limit less the kernels' static shared memory
+                    // (`plan::tc_stage_budget`).
+                    unsafe {
+                        cu::cuFuncSetAttribute(
+                            self.func(k)?,
+                            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            self.tc_stage_bytes as i32,
+                        )
+                    },
+                    &format!(
+                        "cuFuncSetAttribute({}, max dynamic shared memory)",
+                        k.name()
+                    ),
+                )?;
+            }
+        }
         ck(
             // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
             unsafe { cu::cuStreamCreate(&mut self.stream, STREAM_NON_BLOCKING) },
@@ -825,6 +881,11 @@ impl GpuModel {
             tc_fold_max_tokens: self.tc_fold_max_tokens,
             tc_small_max_tokens: if self.tc_small_on {
                 self.tc_small_max_tokens
+            } else {
+                0
+            },
+            tc_stage_bytes: if self.tc_stage_on {
+                self.tc_stage_bytes
             } else {
                 0
             },
@@ -1248,6 +1309,15 @@ impl GpuModel {
     /// same bits either way; the check compares the two.
     pub fn set_tc_small_tiles(&mut self, on: bool) {
         self.tc_small_on = on;
+    }
+
+    /// Stage the small tiles' weights in shared memory where the plan would (true), or keep
+    /// them in registers (false), for the launches made without graphs. The same bits either
+    /// way; the check compares the two. Returns whether anything is staged at all (the
+    /// option on and the device's shared memory enough).
+    pub fn set_tc_staged_tiles(&mut self, on: bool) -> bool {
+        self.tc_stage_on = on;
+        self.tc_stage_bytes > 0
     }
 
     /// `tensor_core_small_tiles_max_tokens`.

@@ -35,6 +35,55 @@ pub const TC_SMALL_TOKENS: usize = 8;
 /// Chunks whose weights a warp of a small tile loads ahead (`-DBGS_TC_SMALL_UNROLL`; the wide
 /// tiles load 4): registers against loads in flight.
 pub const TC_SMALL_UNROLL: usize = 4;
+/// Row tiles a block of a staged small-tile GEMM takes at most (`-DBGS_TC_STAGE_MAX`; see
+/// [`Plan::tc_stage`]).
+pub const TC_STAGE_MAX: usize = 4;
+/// The small-tile entry points that stage their weights in shared memory where the launch
+/// gives them room ([`Plan::tc_stage`]).
+pub(crate) const TC_STAGED_KERNELS: [Kernel; 3] = [
+    Kernel::GemmTcSmall,
+    Kernel::GemmTcSiluSmall,
+    Kernel::GemmTcAddNormSmall,
+];
+/// Shared memory kept back from a staged block's opt-in limit for the kernels' static shared
+/// memory (their partial sums: at most ~11 KB for the small tiles).
+const TC_STAGE_RESERVE: usize = 16 * 1024;
+/// Bytes one warp stages for one tile of a projection of input width `inp`: its
+/// ceil(chunks / TC_WARPS) chunks, 2 × 16 bytes a lane each (`TC_STAGE_U4` in the kernels).
+fn tc_stage_warp_bytes(inp: usize) -> usize {
+    (inp / TC_CHUNK).div_ceil(TC_WARPS) * 64 * 16
+}
+/// The dynamic shared memory a staged block may take on a device whose blocks may hold
+/// `optin` bytes.
+pub(crate) fn tc_stage_budget(optin: usize) -> usize {
+    optin.saturating_sub(TC_STAGE_RESERVE)
+}
+/// [`Plan::tc_stage`] on a device of `sms` multiprocessors with `budget` bytes of dynamic
+/// shared memory for a staged block.
+fn tc_stage(
+    kernel: Kernel,
+    groups: usize,
+    rows: usize,
+    inp: usize,
+    sms: usize,
+    budget: usize,
+) -> Option<(u32, u32)> {
+    if budget == 0 || !TC_STAGED_KERNELS.contains(&kernel) {
+        return None;
+    }
+    let tiles = rows.div_ceil(TC_ROWS);
+    let sms = sms.max(1);
+    let rounds = (inp / TC_CHUNK)
+        .div_ceil(TC_WARPS)
+        .div_ceil(TC_SMALL_UNROLL);
+    if rounds <= 1 && tiles <= sms {
+        return None;
+    }
+    let gx = tiles.min(sms);
+    let mine = tiles.div_ceil(gx);
+    let bytes = mine * groups * TC_WARPS * tc_stage_warp_bytes(inp);
+    (mine <= TC_STAGE_MAX && bytes <= budget).then_some((gx as u32, bytes as u32))
+}
 /// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
 pub(crate) const TC_ROWS: usize = 16;
 /// Values of one `bgs_gemm_tc` chunk: a projection's input width must be a multiple of it.
@@ -429,6 +478,7 @@ pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
 
 /// A `bgs_gemm_tc` launch (`kernel`: it or its small-tile form) over `out` rows and `n`
 /// tokens with its parameters `args` (w, x, y, out, in, n).
+#[cfg(test)]
 pub(crate) fn tc_gemm_launch(kernel: Kernel, out: usize, n: usize, args: &[Arg]) -> Op {
     tc_tiles_launch(kernel, 1, out, n, 0, args)
 }
@@ -553,6 +603,9 @@ pub(crate) struct Plan<'a> {
     /// tensor-core kernels' small-tile entry points ([`Plan::tc_kernel`]): the same bits as
     /// the wide tiles (0: none).
     pub tc_small_max_tokens: usize,
+    /// Dynamic shared memory a staged small-tile block may take (0: never staged); see
+    /// [`Plan::tc_stage`].
+    pub tc_stage_bytes: usize,
 }
 
 impl Plan<'_> {
@@ -570,7 +623,7 @@ impl Plan<'_> {
             return proj_launch(Kernel::Proj, out, n, usize::MAX, 0, &args);
         }
         if self.tc_gemm(n, inp) {
-            return tc_gemm_launch(self.tc_kernel(Kernel::GemmTc, n), out, n, &args);
+            return self.tc_launch(self.tc_kernel(Kernel::GemmTc, n), 1, out, n, inp, &args);
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
         // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B
@@ -589,6 +642,53 @@ impl Plan<'_> {
             ldc: out as i32,
             what,
         })
+    }
+
+    /// Whether and how a launch of `kernel` (`groups` warp groups a block) over `rows` output
+    /// rows of input width `inp` stages its weights: `Some((grid x, dynamic shared bytes))`
+    /// for the staged small-tile entry points ([`TC_STAGED_KERNELS`]) where loading into
+    /// registers would take more than one round of loads a warp (more than
+    /// [`TC_SMALL_UNROLL`] chunks) or more than one wave of blocks (more row tiles than
+    /// multiprocessors: the gate/up tiles run one block a multiprocessor), and every block's
+    /// tiles (at most [`TC_STAGE_MAX`], dealt out round-robin over at most one block a
+    /// multiprocessor) fit `tc_stage_bytes`. The tiles compute the same bits whichever block
+    /// takes them.
+    pub(crate) fn tc_stage(
+        &self,
+        kernel: Kernel,
+        groups: usize,
+        rows: usize,
+        inp: usize,
+    ) -> Option<(u32, u32)> {
+        tc_stage(
+            kernel,
+            groups,
+            rows,
+            inp,
+            self.sms as usize,
+            self.tc_stage_bytes,
+        )
+    }
+
+    /// [`tc_tiles_launch`] with the staging [`Plan::tc_stage`] decides (`inp`: the input
+    /// width).
+    fn tc_launch(
+        &self,
+        kernel: Kernel,
+        groups: usize,
+        rows: usize,
+        n: usize,
+        inp: usize,
+        args: &[Arg],
+    ) -> Op {
+        let mut op = tc_tiles_launch(kernel, groups, rows, n, 0, args);
+        if let (Some((gx, bytes)), Op::Launch { grid, shared, .. }) =
+            (self.tc_stage(kernel, groups, rows, inp), &mut op)
+        {
+            grid.0 = gx;
+            *shared = bytes;
+        }
+        op
     }
 
     /// The entry point of tensor-core kernel `k` (its wide-tile name) for a bucket of `n`
@@ -852,15 +952,15 @@ impl Plan<'_> {
                         Arg::P(b.tiles_done),
                     ];
                     let k = self.tc_kernel(Kernel::GemmTcAddNorm, n);
-                    tc_tiles_launch(k, 1, h, n, 0, &args)
+                    self.tc_launch(k, 1, h, n, inp, &args)
                 };
                 ops.push(add_norm(lw.o, b.attn, qd, lw.post_norm));
-                ops.push(tc_tiles_launch(
+                ops.push(self.tc_launch(
                     self.tc_kernel(Kernel::GemmTcSilu, n),
                     2,
                     inter,
                     n,
-                    0,
+                    h,
                     &[
                         Arg::P(lw.gate_up),
                         Arg::P(b.xn),
@@ -878,12 +978,12 @@ impl Plan<'_> {
             if self.tc_epilogues && self.tc_gemm(n, h) {
                 // gate/up and SiLU·up in one launch (bgs_gemm_tc_silu): two warp groups, the
                 // gate tile and the up tile side by side.
-                ops.push(tc_tiles_launch(
+                ops.push(self.tc_launch(
                     self.tc_kernel(Kernel::GemmTcSilu, n),
                     2,
                     inter,
                     n,
-                    0,
+                    h,
                     &[
                         Arg::P(lw.gate_up),
                         Arg::P(b.xn),
@@ -954,5 +1054,64 @@ impl Plan<'_> {
                 ],
             },
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Staging on the H200 (132 multiprocessors, 227 KB a block with the opt-in) for the
+    /// Qwen2.5-0.5B shape's small tiles: down_proj (19 chunks a warp: 5 rounds of loads into
+    /// registers) a block a row tile with all its weights; gate/up (304 tiles of 2 groups: more
+    /// than one wave) 132 blocks of at most 3 tiles; o_proj, QKV-sized and the LM head (one
+    /// round, or more tiles a block than staging takes) and every wide kernel as before.
+    #[test]
+    fn staging_follows_rounds_waves_and_room() {
+        let budget = tc_stage_budget(232_448);
+        let stage = |k, groups, rows, inp| tc_stage(k, groups, rows, inp, 132, budget);
+        assert_eq!(
+            stage(Kernel::GemmTcAddNormSmall, 1, 896, 4864),
+            Some((56, 8 * 19 * 1024))
+        );
+        assert_eq!(
+            stage(Kernel::GemmTcSmall, 1, 896, 4864),
+            Some((56, 8 * 19 * 1024))
+        );
+        assert_eq!(
+            stage(Kernel::GemmTcSiluSmall, 2, 4864, 896),
+            Some((132, 3 * 2 * 8 * 4 * 1024))
+        );
+        assert_eq!(stage(Kernel::GemmTcAddNormSmall, 1, 896, 896), None);
+        assert_eq!(stage(Kernel::GemmTcSmall, 1, 151_936, 896), None);
+        assert_eq!(stage(Kernel::GemmTcRopeKvSmall, 1, 1152, 896), None);
+        for k in [Kernel::GemmTc, Kernel::GemmTcSilu, Kernel::GemmTcAddNorm] {
+            assert_eq!(stage(k, 1, 896, 4864), None);
+        }
+        // No room: a consumer device's ~99 KB takes down_proj's 152 KB in no block.
+        assert_eq!(
+            tc_stage(
+                Kernel::GemmTcAddNormSmall,
+                1,
+                896,
+                4864,
+                132,
+                tc_stage_budget(101_376)
+            ),
+            None
+        );
+        assert_eq!(
+            tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 132, 0),
+            None
+        );
+        // Fewer multiprocessors: more tiles a block, up to TC_STAGE_MAX.
+        assert_eq!(
+            tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 76, usize::MAX),
+            Some((76, 4 * 2 * 8 * 4 * 1024))
+        );
+        assert_eq!(
+            tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 75, usize::MAX),
+            None
+        );
     }
 }

@@ -95,6 +95,10 @@ struct DeviceArgs {
     /// others the 32-token ones; the same bits, which the check compares; 0: never).
     #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_small_tiles_max_tokens)]
     tc_small_max_tokens: usize,
+    /// Keep the small tiles' weights in registers: no staging in shared memory
+    /// (`tensor_core_staged_tiles`, on by default; the same bits, which the check compares).
+    #[arg(long)]
+    no_tc_stage: bool,
     /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
     no_pdl: bool,
@@ -215,6 +219,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         tensor_core_gemm_epilogues: !dev.no_tc_epilogues,
         tensor_core_gemm_fold_max_tokens: dev.tc_fold_max_tokens,
         tensor_core_small_tiles_max_tokens: dev.tc_small_max_tokens,
+        tensor_core_staged_tiles: !dev.no_tc_stage,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
@@ -546,6 +551,29 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             );
         }
         gpu.set_tc_small_tiles(true);
+        // The staged small tiles against the same tiles loading into registers: decode steps
+        // of 1, 3 and 8 sequences (the gate/up and down tiles stage there on the H200).
+        if gpu.set_tc_staged_tiles(true) {
+            for b in [1usize, 3, 8] {
+                if bgs_model_gpu::host::bucket_for(b).is_none_or(|n| n > small_max) {
+                    continue;
+                }
+                let (toks, tables) = step_inputs(&vec![1; b], per, vocab);
+                let step = step_items(&toks, &tables, 20);
+                let [regs, staged] = logits_off_on(&mut gpu, &step, |g, on| {
+                    g.set_tc_staged_tiles(on);
+                })?;
+                ok &= report_bitwise(
+                    &format!("staged small tiles vs registers, decode step of {b}"),
+                    &format!("tc_staged_tiles_decode_{b}"),
+                    ("registers", &regs),
+                    ("staged", &staged),
+                    tol,
+                    &mut results,
+                );
+            }
+            gpu.set_tc_staged_tiles(!a.dev.no_tc_stage);
+        }
         gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
     }
 
@@ -657,6 +685,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "tc_epilogues": !a.dev.no_tc_epilogues,
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
+        "tc_staged_tiles": !a.dev.no_tc_stage,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": gpu.tensor_core_attention(),
         "persistent_buckets": gpu.persistent_buckets(),
@@ -1047,6 +1076,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "tc_epilogues": !a.dev.no_tc_epilogues,
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
+        "tc_staged_tiles": !a.dev.no_tc_stage,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": m.tensor_core_attention(),
         "persistent_buckets": m.persistent_buckets(),
