@@ -624,6 +624,11 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 #ifndef BGS_ATTN_MMA
 #define BGS_ATTN_MMA 0
 #endif
+// Prefetch a token's K/V rows into L2 before waiting on the previous kernel (1, the default;
+// 0 through BGS_LLM_KERNEL_DEFINES for a comparison). The same bits either way.
+#ifndef BGS_ATTN_PREFETCH_L2
+#define BGS_ATTN_PREFETCH_L2 1
+#endif
 #if BGS_ATTN_MMA && (BGS_DT == 0 || BGS_HEAD_DIM <= 0 || BGS_HEAD_DIM % 16 != 0 || \
                      BGS_HEAD_DIM > 64 || 32 % (BGS_HEAD_DIM / 8) != 0)
 #error "BGS_ATTN_MMA needs 16-bit values and a head size of 16, 32 or 64"
@@ -738,6 +743,21 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
     const int *table = bt + bt_off[seq[t]];
     const int last = pos[t];
     int blk = warp * 32 + lane <= last ? table[(warp * 32 + lane) / block_size] : 0;
+    const long long head_off = (long long)kvh * block_size * MMA_HD;
+    const long long v_off = (long long)num_kv_heads * block_size * MMA_HD;
+#if BGS_ATTN_PREFETCH_L2
+    // Every K and V row this warp will stage, fetched into L2 before the wait: rows of earlier
+    // steps are there already, and a row the previous kernel writes (this step's own
+    // position) is written through L2, which every multiprocessor sees alike, so a prefetch
+    // can make a copy arrive sooner but never older. Lane l takes row l of each group.
+    for (int p = warp * 32 + lane; p <= last; p += 32 * warps) {
+        const int br = p < warp * 32 + 32 ? blk : table[p / block_size];
+        const wt *src = cache + (long long)br * block_stride + head_off +
+                        (long long)(p % block_size) * MMA_HD;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(src + v_off));
+    }
+#endif
     if (bk.pdl) BGS_PDL_BEGIN();
 
     // The group's queries as A fragments (16 x 16 per k-step; heads past the group are 0).
@@ -753,8 +773,6 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
             split_wt2(x0, x1, qhi[ks][r], qlo[ks][r]);
         }
     }
-    const long long head_off = (long long)kvh * block_size * MMA_HD;
-    const long long v_off = (long long)num_kv_heads * block_size * MMA_HD;
     float o[MMA_DT][4];
 #pragma unroll
     for (int d = 0; d < MMA_DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
