@@ -727,31 +727,33 @@ impl Emu {
             Kernel::Argmax => {
                 assert_eq!(block, plan::ARGMAX_THREADS);
                 let (logits, next, vocab) = (p(0), p(1), int(2));
-                let nt = block as usize;
                 for s in 0..gx {
                     let row = self.f32s(logits + (s * vocab * 4) as u64, vocab);
-                    let mut sv = vec![f32::NEG_INFINITY; nt];
-                    let mut si = vec![u32::MAX; nt];
-                    for tid in 0..nt {
-                        for i in (tid..vocab).step_by(nt) {
-                            if row[i] > sv[tid] {
-                                sv[tid] = row[i];
-                                si[tid] = i as u32;
-                            }
-                        }
+                    let (_, i) = block_argmax(&row, 0, vocab, block as usize);
+                    let id = if i == u32::MAX { 0 } else { i };
+                    self.put_i32s(next + 4 * s as u64, &[id as i32]);
+                }
+            }
+            Kernel::ArgmaxSplit => {
+                // (logits, next, vocab, cand, done): slice y of ceil(vocab / gy) ids per block,
+                // the parts' winners combined in order by the row's last block.
+                assert_eq!(block, plan::ARGMAX_SPLIT_THREADS);
+                let (logits, next, vocab, done) = (p(0), p(1), int(2), p(4));
+                assert!(gy >= 1);
+                assert!(
+                    self.i32s(done, gx).iter().all(|&c| c == 0),
+                    "bgs_argmax_split: a row's count is not zero at launch"
+                );
+                let span = vocab.div_ceil(gy);
+                for s in 0..gx {
+                    let row = self.f32s(logits + (s * vocab * 4) as u64, vocab);
+                    let (mut v, mut id) = (f32::NEG_INFINITY, u32::MAX);
+                    for y in 0..gy {
+                        let (lo, hi) = ((y * span).min(vocab), ((y + 1) * span).min(vocab));
+                        let (pv, pi) = block_argmax(&row, lo, hi, block as usize);
+                        better(&mut v, &mut id, pv, pi);
                     }
-                    let mut h = nt / 2;
-                    while h > 0 {
-                        for tid in 0..h {
-                            let (v, i) = (sv[tid + h], si[tid + h]);
-                            if v > sv[tid] || (v == sv[tid] && i < si[tid]) {
-                                sv[tid] = v;
-                                si[tid] = i;
-                            }
-                        }
-                        h >>= 1;
-                    }
-                    let id = if si[0] == u32::MAX { 0 } else { si[0] };
+                    let id = if id == u32::MAX { 0 } else { id };
                     self.put_i32s(next + 4 * s as u64, &[id as i32]);
                 }
             }
@@ -761,6 +763,42 @@ impl Emu {
             | Kernel::GemmTcRopeKvSmall => unreachable!("k is the wide form (Kernel::wide)"),
         }
     }
+}
+
+/// `better` in the kernels: (v, i) replaces the best when larger, or equal with a lower id
+/// (NaN never compares larger, so never wins).
+fn better(bv: &mut f32, bi: &mut u32, v: f32, i: u32) {
+    if v > *bv || (v == *bv && i < *bi) {
+        *bv = v;
+        *bi = i;
+    }
+}
+
+/// One argmax block over `row[lo..hi]` with `nt` threads (`bgs_argmax`, `bgs_argmax_split`):
+/// thread t's strided scan from lo + t (strictly larger values only), then the shared-memory
+/// tree with `better`. (-inf, u32::MAX) where nothing is above -inf.
+fn block_argmax(row: &[f32], lo: usize, hi: usize, nt: usize) -> (f32, u32) {
+    let mut sv = vec![f32::NEG_INFINITY; nt];
+    let mut si = vec![u32::MAX; nt];
+    for tid in 0..nt {
+        for i in (lo + tid..hi).step_by(nt) {
+            if row[i] > sv[tid] {
+                sv[tid] = row[i];
+                si[tid] = i as u32;
+            }
+        }
+    }
+    let mut h = nt / 2;
+    while h > 0 {
+        for tid in 0..h {
+            let (mut v, mut i) = (sv[tid], si[tid]);
+            better(&mut v, &mut i, sv[tid + h], si[tid + h]);
+            sv[tid] = v;
+            si[tid] = i;
+        }
+        h >>= 1;
+    }
+    (sv[0], si[0])
 }
 
 /// `proj_dot`: lane l sums the 16-byte chunks l, l + 32, ... of `w · x` (each chunk's values in
@@ -874,6 +912,7 @@ pub(crate) struct EmuModel {
     tc_fold_max_tokens: usize,
     tc_small_max_tokens: usize,
     tc_stage_bytes: usize,
+    split_argmax: bool,
 }
 
 impl EmuModel {
@@ -928,6 +967,7 @@ impl EmuModel {
                 .tensor_core_small_tiles_max_tokens,
             // An H100/H200's opt-in limit (227 KB): the plan stages where its rules say.
             tc_stage_bytes: plan::tc_stage_budget(232_448),
+            split_argmax: true,
         }
     }
 
@@ -935,6 +975,13 @@ impl EmuModel {
     /// `GpuModelOptions::tensor_core_small_tiles_max_tokens`).
     pub(crate) fn with_tc_small_max_tokens(mut self, n: usize) -> EmuModel {
         self.tc_small_max_tokens = n;
+        self
+    }
+
+    /// The LM head's argmax over `plan::ARGMAX_PARTS` blocks a row (true, as the launched
+    /// form) or one (false, as the persistent form).
+    pub(crate) fn with_split_argmax(mut self, on: bool) -> EmuModel {
+        self.split_argmax = on;
         self
     }
 
@@ -1008,6 +1055,7 @@ impl EmuModel {
             tc_fold_max_tokens: self.tc_fold_max_tokens,
             tc_small_max_tokens: self.tc_small_max_tokens,
             tc_stage_bytes: self.tc_stage_bytes,
+            split_argmax: self.split_argmax,
         }
     }
 
@@ -1653,8 +1701,10 @@ mod tests {
                 .with_tensor_core_attention(mma)
                 .with_tc_fold_max_tokens(64);
             // With the epilogues apart; and SiLU·up alone folded (the default).
-            let apart =
-                EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv).with_tc_epilogues(false);
+            // (and the one-block argmax, as the persistent form runs it)
+            let apart = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
+                .with_tc_epilogues(false)
+                .with_split_argmax(false);
             let narrow = ModelConfig {
                 head_dim: 8,
                 num_heads: 2 * cfg.num_heads,
@@ -1757,6 +1807,87 @@ mod tests {
         assert!(!m.plan().tc_fold(1));
         let m = m.with_tc_fold_max_tokens(8);
         assert!(m.plan().tc_fold(8) && !m.plan().tc_fold(16));
+    }
+
+    /// The split argmax (slices in their own blocks, the winners combined by the row's last
+    /// block) gives bgs_argmax's id, which is the CPU's (the largest value, the lowest id among
+    /// its ties, NaN never winning, 0 where nothing is above -inf), on rows whose ties straddle
+    /// slices, whose maximum sits in the last, partial slice, and rows of NaN and -inf.
+    #[test]
+    fn split_argmax_gives_the_one_block_id() {
+        let vocab = 1000; // slices of 32, the last of 8
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        let mut r = 12345u32;
+        for _ in 0..6 {
+            rows.push(
+                (0..vocab)
+                    .map(|_| {
+                        r = r.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                        (r >> 8) as f32 / 65536.0 - 128.0
+                    })
+                    .collect(),
+            );
+        }
+        let mut tie = vec![0.5f32; vocab];
+        tie[900] = 3.0;
+        tie[37] = 3.0;
+        tie[999] = 3.0;
+        rows.push(tie);
+        let mut tail = vec![-1.0f32; vocab];
+        tail[995] = 2.0;
+        rows.push(tail);
+        let mut nan = vec![f32::NAN; vocab];
+        nan[640] = -5.0;
+        nan[641] = -5.0;
+        rows.push(nan);
+        rows.push(vec![f32::NAN; vocab]);
+        rows.push(vec![f32::NEG_INFINITY; vocab]);
+        let mut one = vec![f32::NEG_INFINITY; vocab];
+        one[3] = f32::MIN;
+        rows.push(one);
+        let cpu = |row: &[f32]| -> u32 {
+            let mut best: Option<(f32, u32)> = None;
+            for (i, &v) in row.iter().enumerate() {
+                if v > best.map_or(f32::NEG_INFINITY, |b| b.0) {
+                    best = Some((v, i as u32));
+                }
+            }
+            best.map_or(0, |b| b.1)
+        };
+        let n = rows.len();
+        let mut e = Emu::new(GpuDtype::Bf16);
+        let logits = e.alloc(n * vocab * 4, "logits").unwrap();
+        e.put_f32s(logits, &rows.concat());
+        let next = e.alloc(n * 4, "next").unwrap();
+        let cand = e.alloc(n * plan::ARGMAX_PARTS * 8, "cand").unwrap();
+        let done = e.alloc(n * 4, "done").unwrap();
+        let one_block = Op::Launch {
+            kernel: Kernel::Argmax,
+            grid: (n as u32, 1),
+            block: plan::ARGMAX_THREADS,
+            shared: 0,
+            args: vec![Arg::P(logits), Arg::P(next), Arg::I(vocab as i32)],
+        };
+        let split = Op::Launch {
+            kernel: Kernel::ArgmaxSplit,
+            grid: (n as u32, plan::ARGMAX_PARTS as u32),
+            block: plan::ARGMAX_SPLIT_THREADS,
+            shared: 0,
+            args: vec![
+                Arg::P(logits),
+                Arg::P(next),
+                Arg::I(vocab as i32),
+                Arg::P(cand),
+                Arg::P(done),
+            ],
+        };
+        let want: Vec<i32> = rows.iter().map(|r| cpu(r) as i32).collect();
+        assert_eq!(&want[6..], &[37, 995, 640, 0, 0, 3]);
+        for op in [one_block, split] {
+            e.put_i32s(next, &vec![-1; n]);
+            e.run(std::slice::from_ref(&op));
+            assert_eq!(e.i32s(next, n), want);
+        }
     }
 
     /// Staged small tiles: on the emulator's two multiprocessors the tiny Qwen2's small-tile
@@ -1896,7 +2027,8 @@ mod tests {
             let mut m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv)
                 .with_attention_warps(4)
                 .with_tc_epilogues(false)
-                .with_tc_small_max_tokens(0);
+                .with_tc_small_max_tokens(0)
+                .with_split_argmax(false);
             if fused > 0 {
                 m = m.with_fused_max_tokens(fused).with_tc_gemm_max_tokens(8);
             }

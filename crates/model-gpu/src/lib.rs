@@ -56,6 +56,8 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         format!("-DBGS_TC_TOKENS={}", plan::TC_TOKENS),
         format!("-DBGS_TC_SMALL_TOKENS={}", plan::TC_SMALL_TOKENS),
         format!("-DBGS_TC_SMALL_UNROLL={}", plan::TC_SMALL_UNROLL),
+        // The split argmax's block size.
+        format!("-DBGS_ARGMAX_SPLIT_THREADS={}", plan::ARGMAX_SPLIT_THREADS),
         // Row tiles a staged small-tile block takes at most (`Plan::tc_stage`).
         format!("-DBGS_TC_STAGE_MAX={}", plan::TC_STAGE_MAX),
         // The folded form's norm: values of a row per virtual thread.

@@ -1264,6 +1264,70 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
     argmax_body(BGS_LAUNCH_BLK, logits, next, vocab);
 }
 
+// The launched LM head's argmax over more multiprocessors: grid (rows, parts), block y of row s
+// takes the contiguous slice y of the row (ceil(vocab / parts) ids), scans it as bgs_argmax
+// scans a row (strided, then a fixed shared-memory tree, ties to the lowest id, NaN never
+// winning) and writes its (value, id) to cand[s][y]; the row's last block (a fence, then a
+// count in done[s]) combines the parts in order with the same rule and zeroes the count. The
+// largest value with the lowest id among its ties is that of the parts' winners, whatever the
+// slices, so the same id as bgs_argmax (which the persistent form keeps: one block a row).
+// BGS_ARGMAX_SPLIT_THREADS comes from the host (`plan::ARGMAX_SPLIT_THREADS`).
+#if !defined(BGS_ARGMAX_SPLIT_THREADS) || (BGS_ARGMAX_SPLIT_THREADS & (BGS_ARGMAX_SPLIT_THREADS - 1))
+#error "BGS_ARGMAX_SPLIT_THREADS (a power of two) must be defined (plan::ARGMAX_SPLIT_THREADS)"
+#endif
+extern "C" __global__ void __launch_bounds__(BGS_ARGMAX_SPLIT_THREADS)
+    bgs_argmax_split(const float *logits, unsigned *next, int vocab, unsigned *cand,
+                     unsigned *done) {
+    constexpr int T = BGS_ARGMAX_SPLIT_THREADS;
+    __shared__ float sv[T];
+    __shared__ unsigned si[T];
+    const int s = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
+    const int span = (vocab + parts - 1) / parts;
+    const int lo = part * span, hi = min(vocab, lo + span);
+    const float *row = logits + (size_t)s * vocab;
+    BGS_PDL_BEGIN();
+    float bv = BGS_NEG_INF;
+    unsigned bi = 0xffffffffu;
+    for (int i = lo + (int)threadIdx.x; i < hi; i += T) {
+        const float v = row[i];
+        if (v > bv) {
+            bv = v;
+            bi = (unsigned)i;
+        }
+    }
+    sv[threadIdx.x] = bv;
+    si[threadIdx.x] = bi;
+    __syncthreads();
+    for (int h = T / 2; h > 0; h >>= 1) {
+        if ((int)threadIdx.x < h) {
+            float v = sv[threadIdx.x];
+            unsigned i = si[threadIdx.x];
+            better(v, i, sv[threadIdx.x + h], si[threadIdx.x + h]);
+            sv[threadIdx.x] = v;
+            si[threadIdx.x] = i;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x != 0) return;
+    unsigned *c = cand + 2 * ((size_t)s * parts + part);
+    c[0] = __float_as_uint(sv[0]);
+    c[1] = si[0];
+    __threadfence();
+    if (atomicAdd(done + s, 1u) != (unsigned)parts - 1) return;
+    __threadfence();
+    float v = BGS_NEG_INF;
+    unsigned id = 0xffffffffu;
+    for (int y = 0; y < parts; y++) {
+        const unsigned *cy = cand + 2 * ((size_t)s * parts + y);
+        unsigned a, b;
+        asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(cy) : "memory");
+        better(v, id, __uint_as_float(a), b);
+    }
+    // No value above -inf (all -inf or NaN): id 0, as the CPU's argmax gives.
+    next[s] = id == 0xffffffffu ? 0u : id;
+    done[s] = 0u;
+}
+
 // bgs_gemm_tc (16-bit models on sm_80+, where `plan::tc_gemm_applies`): y[t][r] = w[r] · x[t]
 // in f32 on tensor cores: the batch-invariant form of every projection (`batch_invariant_gemm`)
 // and, optionally, the small buckets' GEMM (`tensor_core_gemm_max_tokens`; on the H200 about

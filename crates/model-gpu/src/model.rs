@@ -889,6 +889,7 @@ impl GpuModel {
             } else {
                 0
             },
+            split_argmax: true,
         }
     }
 
@@ -1129,6 +1130,7 @@ impl GpuModel {
         let mut plan = self.plan();
         plan.tc_epilogues = false;
         plan.tc_small_max_tokens = 0;
+        plan.split_argmax = false;
         let mut lists = Vec::new();
         for &n in tb.iter().filter(|&&n| n <= max) {
             lists.push((n, false, plan.body(n)));

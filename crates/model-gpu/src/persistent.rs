@@ -219,6 +219,15 @@ pub(crate) fn encode(
             // Two 256-thread warp groups (more than a persistent block), or a norm by the
             // grid's last block (blockIdx, gridDim: a launch's, not a virtual block's): the
             // persistent tables are built with the epilogues apart, the same bits.
+            // Its last block per row is a launch's (blockIdx, gridDim): the persistent tables
+            // take bgs_argmax (`Plan::split_argmax` off), the same ids.
+            Kernel::ArgmaxSplit => {
+                return Err(format!(
+                    "op {i} (bgs_argmax_split) combines its slices in the grid's last block, which \
+                     the persistent form does not run (build its tables with bgs_argmax: the \
+                     same ids)"
+                ));
+            }
             Kernel::GemmTcSilu | Kernel::GemmTcAddNorm | Kernel::GemmTcRopeKv => {
                 return Err(format!(
                     "op {i} ({}) is a tensor-core GEMM with a folded epilogue, which the \

@@ -13,6 +13,12 @@ use crate::model::GpuModelError;
 pub(crate) const NORM_THREADS: u32 = 256;
 /// Threads of `bgs_argmax` blocks (`BGS_ARGMAX_THREADS`).
 pub(crate) const ARGMAX_THREADS: u32 = 1024;
+/// Threads of `bgs_argmax_split` blocks (`-DBGS_ARGMAX_SPLIT_THREADS`, a power of two).
+pub const ARGMAX_SPLIT_THREADS: u32 = 512;
+/// Slices of a row `bgs_argmax_split` scans in as many blocks (the launched LM head's argmax;
+/// the persistent form keeps `bgs_argmax`'s one block a row). 151,936 logits in 32 slices of
+/// 4,748: about 9 a thread.
+pub(crate) const ARGMAX_PARTS: usize = 32;
 /// Tokens per block of the fused form's projections (`BGS_PROJ_TOKENS`).
 pub(crate) const PROJ_TOKENS: usize = 8;
 /// Warps per block of the fused form's projections (`BGS_PROJ_WARPS`; 256 threads, the
@@ -114,10 +120,12 @@ pub(crate) enum Kernel {
     GemmTcSiluSmall,
     GemmTcAddNormSmall,
     GemmTcRopeKvSmall,
+    /// (Last, so that the persistent op ids, which follow this order, stay as they were.)
+    ArgmaxSplit,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 20] = [
+    pub(crate) const ALL: [Kernel; 21] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -138,6 +146,7 @@ impl Kernel {
         Kernel::GemmTcSiluSmall,
         Kernel::GemmTcAddNormSmall,
         Kernel::GemmTcRopeKvSmall,
+        Kernel::ArgmaxSplit,
     ];
 
     /// The `extern "C"` name.
@@ -151,6 +160,7 @@ impl Kernel {
             Kernel::SiluMul => "bgs_silu_mul",
             Kernel::GatherRows => "bgs_gather_rows",
             Kernel::Argmax => "bgs_argmax",
+            Kernel::ArgmaxSplit => "bgs_argmax_split",
             Kernel::Proj => "bgs_proj",
             Kernel::ProjAdd => "bgs_proj_add",
             Kernel::ProjNormSilu => "bgs_proj_norm_silu",
@@ -372,6 +382,10 @@ pub(crate) struct Bufs {
     /// their finished blocks per token block here (`bgs_gemm_tc_add_norm`; the last one norms
     /// the rows and zeroes its count).
     pub tiles_done: u64,
+    /// u32 `[S][ARGMAX_PARTS][2]`: `bgs_argmax_split`'s slice winners (value bits, id).
+    pub argmax_cand: u64,
+    /// u32 `[S]`, zero between launches: `bgs_argmax_split`'s finished slices a row.
+    pub argmax_done: u64,
 }
 
 /// Allocate the activation buffers for `t` tokens and `s` sampled rows, and upload the RoPE
@@ -403,6 +417,8 @@ pub(crate) fn alloc_bufs(
         next: d.alloc(s * 4, "next tokens")?,
         inv_freq: d.upload(&GpuDtype::F32.encode(&inv_freq), "RoPE frequencies")?,
         tiles_done: d.alloc(t.div_ceil(TC_SMALL_TOKENS) * 4, "tile counts")?,
+        argmax_cand: d.alloc(s * ARGMAX_PARTS * 8, "argmax slice winners")?,
+        argmax_done: d.alloc(s * 4, "argmax slice counts")?,
     })
 }
 
@@ -606,6 +622,9 @@ pub(crate) struct Plan<'a> {
     /// Dynamic shared memory a staged small-tile block may take (0: never staged); see
     /// [`Plan::tc_stage`].
     pub tc_stage_bytes: usize,
+    /// The LM head's argmax over [`ARGMAX_PARTS`] blocks a row (`bgs_argmax_split`) rather
+    /// than one (`bgs_argmax`, which the persistent form runs): the same ids.
+    pub split_argmax: bool,
 }
 
 impl Plan<'_> {
@@ -1042,16 +1061,32 @@ impl Plan<'_> {
                 [c.vocab_size, c.hidden_size, s],
                 "lm_head",
             ),
-            Op::Launch {
-                kernel: Kernel::Argmax,
-                grid: (s as u32, 1),
-                block: ARGMAX_THREADS,
-                shared: 0,
-                args: vec![
-                    Arg::P(b.logits),
-                    Arg::P(b.next),
-                    Arg::I(c.vocab_size as i32),
-                ],
+            if self.split_argmax {
+                Op::Launch {
+                    kernel: Kernel::ArgmaxSplit,
+                    grid: (s as u32, ARGMAX_PARTS as u32),
+                    block: ARGMAX_SPLIT_THREADS,
+                    shared: 0,
+                    args: vec![
+                        Arg::P(b.logits),
+                        Arg::P(b.next),
+                        Arg::I(c.vocab_size as i32),
+                        Arg::P(b.argmax_cand),
+                        Arg::P(b.argmax_done),
+                    ],
+                }
+            } else {
+                Op::Launch {
+                    kernel: Kernel::Argmax,
+                    grid: (s as u32, 1),
+                    block: ARGMAX_THREADS,
+                    shared: 0,
+                    args: vec![
+                        Arg::P(b.logits),
+                        Arg::P(b.next),
+                        Arg::I(c.vocab_size as i32),
+                    ],
+                }
             },
         ]
     }
