@@ -1054,7 +1054,10 @@ impl EmuModel {
             tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
             tc_small_max_tokens: self.tc_small_max_tokens,
-            tc_stage_bytes: self.tc_stage_bytes,
+            staging: plan::TcStaging {
+                bytes: self.tc_stage_bytes,
+                ..plan::TcStaging::from(&crate::GpuModelOptions::default())
+            },
             split_argmax: self.split_argmax,
         }
     }

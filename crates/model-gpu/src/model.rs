@@ -103,6 +103,15 @@ pub struct GpuModelOptions {
     /// on the previous kernel; the same bits. Used where the device's shared memory a block
     /// holds them (sm_80 and later); on by default.
     pub tensor_core_staged_tiles: bool,
+    /// With `tensor_core_staged_tiles`: stage a projection whose warps would take at least
+    /// this many rounds of 4 chunks' register loads (0: never for that reason). 3 by default:
+    /// Qwen2.5-0.5B's down_proj (5 rounds) stages, SmolLM2-135M's (2 rounds: slower staged
+    /// on the H200) does not.
+    pub tensor_core_stage_min_rounds: usize,
+    /// With `tensor_core_staged_tiles`: stage a projection with more row tiles than
+    /// multiprocessors (Qwen2.5-0.5B's gate/up: 304 tiles a block a multiprocessor). On by
+    /// default.
+    pub tensor_core_stage_waves: bool,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -165,6 +174,8 @@ impl Default for GpuModelOptions {
             tensor_core_gemm_fold_max_tokens: 4,
             tensor_core_small_tiles_max_tokens: 2 * plan::TC_SMALL_TOKENS,
             tensor_core_staged_tiles: true,
+            tensor_core_stage_min_rounds: 3,
+            tensor_core_stage_waves: true,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -335,6 +346,8 @@ pub struct GpuModel {
     tc_stage_bytes: usize,
     /// Whether the plan stages (`set_tc_staged_tiles` changes it for direct launches).
     tc_stage_on: bool,
+    /// `tensor_core_stage_min_rounds` and `tensor_core_stage_waves`.
+    tc_stage_rule: plan::TcStaging,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -537,6 +550,7 @@ impl GpuModel {
             tc_small_max_tokens: opts.tensor_core_small_tiles_max_tokens,
             tc_small_on: true,
             tc_stage_on: true,
+            tc_stage_rule: plan::TcStaging::from(opts),
             tc_stage_bytes: if opts.tensor_core_staged_tiles && env.cc.0 >= 8 {
                 plan::tc_stage_budget(env.smem_optin)
             } else {
@@ -884,10 +898,13 @@ impl GpuModel {
             } else {
                 0
             },
-            tc_stage_bytes: if self.tc_stage_on {
-                self.tc_stage_bytes
-            } else {
-                0
+            staging: plan::TcStaging {
+                bytes: if self.tc_stage_on {
+                    self.tc_stage_bytes
+                } else {
+                    0
+                },
+                ..self.tc_stage_rule
             },
             split_argmax: true,
         }

@@ -64,17 +64,39 @@ fn tc_stage_warp_bytes(inp: usize) -> usize {
 pub(crate) fn tc_stage_budget(optin: usize) -> usize {
     optin.saturating_sub(TC_STAGE_RESERVE)
 }
-/// [`Plan::tc_stage`] on a device of `sms` multiprocessors with `budget` bytes of dynamic
-/// shared memory for a staged block.
+/// When the small tiles stage their weights ([`Plan::tc_stage`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcStaging {
+    /// Dynamic shared memory a staged block may take (0: never staged).
+    pub bytes: usize,
+    /// Stage a projection whose warps would take at least this many rounds of
+    /// [`TC_SMALL_UNROLL`] chunks' loads into registers (0: never for that reason).
+    pub min_rounds: usize,
+    /// Stage a projection with more row tiles than multiprocessors (more than one wave).
+    pub waves: bool,
+}
+
+impl From<&crate::GpuModelOptions> for TcStaging {
+    /// The options' rules; `bytes` 0 (the device decides it).
+    fn from(o: &crate::GpuModelOptions) -> TcStaging {
+        TcStaging {
+            bytes: 0,
+            min_rounds: o.tensor_core_stage_min_rounds,
+            waves: o.tensor_core_stage_waves,
+        }
+    }
+}
+
+/// [`Plan::tc_stage`] on a device of `sms` multiprocessors.
 fn tc_stage(
     kernel: Kernel,
     groups: usize,
     rows: usize,
     inp: usize,
     sms: usize,
-    budget: usize,
+    rule: &TcStaging,
 ) -> Option<(u32, u32)> {
-    if budget == 0 || !TC_STAGED_KERNELS.contains(&kernel) {
+    if rule.bytes == 0 || !TC_STAGED_KERNELS.contains(&kernel) {
         return None;
     }
     let tiles = rows.div_ceil(TC_ROWS);
@@ -82,13 +104,15 @@ fn tc_stage(
     let rounds = (inp / TC_CHUNK)
         .div_ceil(TC_WARPS)
         .div_ceil(TC_SMALL_UNROLL);
-    if rounds <= 1 && tiles <= sms {
+    let by_rounds = rule.min_rounds > 0 && rounds >= rule.min_rounds;
+    let by_waves = rule.waves && tiles > sms;
+    if !(by_rounds || by_waves) {
         return None;
     }
     let gx = tiles.min(sms);
     let mine = tiles.div_ceil(gx);
     let bytes = mine * groups * TC_WARPS * tc_stage_warp_bytes(inp);
-    (mine <= TC_STAGE_MAX && bytes <= budget).then_some((gx as u32, bytes as u32))
+    (mine <= TC_STAGE_MAX && bytes <= rule.bytes).then_some((gx as u32, bytes as u32))
 }
 /// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
 pub(crate) const TC_ROWS: usize = 16;
@@ -619,9 +643,8 @@ pub(crate) struct Plan<'a> {
     /// tensor-core kernels' small-tile entry points ([`Plan::tc_kernel`]): the same bits as
     /// the wide tiles (0: none).
     pub tc_small_max_tokens: usize,
-    /// Dynamic shared memory a staged small-tile block may take (0: never staged); see
-    /// [`Plan::tc_stage`].
-    pub tc_stage_bytes: usize,
+    /// When the small tiles stage their weights ([`Plan::tc_stage`]).
+    pub staging: TcStaging,
     /// The LM head's argmax over [`ARGMAX_PARTS`] blocks a row (`bgs_argmax_split`) rather
     /// than one (`bgs_argmax`, which the persistent form runs): the same ids.
     pub split_argmax: bool,
@@ -670,7 +693,7 @@ impl Plan<'_> {
     /// [`TC_SMALL_UNROLL`] chunks) or more than one wave of blocks (more row tiles than
     /// multiprocessors: the gate/up tiles run one block a multiprocessor), and every block's
     /// tiles (at most [`TC_STAGE_MAX`], dealt out round-robin over at most one block a
-    /// multiprocessor) fit `tc_stage_bytes`. The tiles compute the same bits whichever block
+    /// multiprocessor) fit `staging.bytes`. The tiles compute the same bits whichever block
     /// takes them.
     pub(crate) fn tc_stage(
         &self,
@@ -679,14 +702,7 @@ impl Plan<'_> {
         rows: usize,
         inp: usize,
     ) -> Option<(u32, u32)> {
-        tc_stage(
-            kernel,
-            groups,
-            rows,
-            inp,
-            self.sms as usize,
-            self.tc_stage_bytes,
-        )
+        tc_stage(kernel, groups, rows, inp, self.sms as usize, &self.staging)
     }
 
     /// [`tc_tiles_launch`] with the staging [`Plan::tc_stage`] decides (`inp`: the input
@@ -1103,8 +1119,13 @@ mod tests {
     /// round, or more tiles a block than staging takes) and every wide kernel as before.
     #[test]
     fn staging_follows_rounds_waves_and_room() {
-        let budget = tc_stage_budget(232_448);
-        let stage = |k, groups, rows, inp| tc_stage(k, groups, rows, inp, 132, budget);
+        let rule = |bytes| TcStaging {
+            bytes,
+            min_rounds: 3,
+            waves: true,
+        };
+        let h200 = rule(tc_stage_budget(232_448));
+        let stage = |k, groups, rows, inp| tc_stage(k, groups, rows, inp, 132, &h200);
         assert_eq!(
             stage(Kernel::GemmTcAddNormSmall, 1, 896, 4864),
             Some((56, 8 * 19 * 1024))
@@ -1123,29 +1144,40 @@ mod tests {
         for k in [Kernel::GemmTc, Kernel::GemmTcSilu, Kernel::GemmTcAddNorm] {
             assert_eq!(stage(k, 1, 896, 4864), None);
         }
+        // SmolLM2-135M's down_proj: 6 chunks a warp, 2 rounds: staged only from 2.
+        assert_eq!(stage(Kernel::GemmTcAddNormSmall, 1, 576, 1536), None);
+        let two = TcStaging {
+            min_rounds: 2,
+            ..h200
+        };
+        assert_eq!(
+            tc_stage(Kernel::GemmTcAddNormSmall, 1, 576, 1536, 132, &two),
+            Some((36, 8 * 6 * 1024))
+        );
+        // Each rule alone.
+        let waves_only = TcStaging {
+            min_rounds: 0,
+            ..h200
+        };
+        let rounds_only = TcStaging {
+            waves: false,
+            ..h200
+        };
+        let down = |r: &TcStaging| tc_stage(Kernel::GemmTcAddNormSmall, 1, 896, 4864, 132, r);
+        let gate_up = |r: &TcStaging| tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 132, r);
+        assert!(down(&waves_only).is_none() && gate_up(&waves_only).is_some());
+        assert!(down(&rounds_only).is_some() && gate_up(&rounds_only).is_none());
         // No room: a consumer device's ~99 KB takes down_proj's 152 KB in no block.
-        assert_eq!(
-            tc_stage(
-                Kernel::GemmTcAddNormSmall,
-                1,
-                896,
-                4864,
-                132,
-                tc_stage_budget(101_376)
-            ),
-            None
-        );
-        assert_eq!(
-            tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 132, 0),
-            None
-        );
+        assert_eq!(down(&rule(tc_stage_budget(101_376))), None);
+        assert_eq!(gate_up(&rule(0)), None);
         // Fewer multiprocessors: more tiles a block, up to TC_STAGE_MAX.
+        let any = rule(usize::MAX);
         assert_eq!(
-            tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 76, usize::MAX),
+            tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 76, &any),
             Some((76, 4 * 2 * 8 * 4 * 1024))
         );
         assert_eq!(
-            tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 75, usize::MAX),
+            tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 75, &any),
             None
         );
     }

@@ -99,6 +99,13 @@ struct DeviceArgs {
     /// (`tensor_core_staged_tiles`, on by default; the same bits, which the check compares).
     #[arg(long)]
     no_tc_stage: bool,
+    /// Stage a projection whose warps would take at least this many rounds of register loads
+    /// (0: never for that reason).
+    #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_stage_min_rounds)]
+    tc_stage_min_rounds: usize,
+    /// Do not stage a projection for having more row tiles than multiprocessors.
+    #[arg(long)]
+    no_tc_stage_waves: bool,
     /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
     no_pdl: bool,
@@ -220,6 +227,8 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         tensor_core_gemm_fold_max_tokens: dev.tc_fold_max_tokens,
         tensor_core_small_tiles_max_tokens: dev.tc_small_max_tokens,
         tensor_core_staged_tiles: !dev.no_tc_stage,
+        tensor_core_stage_min_rounds: dev.tc_stage_min_rounds,
+        tensor_core_stage_waves: !dev.no_tc_stage_waves,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
@@ -686,6 +695,8 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
         "tc_staged_tiles": !a.dev.no_tc_stage,
+        "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
+        "tc_stage_waves": !a.dev.no_tc_stage_waves,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": gpu.tensor_core_attention(),
         "persistent_buckets": gpu.persistent_buckets(),
@@ -1077,6 +1088,8 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
         "tc_staged_tiles": !a.dev.no_tc_stage,
+        "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
+        "tc_stage_waves": !a.dev.no_tc_stage_waves,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": m.tensor_core_attention(),
         "persistent_buckets": m.persistent_buckets(),
