@@ -1219,21 +1219,19 @@ __device__ __forceinline__ void better(float &bv, unsigned &bi, float v, unsigne
     }
 }
 
-// next[s] = argmax(logits[s]) with ties to the lowest id; one block of BGS_ARGMAX_THREADS
-// (virtual) threads per row: strided scan in index order, then a fixed shared-memory tree.
-// bk.pt physical threads run the BGS_ARGMAX_THREADS virtual ones (vt = tid, tid + pt, ...; in
-// a launch pt = BGS_ARGMAX_THREADS, one each): every virtual thread computes what a real one
-// would, so the result does not depend on pt.
-__device__ __forceinline__ void argmax_body(const bgs_blk &bk, const float *logits,
-                                            unsigned *next, int vocab) {
-    __shared__ float sv[BGS_ARGMAX_THREADS];
-    __shared__ unsigned si[BGS_ARGMAX_THREADS];
-    const int s = bk.x;
-    const float *row = logits + (size_t)s * vocab;
-    for (int vt = threadIdx.x; vt < BGS_ARGMAX_THREADS; vt += bk.pt) {
+// The argmax of row[lo..hi) by one block of T (virtual) threads, ties to the lowest id:
+// strided scan in index order (strictly larger values only, so NaN never wins), then a fixed
+// shared-memory tree over sv/si (T entries); the winner is sv[0], si[0] (si[0] = 0xffffffff
+// where nothing is above -inf). bk.pt physical threads run the T virtual ones (vt = tid, tid +
+// pt, ...; in a launch pt = T, one each): every virtual thread computes what a real one would,
+// so the result does not depend on pt.
+template <int T>
+__device__ __forceinline__ void argmax_block(const bgs_blk &bk, const float *row, int lo, int hi,
+                                             float *sv, unsigned *si) {
+    for (int vt = threadIdx.x; vt < T; vt += bk.pt) {
         float bv = BGS_NEG_INF;
         unsigned bi = 0xffffffffu;
-        for (int i = vt; i < vocab; i += BGS_ARGMAX_THREADS) {
+        for (int i = lo + vt; i < hi; i += T) {
             const float v = row[i];
             if (v > bv) {
                 bv = v;
@@ -1244,7 +1242,7 @@ __device__ __forceinline__ void argmax_body(const bgs_blk &bk, const float *logi
         si[vt] = bi;
     }
     __syncthreads();
-    for (int h = BGS_ARGMAX_THREADS / 2; h > 0; h >>= 1) {
+    for (int h = T / 2; h > 0; h >>= 1) {
         // Level h reads entries >= h and writes entries < h: no virtual thread's write is
         // another's read within a level.
         for (int vt = threadIdx.x; vt < h; vt += bk.pt) {
@@ -1256,6 +1254,16 @@ __device__ __forceinline__ void argmax_body(const bgs_blk &bk, const float *logi
         }
         __syncthreads();
     }
+}
+
+// next[s] = argmax(logits[s]) with ties to the lowest id; one block of BGS_ARGMAX_THREADS
+// (virtual) threads per row (argmax_block).
+__device__ __forceinline__ void argmax_body(const bgs_blk &bk, const float *logits,
+                                            unsigned *next, int vocab) {
+    __shared__ float sv[BGS_ARGMAX_THREADS];
+    __shared__ unsigned si[BGS_ARGMAX_THREADS];
+    const int s = bk.x;
+    argmax_block<BGS_ARGMAX_THREADS>(bk, logits + (size_t)s * vocab, 0, vocab, sv, si);
     // No value above -inf (all -inf or NaN): id 0, as the CPU's argmax gives.
     if (threadIdx.x == 0) next[s] = si[0] == 0xffffffffu ? 0u : si[0];
 }
@@ -1266,8 +1274,7 @@ extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int v
 
 // The launched LM head's argmax over more multiprocessors: grid (rows, parts), block y of row s
 // takes the contiguous slice y of the row (ceil(vocab / parts) ids), scans it as bgs_argmax
-// scans a row (strided, then a fixed shared-memory tree, ties to the lowest id, NaN never
-// winning) and writes its (value, id) to cand[s][y]; the row's last block (a fence, then a
+// scans a row (argmax_block) and writes its (value, id) to cand[s][y]; the row's last block (a fence, then a
 // count in done[s]) combines the parts in order with the same rule and zeroes the count. The
 // largest value with the lowest id among its ties is that of the parts' winners, whatever the
 // slices, so the same id as bgs_argmax (which the persistent form keeps: one block a row).
@@ -1284,30 +1291,8 @@ extern "C" __global__ void __launch_bounds__(BGS_ARGMAX_SPLIT_THREADS)
     const int s = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
     const int span = (vocab + parts - 1) / parts;
     const int lo = part * span, hi = min(vocab, lo + span);
-    const float *row = logits + (size_t)s * vocab;
     BGS_PDL_BEGIN();
-    float bv = BGS_NEG_INF;
-    unsigned bi = 0xffffffffu;
-    for (int i = lo + (int)threadIdx.x; i < hi; i += T) {
-        const float v = row[i];
-        if (v > bv) {
-            bv = v;
-            bi = (unsigned)i;
-        }
-    }
-    sv[threadIdx.x] = bv;
-    si[threadIdx.x] = bi;
-    __syncthreads();
-    for (int h = T / 2; h > 0; h >>= 1) {
-        if ((int)threadIdx.x < h) {
-            float v = sv[threadIdx.x];
-            unsigned i = si[threadIdx.x];
-            better(v, i, sv[threadIdx.x + h], si[threadIdx.x + h]);
-            sv[threadIdx.x] = v;
-            si[threadIdx.x] = i;
-        }
-        __syncthreads();
-    }
+    argmax_block<T>(BGS_LAUNCH_BLK, logits + (size_t)s * vocab, lo, hi, sv, si);
     if (threadIdx.x != 0) return;
     unsigned *c = cand + 2 * ((size_t)s * parts + part);
     c[0] = __float_as_uint(sv[0]);
@@ -1663,6 +1648,16 @@ __device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, co
                                               wt *act, int inter, int in, int n) {
     __shared__ float gate[16][TOK + 1], up[16][TOK + 1];
     const int t0 = bk.y * TOK;
+    // act for row tile r0, once both groups' values are in gate and up.
+    auto store_act = [&](int r0) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
+            const int row = e % 16, col = e / 16;
+            const int r = r0 + row, t = t0 + col;
+            if (r < inter && t < n)
+                act[(size_t)t * inter + r] = silu_times(gate[row][col], up[row][col]);
+        }
+    };
     if constexpr (!STAGE) {
         const int r0 = bk.x * 16;
         if ((int)threadIdx.x < BGS_TC_WARPS * 32)
@@ -1671,13 +1666,7 @@ __device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, co
         else
             tc_tile<1, TOK>(w + (size_t)inter * in, x, r0, r0 + 8, t0, inter, in, n, bk.pdl,
                             [&](int row, int col, float s) { up[row][col] = s; });
-        __syncthreads();
-        for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
-            const int row = e % 16, col = e / 16;
-            const int i = r0 + row, t = t0 + col;
-            if (i < inter && t < n)
-                act[(size_t)t * inter + i] = silu_times(gate[row][col], up[row][col]);
-        }
+        store_act(r0);
         return;
     }
     const bool first = (int)threadIdx.x < BGS_TC_WARPS * 32;  // the gate group
@@ -1715,13 +1704,7 @@ __device__ __forceinline__ void tc_silu_tiles(const bgs_blk &bk, const wt *w, co
             else
                 tc_tile<1, TOK>(wg, x, r0, r0 + 8, t0, inter, in, n, pdl, epi);
         }
-        __syncthreads();
-        for (int e = threadIdx.x; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
-            const int row = e % 16, col = e / 16;
-            const int r = r0 + row, t = t0 + col;
-            if (r < inter && t < n)
-                act[(size_t)t * inter + r] = silu_times(gate[row][col], up[row][col]);
-        }
+        store_act(r0);
     }
 }
 #endif

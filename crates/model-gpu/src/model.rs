@@ -342,12 +342,11 @@ pub struct GpuModel {
     tc_small_max_tokens: usize,
     /// Whether the small tiles are used (`set_tc_small_tiles` changes it for direct launches).
     tc_small_on: bool,
-    /// Dynamic shared memory the staged small tiles may take a block (0: not staged).
-    tc_stage_bytes: usize,
+    /// When the small tiles stage (`tensor_core_stage_min_rounds`, `tensor_core_stage_waves`)
+    /// and the dynamic shared memory they may take a block (0: never staged).
+    tc_stage: plan::TcStaging,
     /// Whether the plan stages (`set_tc_staged_tiles` changes it for direct launches).
     tc_stage_on: bool,
-    /// `tensor_core_stage_min_rounds` and `tensor_core_stage_waves`.
-    tc_stage_rule: plan::TcStaging,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -549,13 +548,15 @@ impl GpuModel {
             tc_fold_max_tokens: opts.tensor_core_gemm_fold_max_tokens,
             tc_small_max_tokens: opts.tensor_core_small_tiles_max_tokens,
             tc_small_on: true,
-            tc_stage_on: true,
-            tc_stage_rule: plan::TcStaging::from(opts),
-            tc_stage_bytes: if opts.tensor_core_staged_tiles && env.cc.0 >= 8 {
-                plan::tc_stage_budget(env.smem_optin)
-            } else {
-                0
+            tc_stage: plan::TcStaging {
+                bytes: if opts.tensor_core_staged_tiles && env.cc.0 >= 8 {
+                    plan::tc_stage_budget(env.smem_optin)
+                } else {
+                    0
+                },
+                ..plan::TcStaging::from(opts)
             },
+            tc_stage_on: true,
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -626,9 +627,9 @@ impl GpuModel {
             .iter()
             .map(|k| get_function(self.module, k.name()))
             .collect::<Result<_, _>>()?;
-        if self.tc_stage_bytes > 0 {
+        if self.tc_stage.bytes > 0 {
             // The staged small tiles take more dynamic shared memory than a block gets without
-            // the opt-in (`plan::Plan::tc_stage` stays within tc_stage_bytes).
+            // the opt-in (`plan::Plan::tc_stage` stays within tc_stage.bytes).
             for k in plan::TC_STAGED_KERNELS {
                 ck(
                     // SAFETY: `func(k)` is a kernel of the loaded module; the size is within
@@ -638,7 +639,7 @@ impl GpuModel {
                         cu::cuFuncSetAttribute(
                             self.func(k)?,
                             cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            self.tc_stage_bytes as i32,
+                            self.tc_stage.bytes as i32,
                         )
                     },
                     &format!(
@@ -900,11 +901,11 @@ impl GpuModel {
             },
             staging: plan::TcStaging {
                 bytes: if self.tc_stage_on {
-                    self.tc_stage_bytes
+                    self.tc_stage.bytes
                 } else {
                     0
                 },
-                ..self.tc_stage_rule
+                ..self.tc_stage
             },
             split_argmax: true,
         }
@@ -1336,7 +1337,7 @@ impl GpuModel {
     /// option on and the device's shared memory enough).
     pub fn set_tc_staged_tiles(&mut self, on: bool) -> bool {
         self.tc_stage_on = on;
-        self.tc_stage_bytes > 0
+        self.tc_stage.bytes > 0
     }
 
     /// `tensor_core_small_tiles_max_tokens`.

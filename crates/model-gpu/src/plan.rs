@@ -1057,6 +1057,22 @@ impl Plan<'_> {
     pub(crate) fn head(&self, s: usize) -> Vec<Op> {
         let (c, b) = (self.cfg, self.b);
         let rows = self.input(self.geo.rows());
+        // The argmax: split over ARGMAX_PARTS blocks a row (the launched form) or one.
+        let mut args = vec![
+            Arg::P(b.logits),
+            Arg::P(b.next),
+            Arg::I(c.vocab_size as i32),
+        ];
+        let (kernel, parts, block) = if self.split_argmax {
+            args.extend([Arg::P(b.argmax_cand), Arg::P(b.argmax_done)]);
+            (
+                Kernel::ArgmaxSplit,
+                ARGMAX_PARTS as u32,
+                ARGMAX_SPLIT_THREADS,
+            )
+        } else {
+            (Kernel::Argmax, 1, ARGMAX_THREADS)
+        };
         vec![
             Op::Launch {
                 kernel: Kernel::GatherRows,
@@ -1077,32 +1093,12 @@ impl Plan<'_> {
                 [c.vocab_size, c.hidden_size, s],
                 "lm_head",
             ),
-            if self.split_argmax {
-                Op::Launch {
-                    kernel: Kernel::ArgmaxSplit,
-                    grid: (s as u32, ARGMAX_PARTS as u32),
-                    block: ARGMAX_SPLIT_THREADS,
-                    shared: 0,
-                    args: vec![
-                        Arg::P(b.logits),
-                        Arg::P(b.next),
-                        Arg::I(c.vocab_size as i32),
-                        Arg::P(b.argmax_cand),
-                        Arg::P(b.argmax_done),
-                    ],
-                }
-            } else {
-                Op::Launch {
-                    kernel: Kernel::Argmax,
-                    grid: (s as u32, 1),
-                    block: ARGMAX_THREADS,
-                    shared: 0,
-                    args: vec![
-                        Arg::P(b.logits),
-                        Arg::P(b.next),
-                        Arg::I(c.vocab_size as i32),
-                    ],
-                }
+            Op::Launch {
+                kernel,
+                grid: (s as u32, parts),
+                block,
+                shared: 0,
+                args,
             },
         ]
     }
