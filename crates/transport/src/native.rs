@@ -129,7 +129,8 @@ struct Conn {
     rbuf: Vec<u8>,
     /// The epoll interest registered: (EPOLLIN, EPOLLOUT, EPOLLRDHUP).
     registered: (bool, bool, bool),
-    /// The peer ended its byte stream (a read returned 0).
+    /// The peer ended its byte stream (a read returned 0). Input ends (`ConnState::on_eof`)
+    /// once the whole frames still in `rbuf` are decoded, which the limits may delay.
     eof: bool,
     /// The peer's FIN was seen (EPOLLRDHUP or a read of 0): EPOLLRDHUP is level-triggered, so
     /// it leaves the interest set, or a connection that does not read would spin the loop.
@@ -501,12 +502,12 @@ impl NativeTransport {
         let before = conn.state.queued();
         let n = match (&conn.stream).read(&mut self.scratch) {
             Ok(0) => {
-                conn.state.on_eof();
                 conn.eof = true;
                 conn.rdhup = true;
-                conn.rbuf = Vec::new();
                 self.cancel(idx);
-                return false;
+                // Whole frames read earlier but held back by the limits are still owed an
+                // answer: input ends only once they are in (`ingest_held`).
+                return self.ingest_held(idx, &mut None) > 0;
             }
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
@@ -544,6 +545,38 @@ impl NativeTransport {
             p.published(added, Instant::now);
         }
         added > 0
+    }
+
+    /// Decode what connection `idx` read earlier but held back (its limits were reached) as
+    /// far as its limits now allow; returns how many requests were published. Once the peer
+    /// has ended its stream and every whole frame is in, input ends here (a trailing partial
+    /// frame is dropped): a read of end-of-stream must not discard whole frames still held.
+    fn ingest_held(&mut self, idx: usize, now: &mut Option<Instant>) -> usize {
+        let Some(conn) = self.conns.get_mut(idx) else {
+            return 0;
+        };
+        let mut added = 0;
+        if !conn.rbuf.is_empty() && conn.state.wants_input() {
+            let mut sink = RingSink {
+                region: self.region.as_deref(),
+                floor: self.cfg.floor,
+                now_ns: bgs_ring::monotonic_ns(),
+            };
+            let before = conn.state.queued();
+            let used = conn.state.ingest(&conn.rbuf, &mut sink, &mut self.stats);
+            conn.rbuf.drain(..used);
+            added = conn.state.queued() - before;
+            self.outstanding += added;
+            if let Some(p) = &mut self.pacer {
+                p.published(added, || *now.get_or_insert_with(Instant::now));
+            }
+        }
+        // Still wanting input after the decode: what is left is at most a partial frame.
+        if conn.eof && conn.state.wants_input() {
+            conn.state.on_eof();
+            conn.rbuf = Vec::new();
+        }
+        added
     }
 
     /// Reap every completion in the ring and hand it to its connection.
@@ -642,30 +675,15 @@ impl NativeTransport {
         let coalesce = self.cfg.stream_coalesce;
         let mut now = None;
         for idx in dirty.drain(..) {
+            // Input held back by the limits may now fit.
+            if self.ingest_held(idx, &mut now) > 0
+                && let Some(r) = &self.region
+            {
+                r.requests().notify();
+            }
             let Some(conn) = self.conns.get_mut(idx) else {
                 continue;
             };
-            // Input held back by the in-flight limit may now fit.
-            if !conn.rbuf.is_empty() && conn.state.wants_input() {
-                let mut sink = RingSink {
-                    region: self.region.as_deref(),
-                    floor: self.cfg.floor,
-                    now_ns: bgs_ring::monotonic_ns(),
-                };
-                let before = conn.state.queued();
-                let used = conn.state.ingest(&conn.rbuf, &mut sink, &mut self.stats);
-                conn.rbuf.drain(..used);
-                let added = conn.state.queued() - before;
-                self.outstanding += added;
-                if let Some(p) = &mut self.pacer {
-                    p.published(added, || *now.get_or_insert_with(Instant::now));
-                }
-                if added > 0
-                    && let Some(r) = &self.region
-                {
-                    r.requests().notify();
-                }
-            }
             // Token frames wait (unregistered for EPOLLOUT) until their hold ends, unless
             // something behind them must go now.
             let hold = match conn.hold_since {

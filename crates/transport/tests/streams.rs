@@ -1023,3 +1023,53 @@ fn native_coalescing_hold_ends_on_time_without_a_later_frame() {
     let stats = server.stop().expect("native stats");
     assert!(stats.writes_held >= 2, "{stats}");
 }
+
+/// A client writes a batch of requests, then ends its byte stream (FIN) at about the moment it
+/// starts reading. The native transport may then learn of the FIN in the same wake-up in which
+/// a write makes room for more input, while frames it already read are still held back by the
+/// limits: those frames must still be answered (a read of end-of-stream must not drop them).
+/// Many connections make the coincidence likely; every one must get every reply.
+#[test]
+fn native_half_close_while_input_is_held_back_answers_everything() {
+    let limits = ConnLimits {
+        max_inflight: 8,
+        max_unsent: 4 * 1024,
+    };
+    let server = start(Kind::Native, limits);
+    const CONNS: u32 = 24;
+    const PER_CONN: u32 = 48;
+    let clients: Vec<_> = (0..CONNS)
+        .map(|c| {
+            let addr = server.addr;
+            std::thread::spawn(move || {
+                let mut s = connect_small_rcvbuf(addr);
+                let mut batch = Vec::new();
+                for k in 0..PER_CONN {
+                    batch.extend_from_slice(&big_echo(c * PER_CONN + k));
+                }
+                s.write_all(&batch).unwrap();
+                // Let the server fill the socket and hold the rest back.
+                std::thread::sleep(Duration::from_millis(20 + u64::from(c % 4) * 5));
+                s.shutdown(Shutdown::Write).unwrap();
+                let mut h = [0u8; 24];
+                let mut p = vec![0u8; 1024];
+                for k in 0..PER_CONN {
+                    s.read_exact(&mut h)
+                        .unwrap_or_else(|e| panic!("connection {c}: reply {k}: {e}"));
+                    let hd = ReplyHeader::decode(&h);
+                    assert_eq!(
+                        (hd.request_id, hd.status, hd.words),
+                        (c * PER_CONN + k, 0, 256)
+                    );
+                    s.read_exact(&mut p[..1024]).unwrap();
+                }
+                expect_eof(&mut s);
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    server.check_one_cancel_per_connection(CONNS as usize);
+    server.stop();
+}
