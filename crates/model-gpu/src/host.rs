@@ -284,6 +284,28 @@ pub fn pack_step(
         tokens += it.tokens.len();
         bt_used += need;
     }
+    // The KV rows a step writes belong to the writing token's own item (attention copies the
+    // rows below an item's first position in the step before the previous kernel ends), so a
+    // block an item writes this step is in no other item's table.
+    let mut written = std::collections::HashMap::new();
+    for (i, it) in items.iter().enumerate() {
+        let end = it.pos + it.tokens.len();
+        for &b in &it.blocks[it.pos / bs..end.div_ceil(bs)] {
+            written.insert(b, i);
+        }
+    }
+    for (i, it) in items.iter().enumerate() {
+        let need = (it.pos + it.tokens.len()).div_ceil(bs);
+        if let Some((b, j)) = it.blocks[..need]
+            .iter()
+            .find_map(|b| written.get(b).filter(|&&j| j != i).map(|&j| (*b, j)))
+        {
+            return Err(format!(
+                "item {i}: block {b} is also in item {j}, which writes it this step \
+                 (a block an item writes belongs to it alone)"
+            ));
+        }
+    }
     if tokens > geo.max_tokens {
         return Err(format!(
             "{tokens} tokens in one step, the model was built for at most {} (max_batched_tokens)",
@@ -606,6 +628,13 @@ mod tests {
         assert!(go(&many).contains("max_seqs"));
         let long: &'static [u32] = &[1; 33];
         assert!(go(&[one(long, 0, &[0; 9])]).contains("max_batched_tokens"));
+        // Block 1 is written by the first item (position 4) and read by the second.
+        let e = go(&[one(&[1], 4, &[0, 1]), one(&[1], 8, &[2, 1, 3])]);
+        assert!(e.contains("item 1: block 1 is also in item 0"), "{e}");
+        // A block both only read (a full block before either's position) is allowed.
+        let want = [true, true];
+        let ok = [one(&[1], 4, &[0, 1]), one(&[1], 4, &[0, 2])];
+        pack_step(&g, &ok, &want, 512, 100, &mut buf).unwrap();
         let e = pack_step(&g, &[one(&[1], 0, &[0])], &[], 512, 100, &mut buf).unwrap_err();
         assert!(e.contains("sample flags"), "{e}");
         let e = pack_step(&g, &[one(&[1], 0, &[0])], &[true], 512, 100, &mut [0; 3]).unwrap_err();

@@ -629,6 +629,13 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 #ifndef BGS_ATTN_PREFETCH_L2
 #define BGS_ATTN_PREFETCH_L2 1
 #endif
+// Steps of at most this many tokens copy each warp's first group of earlier steps' K/V rows
+// into shared memory before waiting on the previous kernel (the scan for the rows a step
+// writes reads this many positions a warp); larger ones, or 0 through BGS_LLM_KERNEL_DEFINES
+// for a comparison, copy every row after the wait. The same bits either way.
+#ifndef BGS_ATTN_FRESH_SCAN
+#define BGS_ATTN_FRESH_SCAN 256
+#endif
 #if BGS_ATTN_MMA && (BGS_DT == 0 || BGS_HEAD_DIM <= 0 || BGS_HEAD_DIM % 16 != 0 || \
                      BGS_HEAD_DIM > 64 || 32 % (BGS_HEAD_DIM / 8) != 0)
 #error "BGS_ATTN_MMA needs 16-bit values and a head size of 16, 32 or 64"
@@ -745,13 +752,58 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
     int blk = warp * 32 + lane <= last ? table[(warp * 32 + lane) / block_size] : 0;
     const long long head_off = (long long)kvh * block_size * MMA_HD;
     const long long v_off = (long long)num_kv_heads * block_size * MMA_HD;
+    // Copies rows p0 .. p0 + 31 of K and V into the warp's tiles (lane l holds row p0 + l's
+    // block id in `gb`): rows in [lo, hi) are copied, rows past `last` are zeros when
+    // `zero_tail` (weights 0 must not meet NaN), the rest are left as they are.
+    auto stage = [&](int p0, int gb, int lo, int hi, bool zero_tail) {
+#pragma unroll
+        for (int i = 0; i < MMA_LR; i++) {
+            const int r = i * MMA_RP + lane / MMA_LR, c = lane % MMA_LR;
+            const int pr = p0 + r;
+            const int br = __shfl_sync(0xffffffffu, gb, r);
+            const bool copy = pr >= lo && pr < hi && pr <= last;
+            if (!copy && !(zero_tail && pr > last)) continue;
+            const int bytes = copy ? 16 : 0;
+            const wt *src = copy ? cache + (long long)br * block_stride + head_off +
+                                       (long long)(pr % block_size) * MMA_HD + c * 8
+                                 : cache;
+            const int at = r * MMA_HD + MMA_SWZ(r, c) * 8;
+            cp_async16(smem_u32(ktile + at), src, bytes);
+            cp_async16(smem_u32(vtile + at), copy ? src + v_off : cache, bytes);
+        }
+    };
+    // The rows this step writes into the token's sequence (its own position, and in a ragged
+    // prefill those of its sequence's other tokens in the step) start at `fresh`: the lowest
+    // position of a token of the same item in the step (a padding token counts as item 0 at
+    // position 0, which only makes item 0 wait for everything). Rows below it were written by
+    // earlier steps, so the warp's first group copies them into its tiles before the wait;
+    // the rows from `fresh` on are copied after it. Which rows are copied when changes no
+    // value. In the persistent kernel (no programmatic launch) the previous op has ended at the
+    // grid barrier, so every row is old; past BGS_ATTN_FRESH_SCAN tokens the scan is skipped
+    // and every row is copied after the wait.
+    int fresh = last + 1;
+    if (bk.pdl) {
+        if (BGS_ATTN_FRESH_SCAN > 0 && bk.gy <= BGS_ATTN_FRESH_SCAN) {
+            const int item = seq[t];
+            for (int u = lane; u < bk.gy; u += 32)
+                if (seq[u] == item) fresh = min(fresh, pos[u]);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+                fresh = min(fresh, __shfl_xor_sync(0xffffffffu, fresh, off));
+        } else {
+            fresh = 0;
+        }
+    }
+    const int first = warp * 32;  // the warp's first group (none when first > last)
+    if (first <= last) stage(first, blk, 0, fresh, true);
 #if BGS_ATTN_PREFETCH_L2
-    // Every K and V row this warp will stage, fetched into L2 before the wait: rows of earlier
-    // steps are there already, and a row the previous kernel writes (this step's own
+    // Every other K and V row this warp will stage, fetched into L2 before the wait: rows of
+    // earlier steps are there already, and a row the previous kernel writes (this step's own
     // position) is written through L2, which every multiprocessor sees alike, so a prefetch
     // can make a copy arrive sooner but never older. Lane l takes row l of each group.
-    for (int p = warp * 32 + lane; p <= last; p += 32 * warps) {
-        const int br = p < warp * 32 + 32 ? blk : table[p / block_size];
+    for (int p = first + lane; p <= last; p += 32 * warps) {
+        if (p < first + 32 && p < fresh) continue;  // in the tiles already
+        const int br = p < first + 32 ? blk : table[p / block_size];
         const wt *src = cache + (long long)br * block_stride + head_off +
                         (long long)(p % block_size) * MMA_HD;
         asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
@@ -759,6 +811,8 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
     }
 #endif
     if (bk.pdl) BGS_PDL_BEGIN();
+    // The first group's rows that this step writes, now that the previous kernel has.
+    if (first <= last && fresh <= min(last, first + 31)) stage(first, blk, fresh, last + 1, false);
 
     // The group's queries as A fragments (16 x 16 per k-step; heads past the group are 0).
     unsigned qhi[MMA_KS][4], qlo[MMA_KS][4];
@@ -777,21 +831,9 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
 #pragma unroll
     for (int d = 0; d < MMA_DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
     float m0 = BGS_NEG_INF, m1 = BGS_NEG_INF, l0 = 0.0f, l1 = 0.0f;  // rows g, g + 8
-    for (int p0 = warp * 32; p0 <= last; p0 += 32 * warps) {
-        // Stage the group's K and V rows (zeros past `last`: weights 0 must not meet NaN).
-#pragma unroll
-        for (int i = 0; i < MMA_LR; i++) {
-            const int r = i * MMA_RP + lane / MMA_LR, c = lane % MMA_LR;
-            const int pr = p0 + r;
-            const int br = __shfl_sync(0xffffffffu, blk, r);
-            const int bytes = pr <= last ? 16 : 0;
-            const wt *src = bytes ? cache + (long long)br * block_stride + head_off +
-                                        (long long)(pr % block_size) * MMA_HD + c * 8
-                                  : cache;
-            const int at = r * MMA_HD + MMA_SWZ(r, c) * 8;
-            cp_async16(smem_u32(ktile + at), src, bytes);
-            cp_async16(smem_u32(vtile + at), bytes ? src + v_off : cache, bytes);
-        }
+    for (int p0 = first; p0 <= last; p0 += 32 * warps) {
+        // The first group is in the tiles (or on its way); each later one is staged here.
+        if (p0 != first) stage(p0, blk, 0, last + 1, true);
         const int pn = p0 + 32 * warps + lane;
         const int next_blk = pn <= last ? table[pn / block_size] : 0;
         cp_async_wait_all();
