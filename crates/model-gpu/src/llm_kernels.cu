@@ -631,10 +631,12 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 #endif
 // Steps of at most this many tokens copy each warp's first group of earlier steps' K/V rows
 // into shared memory before waiting on the previous kernel (the scan for the rows a step
-// writes reads this many positions a warp); larger ones, or 0 through BGS_LLM_KERNEL_DEFINES
-// for a comparison, copy every row after the wait. The same bits either way.
+// writes reads this many positions a warp); larger ones copy every row after the wait, as
+// does 0. The same bits either way. 0 by default until it has run on the H200 (built on
+// 2026-12-03 when the session's device time had run out; 256 through
+// BGS_LLM_KERNEL_DEFINES=BGS_ATTN_FRESH_SCAN=256 to try it, see docs/gpu-model.md).
 #ifndef BGS_ATTN_FRESH_SCAN
-#define BGS_ATTN_FRESH_SCAN 256
+#define BGS_ATTN_FRESH_SCAN 0
 #endif
 #if BGS_ATTN_MMA && (BGS_DT == 0 || BGS_HEAD_DIM <= 0 || BGS_HEAD_DIM % 16 != 0 || \
                      BGS_HEAD_DIM > 64 || 32 % (BGS_HEAD_DIM / 8) != 0)
