@@ -840,7 +840,10 @@ fn flood(kind: Kind) {
     let sent = writer.join().unwrap();
     match kind {
         Kind::Native | Kind::NativeCoalesce(_) => {
-            assert!(!ended_early, "every request answered");
+            assert!(
+                !ended_early,
+                "every request answered: the stream ended after {got} of {N} replies ({sent} sent)"
+            );
             assert_eq!(sent, N);
             expect_eof(&mut a);
         }
