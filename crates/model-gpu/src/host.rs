@@ -287,7 +287,7 @@ pub fn pack_step(
     // The KV rows a step writes belong to the writing token's own item (attention copies the
     // rows below an item's first position in the step before the previous kernel ends), so a
     // block an item writes this step is in no other item's table.
-    let mut written = std::collections::HashMap::new();
+    let mut written = std::collections::HashMap::with_capacity(items.len());
     for (i, it) in items.iter().enumerate() {
         let end = it.pos + it.tokens.len();
         for &b in &it.blocks[it.pos / bs..end.div_ceil(bs)] {

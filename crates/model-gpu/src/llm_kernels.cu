@@ -158,6 +158,25 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
     } while (0)
 #endif
 
+// BGS_TIME_SKIP (a bit mask, 0 by default; set through BGS_LLM_KERNEL_DEFINES for
+// `bgs-llm-gpu bench` only): a kernel whose bit is set waits on the previous grid and returns
+// without computing anything, so a step's time with and without one kind of kernel shows what
+// that kind costs inside the graph, where programmatic launches overlap each kernel's start
+// with the previous one's end (what timing kernels one by one cannot show). The values are
+// wrong with any bit set. Bits: 1 attention, 2 the folded QKV (+RoPE, KV write), 4 the folded
+// o_proj (+add, norm), 8 the folded down_proj (+add, norm), 16 gate/up (+SiLU), 32 bgs_gemm_tc
+// (the LM head in the folded form; every projection in the others), 64 the argmax.
+#ifndef BGS_TIME_SKIP
+#define BGS_TIME_SKIP 0
+#endif
+#define BGS_SKIP_IF(bits, pdl)                  \
+    do {                                        \
+        if (BGS_TIME_SKIP & (bits)) {           \
+            if (pdl) BGS_PDL_BEGIN();           \
+            return;                             \
+        }                                       \
+    } while (0)
+
 // The block a kernel's body runs as. A launch of the kernel runs its body as the launched
 // block (BGS_LAUNCH_BLK); the persistent kernel (bgs_persistent, below) runs the same bodies as
 // the virtual blocks of each op of its table, so both compute the same bits. Bodies read their
@@ -632,11 +651,13 @@ extern "C" __global__ void bgs_attention(const float *qkv, const wt *cache, cons
 // Steps of at most this many tokens copy each warp's first group of earlier steps' K/V rows
 // into shared memory before waiting on the previous kernel (the scan for the rows a step
 // writes reads this many positions a warp); larger ones copy every row after the wait, as
-// does 0. The same bits either way. 0 by default until it has run on the H200 (built on
-// 2026-12-03 when the session's device time had run out; 256 through
-// BGS_LLM_KERNEL_DEFINES=BGS_ATTN_FRESH_SCAN=256 to try it, see docs/gpu-model.md).
+// does 0. The same bits either way (checked on the H200). 256 by default: on the H200,
+// 2026-12-04, the Qwen2.5-0.5B shape's invariant decode step went from 0.9288 to 0.9092 ms at
+// batch 1 and 1.254 to 1.228 at 16, SmolLM2-135M's from 0.735 to 0.721 at 1
+// (bench/results/20261204-gpu-attention-prestage); 0 through BGS_LLM_KERNEL_DEFINES turns it
+// off.
 #ifndef BGS_ATTN_FRESH_SCAN
-#define BGS_ATTN_FRESH_SCAN 0
+#define BGS_ATTN_FRESH_SCAN 256
 #endif
 #if BGS_ATTN_MMA && (BGS_DT == 0 || BGS_HEAD_DIM <= 0 || BGS_HEAD_DIM % 16 != 0 || \
                      BGS_HEAD_DIM > 64 || 32 % (BGS_HEAD_DIM / 8) != 0)
@@ -737,6 +758,7 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
                                                    float scale) {
 #if BGS_ATTN_MMA
     extern __shared__ __align__(16) unsigned char attn_smem[];
+    BGS_SKIP_IF(1, bk.pdl);
     const int kvh = bk.x, t = bk.y;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = bk.nt / 32;
     const int group = num_heads / num_kv_heads;
@@ -785,7 +807,7 @@ __device__ __forceinline__ void attention_mma_body(const bgs_blk &bk, const floa
     // and every row is copied after the wait.
     int fresh = last + 1;
     if (bk.pdl) {
-        if (BGS_ATTN_FRESH_SCAN > 0 && bk.gy <= BGS_ATTN_FRESH_SCAN) {
+        if (bk.gy <= BGS_ATTN_FRESH_SCAN) {
             const int item = seq[t];
             for (int u = lane; u < bk.gy; u += 32)
                 if (seq[u] == item) fresh = min(fresh, pos[u]);
@@ -1312,6 +1334,7 @@ __device__ __forceinline__ void argmax_body(const bgs_blk &bk, const float *logi
     if (threadIdx.x == 0) next[s] = si[0] == 0xffffffffu ? 0u : si[0];
 }
 extern "C" __global__ void bgs_argmax(const float *logits, unsigned *next, int vocab) {
+    BGS_SKIP_IF(64, true);
     BGS_PDL_BEGIN();
     argmax_body(BGS_LAUNCH_BLK, logits, next, vocab);
 }
@@ -1335,6 +1358,7 @@ extern "C" __global__ void __launch_bounds__(BGS_ARGMAX_SPLIT_THREADS)
     const int s = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
     const int span = (vocab + parts - 1) / parts;
     const int lo = part * span, hi = min(vocab, lo + span);
+    BGS_SKIP_IF(64, true);
     BGS_PDL_BEGIN();
     argmax_block<T>(BGS_LAUNCH_BLK, logits + (size_t)s * vocab, lo, hi, sv, si);
     if (threadIdx.x != 0) return;
@@ -1573,6 +1597,7 @@ __device__ __forceinline__ void gemm_tc_body(const bgs_blk &bk, const wt *w, con
                                              int out, int in, int n) {
 #if BGS_HAVE_MMA
     const int t0 = bk.y * TOK;
+    if (!ADD) BGS_SKIP_IF(32, bk.pdl);
     auto epi = [&](int r0) {
         return [=](int row, int col, float s) {
             const int r = r0 + row, t = t0 + col;
@@ -1759,6 +1784,7 @@ template <int TOK, bool STAGE = false>
 __device__ __forceinline__ void gemm_tc_silu_body(const bgs_blk &bk, const wt *w, const wt *x,
                                                   wt *act, int inter, int in, int n) {
 #if BGS_HAVE_MMA
+    BGS_SKIP_IF(16, bk.pdl);
     tc_silu_tiles<TOK, STAGE>(bk, w, x + (size_t)bk.y * TOK * in, act, inter, in, n);
 #else
     __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
@@ -1778,6 +1804,7 @@ __device__ __forceinline__ void gemm_tc_add_norm_body(const wt *w, const wt *x, 
                                                       float eps, wt *xn, unsigned *done) {
 #if BGS_HAVE_MMA
     __shared__ unsigned last;
+    BGS_SKIP_IF(in == out ? 4 : 8, true);
     gemm_tc_body<true, TOK, STAGE>(BGS_LAUNCH_BLK, w, x, res, out, in, n);
     __threadfence();
     __syncthreads();
@@ -1806,6 +1833,7 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
     int block_size, long long block_stride, int in, int n) {
 #if BGS_HAVE_MMA
     __shared__ float tile[16][TOK + 1];
+    BGS_SKIP_IF(2, true);
     const int per_head = head_dim / 16, half = head_dim / 2;
     const int h = blockIdx.x / per_head, i0 = 8 * (blockIdx.x % per_head);
     const int ra = h * head_dim + i0, t0 = blockIdx.y * TOK;
