@@ -12,7 +12,7 @@
 # Runs ON the GPU machine from the repo root. Writes OUT_DIR/summary.json (date, machine,
 # command, revision) and the logs.
 # Usage: bash bench/gpu/generate.sh BIN_DIR OUT_DIR   (BIN_DIR: bgs, bgs-llm-gpu, REVISION)
-# PARTS (default "check hf bench served openai"; also "persistent") picks parts, STEP_LOOP (host|device) the step
+# PARTS (default "check hf bench served openai"; also "persistent", "attribution") picks parts, STEP_LOOP (host|device) the step
 # loop of the served parts; SECS (default 30) is the paper
 # workload's duration per slot count.
 set -uo pipefail
@@ -146,6 +146,20 @@ while IFS='|' read -r name defs flags; do
     --arch qwen2.5-0.5b --dtype bf16 --invariant-gemm --persistent-max-tokens 8 $flags \
     --batches 1,8 --context 128 --per-op --json "$work/bench-qwen2.5-0.5b-persistent-$name.json"
 done <<<"$variants"
+fi
+
+# 3c. Where the decode step's time goes inside the graph (PARTS=attribution, not in the default
+#     parts): each kind of kernel skipped in turn (BGS_TIME_SKIP=k, a kernel define: its kernels
+#     wait on the previous grid and return, so the values are wrong and the time is the step's
+#     without them), Qwen2.5-0.5B shape, invariant form, batches 1 and 16. The full step against
+#     each skipped one is that kind's cost with the overlap of programmatic launches included;
+#     127 skips every kind (the launch chain alone). Bits: llm_kernels.cu, BGS_TIME_SKIP.
+if want attribution; then
+for k in 0 1 2 4 8 16 32 64 127; do
+  step "bench-attr-skip$k" 240 env BGS_LLM_KERNEL_DEFINES="BGS_TIME_SKIP=$k" "$bin/bgs-llm-gpu" bench \
+    --arch qwen2.5-0.5b --dtype bf16 --invariant-gemm --batches 1,16 --context 128 \
+    --json "$work/bench-attr-skip$k.json"
+done
 fi
 
 # 4. Served over TCP.
