@@ -1747,6 +1747,76 @@ mod tests {
     /// launches a layer: the norms as prologues, RoPE/KV and the residual adds as epilogues);
     /// for a head size the QKV tile cannot pair, SiLU·up alone. The same logits as the
     /// launches apart, bit for bit, at a bucket of two token blocks.
+    /// The folded form's o_proj, gate/up and down_proj launches each name the weights of the
+    /// op after next for `prefetch_lines_l2` (their last two arguments): o_proj gate/up's,
+    /// gate/up down's, down_proj the next layer's QKV (nothing after the last layer), each
+    /// whole; but nothing where that op's launch stages its weights in shared memory itself.
+    /// With staging off every target is prefetched; on the emulator's two multiprocessors
+    /// gate/up stages (more row tiles than multiprocessors) and is not.
+    #[test]
+    fn folded_launches_prefetch_the_weights_of_the_op_after_next() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::Bf16);
+        let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim;
+        for stage_bytes in [0, plan::tc_stage_budget(232_448)] {
+            let m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 16, 64, 16], true)
+                .with_tc_fold_max_tokens(64)
+                .with_tc_stage_bytes(stage_bytes);
+            let ops = m.plan().body(4);
+            // Each weight matrix's launch: whether it stages (shared memory for its weights).
+            let staged = |weights: u64| {
+                ops.iter().any(|op| {
+                    matches!(op, Op::Launch { args, shared, .. }
+                        if args.first() == Some(&Arg::P(weights)) && *shared > 0)
+                })
+            };
+            let mut seen = Vec::new();
+            for op in &ops {
+                let Op::Launch { kernel, args, .. } = op else {
+                    continue;
+                };
+                if !matches!(kernel, Kernel::GemmTcAddNormSmall | Kernel::GemmTcSiluSmall) {
+                    continue;
+                }
+                let (Arg::P(weights), [.., Arg::P(pf), Arg::L(bytes)]) = (args[0], &args[..])
+                else {
+                    panic!("{kernel:?}: {args:?}");
+                };
+                seen.push((*kernel, weights, *pf, *bytes));
+            }
+            assert_eq!(seen.len(), 3 * cfg.num_layers);
+            let layers = &m.w.layers;
+            let want = |target: u64, elems: usize| {
+                if staged(target) {
+                    (0, 0)
+                } else {
+                    (target, (elems * 2) as i64)
+                }
+            };
+            for (l, lw) in layers.iter().enumerate() {
+                let gate_up = want(lw.gate_up, 2 * inter * h);
+                let down = want(lw.down, h * inter);
+                let next = layers
+                    .get(l + 1)
+                    .map_or((0, 0), |nl| want(nl.qkv, qkv_rows * h));
+                assert_eq!(
+                    &seen[3 * l..3 * l + 3],
+                    &[
+                        (Kernel::GemmTcAddNormSmall, lw.o, gate_up.0, gate_up.1),
+                        (Kernel::GemmTcSiluSmall, lw.gate_up, down.0, down.1),
+                        (Kernel::GemmTcAddNormSmall, lw.down, next.0, next.1),
+                    ],
+                    "layer {l}, staging budget {stage_bytes}"
+                );
+                if stage_bytes == 0 {
+                    assert!(gate_up.0 != 0 && down.0 != 0, "layer {l}: all prefetched");
+                } else {
+                    assert_eq!(gate_up, (0, 0), "layer {l}: gate/up stages on 2 SMs");
+                }
+            }
+        }
+    }
+
     #[test]
     fn tc_epilogues_fold_the_layer_with_the_same_logits() {
         let qwen = synth_config(SynthArch::TinyQwen2);

@@ -1853,6 +1853,30 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
 #endif
 }
 
+// The weights of the op after next, fetched into L2 by the folded form's o_proj, gate/up and
+// down_proj launches: `pf`, `pf_bytes` from the host (gate/up's weights for o_proj, down's for
+// gate/up, the next layer's QKV for down_proj; none where that op stages its own weights
+// before its wait, `plan::Plan::body`). BGS_TC_PREFETCH_NEXT (a mask, 7 by default; through
+// BGS_LLM_KERNEL_DEFINES for a comparison) turns each off: 1 o_proj's (a square matrix), 2
+// gate/up's, 4 down_proj's. Each thread of the grid issues one
+// `prefetch.global.L2` a 128-byte line (lines i, i + threads, ...) before waiting on the
+// previous kernel, so the lines stream from memory while the latency-bound kernels before
+// that op run and it finds them in L2 (weights never change while a step runs). A hint: it
+// changes no value and holds nothing up.
+#ifndef BGS_TC_PREFETCH_NEXT
+#define BGS_TC_PREFETCH_NEXT 7
+#endif
+__device__ __forceinline__ void prefetch_lines_l2(int bit, const void *pf, long long pf_bytes) {
+#if BGS_TC_PREFETCH_NEXT
+    if (!(BGS_TC_PREFETCH_NEXT & bit)) return;
+    const long long threads = (long long)gridDim.x * gridDim.y * blockDim.x;
+    const long long me =
+        ((long long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    for (long long off = me * 128; off < pf_bytes; off += threads * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)pf + off));
+#endif
+}
+
 // The tensor-core kernels' entry points for one tile width TOK, names suffixed SUF:
 //   bgs_gemm_tc             y = x · wᵀ
 //   bgs_gemm_tc_silu        gate/up with SiLU·up (512 threads: at most 128 registers a
@@ -1866,12 +1890,15 @@ __device__ __forceinline__ void gemm_tc_rope_kv_body(
         gemm_tc_body<false, TOK, STAGE>(BGS_LAUNCH_BLK, w, x, y, out, in, n);                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)                        \
-        bgs_gemm_tc_silu##SUF(const wt *w, const wt *x, wt *act, int inter, int in, int n) {   \
+        bgs_gemm_tc_silu##SUF(const wt *w, const wt *x, wt *act, int inter, int in, int n,     \
+                              const void *pf, long long pf_bytes) {                            \
+        prefetch_lines_l2(2, pf, pf_bytes);                                                    \
         gemm_tc_silu_body<TOK, STAGE>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);                    \
     }                                                                                          \
     extern "C" __global__ void bgs_gemm_tc_add_norm##SUF(                                      \
         const wt *w, const wt *x, float *res, int out, int in, int n, const float *nw,         \
-        float eps, wt *xn, unsigned *done) {                                                   \
+        float eps, wt *xn, unsigned *done, const void *pf, long long pf_bytes) {               \
+        prefetch_lines_l2(in == out ? 1 : 4, pf, pf_bytes);                                    \
         gemm_tc_add_norm_body<TOK, STAGE>(w, x, res, out, in, n, nw, eps, xn, done);            \
     }                                                                                          \
     extern "C" __global__ void bgs_gemm_tc_rope_kv##SUF(                                       \
