@@ -1743,131 +1743,6 @@ mod tests {
         }
     }
 
-    /// The tensor-core GEMM's epilogues: with every projection on it, the folded form (five
-    /// launches a layer: the norms as prologues, RoPE/KV and the residual adds as epilogues);
-    /// for a head size the QKV tile cannot pair, SiLU·up alone. The same logits as the
-    /// launches apart, bit for bit, at a bucket of two token blocks.
-    /// Each `extern "C"` kernel of `llm_kernels.cu` by name, with its parameters' kinds in
-    /// order ('P' a pointer, 'L' long long, 'F' float, 'I' int or unsigned). The tensor-core
-    /// entry points are written once in a macro with their names `...##SUF` and instantiated
-    /// with the suffixes "" and "_small".
-    fn kernel_signatures(src: &str) -> std::collections::HashMap<String, Vec<char>> {
-        let mut out = std::collections::HashMap::new();
-        let key = "extern \"C\" __global__ void";
-        let mut rest = src;
-        while let Some(at) = rest.find(key) {
-            rest = &rest[at + key.len()..];
-            let mut head = rest.trim_start_matches([' ', '\\', '\n']);
-            if let Some(b) = head.strip_prefix("__launch_bounds__(") {
-                head = &b[b.find(')').expect("__launch_bounds__ closes") + 1..];
-            }
-            let open = head.find('(').expect("a kernel's parameter list");
-            let name = head[..open].trim_matches([' ', '\\', '\n']).to_string();
-            let close = head[open..].find(')').expect("the parameter list closes") + open;
-            let kinds: Vec<char> = head[open + 1..close]
-                .replace('\\', " ")
-                .split(',')
-                .map(str::trim)
-                .filter(|p| !p.is_empty())
-                .map(|p| {
-                    if p.contains('*') {
-                        'P'
-                    } else if p.contains("long long") {
-                        'L'
-                    } else if p.starts_with("float") {
-                        'F'
-                    } else {
-                        assert!(
-                            p.starts_with("int") || p.starts_with("unsigned"),
-                            "{name}: {p}"
-                        );
-                        'I'
-                    }
-                })
-                .collect();
-            match name.strip_suffix("##SUF") {
-                Some(base) => {
-                    out.insert(base.to_string(), kinds.clone());
-                    out.insert(format!("{base}_small"), kinds);
-                }
-                None => {
-                    out.insert(name, kinds);
-                }
-            }
-        }
-        out
-    }
-
-    /// Every launch the plans make passes its kernel exactly the parameters the kernel's C
-    /// signature declares, in number, kind and order: a launch with an argument too few would
-    /// have the driver read past the argument array, and one of the wrong kind reinterpret
-    /// it, which nothing short of a GPU run would show. Plans: the default, the invariant
-    /// option (folded to 4 and to 64 tokens, and apart), the fused form, no staging, per-head
-    /// attention and the one-block argmax, f32 with and without the invariant option, for
-    /// decode and prefill buckets and the LM head.
-    #[test]
-    fn every_planned_launch_matches_its_kernels_signature() {
-        let sigs = kernel_signatures(include_str!("llm_kernels.cu"));
-        assert!(sigs.len() >= 20, "{:?}", sigs.keys());
-        for k in [
-            Kernel::GemmTcSilu,
-            Kernel::GemmTcAddNormSmall,
-            Kernel::AttentionMma,
-        ] {
-            assert!(sigs.contains_key(k.name()), "{}", k.name());
-        }
-        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::Bf16);
-        let geo = [16, 64, 64, 16];
-        let plans = [
-            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, geo, false),
-            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, geo, true),
-            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, geo, false).with_fused_max_tokens(64),
-            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, geo, true).with_tc_fold_max_tokens(0),
-            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, geo, true).with_tc_stage_bytes(0),
-            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, geo, false)
-                .with_tensor_core_attention(false)
-                .with_split_argmax(false),
-            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, geo, true).with_tc_fold_max_tokens(64),
-            EmuModel::new(cfg.clone(), &w, GpuDtype::F32, geo, false),
-            EmuModel::new(cfg.clone(), &w, GpuDtype::F32, geo, true),
-        ];
-        let mut checked = std::collections::HashSet::new();
-        for m in &plans {
-            let p = m.plan();
-            let ops = [1, 2, 4, 8, 16, 64]
-                .into_iter()
-                .flat_map(|n| p.body(n).into_iter().chain(p.head(n.min(16))));
-            for op in ops {
-                let Op::Launch { kernel, args, .. } = op else {
-                    continue;
-                };
-                let want = sigs
-                    .get(kernel.name())
-                    .unwrap_or_else(|| panic!("{} is not in llm_kernels.cu", kernel.name()));
-                let have: Vec<char> = args
-                    .iter()
-                    .map(|a| match a {
-                        Arg::P(_) => 'P',
-                        Arg::I(_) => 'I',
-                        Arg::F(_) => 'F',
-                        Arg::L(_) => 'L',
-                    })
-                    .collect();
-                assert_eq!(
-                    &have,
-                    want,
-                    "{}: planned arguments against its signature",
-                    kernel.name()
-                );
-                checked.insert(kernel.name());
-            }
-        }
-        assert!(
-            checked.len() >= 20,
-            "kernels launched by the plans: {checked:?}"
-        );
-    }
-
     /// The folded form's o_proj, gate/up and down_proj launches each name the weights of the
     /// op after next for `prefetch_lines_l2` (their last two arguments): o_proj gate/up's,
     /// gate/up down's, down_proj the next layer's QKV (nothing after the last layer), each
@@ -1938,6 +1813,10 @@ mod tests {
         }
     }
 
+    /// The tensor-core GEMM's epilogues: with every projection on it, the folded form (five
+    /// launches a layer: the norms as prologues, RoPE/KV and the residual adds as epilogues);
+    /// for a head size the QKV tile cannot pair, SiLU·up alone. The same logits as the
+    /// launches apart, bit for bit, at a bucket of two token blocks.
     #[test]
     fn tc_epilogues_fold_the_layer_with_the_same_logits() {
         let qwen = synth_config(SynthArch::TinyQwen2);
