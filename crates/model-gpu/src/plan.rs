@@ -828,27 +828,6 @@ impl Plan<'_> {
         let norm_blocks = PROJ_NORM_BLOCKS_PER_SM * self.sms as usize;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let cache_l = self.cache + (l * layer_elems) as u64 * es;
-            // What the folded form's o_proj, gate/up and down_proj launches fetch into L2 for
-            // the op after next (`prefetch_lines_l2`): gate/up's weights, down's, the next
-            // layer's QKV; nothing for an op whose block stages its weights before its wait
-            // anyway (`tc_stage`): there the prefetch only competed with the copies (H200,
-            // Qwen2.5-0.5B shape: 0.9208 and 0.9298 ms at batch 1 against 0.9104 without),
-            // where an unstaged down_proj gained (SmolLM2-135M: 0.7107 against 0.7188;
-            // bench/results/20261204-gpu-attention-prestage, run5). Only in the folded form,
-            // where it was measured.
-            let unstaged = |k: Kernel,
-                            groups: usize,
-                            rows: usize,
-                            inp: usize,
-                            w: u64,
-                            elems: usize| {
-                match self.tc_stage(self.tc_kernel(k, n), groups, rows, inp) {
-                    None if fold => (w, elems as i64 * es as i64),
-                    _ => (0, 0),
-                }
-            };
-            let gate_up_pf = unstaged(Kernel::GemmTcSilu, 2, inter, h, lw.gate_up, 2 * inter * h);
-            let down_pf = unstaged(Kernel::GemmTcAddNorm, 1, h, inter, lw.down, h * inter);
             // The norm after this layer: the next layer's input norm, or the final one.
             let next_norm = self
                 .w
@@ -991,6 +970,24 @@ impl Plan<'_> {
                 continue;
             }
             if fold {
+                // What the folded form's o_proj, gate/up and down_proj launches fetch into L2 for
+                // the op after next (`prefetch_lines_l2`): gate/up's weights, down's, the next
+                // layer's QKV; nothing for an op whose block stages its weights before its wait
+                // anyway (`tc_stage`): there the prefetch only competed with the copies (H200,
+                // Qwen2.5-0.5B shape: 0.9208 and 0.9298 ms at batch 1 against 0.9104 without),
+                // where an unstaged down_proj gained (SmolLM2-135M: 0.7107 against 0.7188;
+                // bench/results/20261204-gpu-attention-prestage, run5). Only in the folded form,
+                // where it was measured; the unfolded gate/up launch passes an empty range.
+                let unstaged =
+                    |k: Kernel, groups: usize, rows: usize, inp: usize, w: u64, elems: usize| {
+                        match self.tc_stage(self.tc_kernel(k, n), groups, rows, inp) {
+                            None => (w, elems as i64 * es as i64),
+                            Some(_) => (0, 0),
+                        }
+                    };
+                let gate_up_pf =
+                    unstaged(Kernel::GemmTcSilu, 2, inter, h, lw.gate_up, 2 * inter * h);
+                let down_pf = unstaged(Kernel::GemmTcAddNorm, 1, h, inter, lw.down, h * inter);
                 // o and down with the residual add, each ending in the norm that follows it
                 // (post-attention; the next layer's input norm, or the final one): the token
                 // block's last block writes xn.
@@ -1057,8 +1054,8 @@ impl Plan<'_> {
                         Arg::I(inter as i32),
                         Arg::I(h as i32),
                         Arg::I(n as i32),
-                        Arg::P(down_pf.0),
-                        Arg::L(down_pf.1),
+                        Arg::P(0),
+                        Arg::L(0),
                     ],
                 ));
             } else {
