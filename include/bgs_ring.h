@@ -218,7 +218,7 @@ BGS_STATIC_ASSERT(sizeof(struct bgs_completion_slot) == 1088, "sizeof bgs_comple
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_slot, seq) == 0, "bgs_completion_slot.seq");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_completion_slot, entry) == 8, "bgs_completion_slot.entry");
 
-/* GPU send table header (crates/ring/src/tx.rs). Geometry: host, once; counters: GPU only. */
+/* GPU send table header (crates/ring/src/tx.rs). Geometry: host, once; gpu_sends_paused: host; counters: GPU only. */
 struct bgs_tx_header {
     bgs_u32 capacity;                        /*    0: entries, a power of two */
     bgs_u32 probes;                          /*    4: BGS_TX_PROBES */
@@ -227,7 +227,8 @@ struct bgs_tx_header {
     bgs_u64 entries_offset;                  /*   16: entry array offset */
     bgs_u64 bufs_offset;                     /*   24: send buffers offset */
     bgs_u64 total_size;                      /*   32: bytes of the block */
-    bgs_u8 pad0[24];                         /*   40 */
+    bgs_u32 gpu_sends_paused;                /*   40: host: nonzero: hand every reply to the stage */
+    bgs_u8 pad0[20];                         /*   44 */
     bgs_u64 gpu_sends;                       /*   64: replies the GPU queued a SEND for */
     bgs_u64 gpu_completed;                   /*   72: SEND completions the GPU reaped */
     bgs_u64 gpu_send_errors;                 /*   80: of those, errors or short sends */
@@ -245,7 +246,8 @@ BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, capacity_log2) == 12, "bgs_
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, entries_offset) == 16, "bgs_tx_header.entries_offset");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, bufs_offset) == 24, "bgs_tx_header.bufs_offset");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, total_size) == 32, "bgs_tx_header.total_size");
-BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, pad0) == 40, "bgs_tx_header.pad0");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_sends_paused) == 40, "bgs_tx_header.gpu_sends_paused");
+BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, pad0) == 44, "bgs_tx_header.pad0");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_sends) == 64, "bgs_tx_header.gpu_sends");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_completed) == 72, "bgs_tx_header.gpu_completed");
 BGS_STATIC_ASSERT(BGS_OFFSETOF(struct bgs_tx_header, gpu_send_errors) == 80, "bgs_tx_header.gpu_send_errors");

@@ -9,6 +9,9 @@
 #   kloop-paced      kernel --reply loop + GPU, BPF's completion watch wakes the loop (default)
 #   kloop-poll       kernel --reply loop + GPU, loop polls its 60 us timer
 #   kloop-int        kernel --reply loop + GPU, notifier wakes the loop
+#   ksqe             kernel --reply executor-sqe + GPU, adaptive (default): the GPU's own SENDs
+#                    paused below --sqpoll-above (50,000/s), the stage sends, BPF's watch wakes it
+#   ksqe-sqpoll      the same with --sqpoll-above 0: the GPU sends every reply it may, SQPOLL spins
 # A strict correctness pass over every GPU condition comes first. Short runs (5 s, 2 rounds
 # rotated) so that the whole script fits one 8-minute device call.
 # Runs ON the GPU machine from the repo root, like bench/gpu/verify.sh.
@@ -50,6 +53,8 @@ declare -A conds=(
   [kloop-paced]="--transport kernel --reply loop --executor gpu --gpu-completion-wake paced"
   [kloop-poll]="--transport kernel --reply loop --executor gpu --gpu-completion-wake poll"
   [kloop-int]="--transport kernel --reply loop --executor gpu --gpu-completion-wake interrupt"
+  [ksqe]="--transport kernel --reply executor-sqe --executor gpu"
+  [ksqe-sqpoll]="--transport kernel --reply executor-sqe --executor gpu --sqpoll-above 0"
 )
 order=(${CONDS:-floor native-poll native-int kloop-poll kloop-int})
 # (1) strict correctness over TCP: every op (floor: echo only), a repeat chain, HTTP, pipelined.
@@ -101,7 +106,7 @@ for round in $(seq "$rounds"); do
         --json "$out/one-$c.json" >"$out/one-$c.txt" 2>&1
       echo "one-at-a-time $c rc=$? $(grep -E 'p50' "$out/one-$c.txt" | head -1 | tr -s ' ')" | tee -a "$out/steps.log"
     fi
-    stop; grep -E "notifier|wake-ups|epoll waits" "$out/perf-$c-r$round.server.log" | sed "s/^/  $c r$round: /" >> "$out/steps.log"
+    stop; grep -E "notifier|wake-ups|epoll waits|gpu sends|adaptive" "$out/perf-$c-r$round.server.log" | sed "s/^/  $c r$round: /" >> "$out/steps.log"
   done
 done
 echo "perf done at +$(( $(date +%s) - t0 )) s" | tee -a "$out/steps.log"

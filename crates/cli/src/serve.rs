@@ -199,8 +199,8 @@ pub struct ServeArgs {
     pub reply_timer_us: u64,
     /// Kernel transport, `--reply executor-sqe`: how often the watchdog checks whether the
     /// SQPOLL thread needs a wake-up (us), 1..=1000000. With adaptive submission
-    /// (`--sqpoll-above` > 0, CPU executor) the stage wakes it itself and the watchdog, a
-    /// safety net, runs at most every 10 ms.
+    /// (`--sqpoll-above` > 0) the stage wakes it itself and the watchdog, a safety net, runs
+    /// every 100 ms.
     #[arg(long, default_value_t = 50, value_parser = args::int(1u64, 1_000_000))]
     pub watchdog_us: u64,
     /// Kernel transport, `--reply executor-sqe`: SQPOLL idle time before it sleeps (ms),
@@ -212,12 +212,13 @@ pub struct ServeArgs {
     /// (give it a core of its own: sharing one with the executor starves both).
     #[arg(long, value_parser = args::int(0u32, 1023))]
     pub sqpoll_cpu: Option<u32>,
-    /// Kernel transport, `--reply executor-sqe` with the CPU executor: replies per second
-    /// above which the SQPOLL thread submits the stage's SENDs, 0..=10000000. Below it, while
-    /// that thread sleeps, the stage sends with system calls itself instead of waking a
-    /// thread that would spin through every gap (about a core at 1,000 req/s). 0: always
-    /// the SQPOLL ring (no socket system calls at any load; the paper's path). Ignored with
-    /// the GPU executor, whose SENDs need the SQPOLL thread.
+    /// Kernel transport, `--reply executor-sqe`: replies per second above which the SQPOLL
+    /// thread submits the stage's SENDs and, with the GPU executor, the GPU writes SENDs
+    /// itself, 0..=10000000. Below it, while that thread sleeps, the stage sends with system
+    /// calls itself (the GPU hands it every reply, and BPF's completion watch wakes it)
+    /// instead of waking a thread that would spin through every gap (about a core at 1,000
+    /// req/s). 0: always the SQPOLL ring (no socket system calls at any load; the paper's
+    /// path).
     #[arg(long, default_value_t = bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE, value_parser = args::int(0u32, 10_000_000))]
     pub sqpoll_above: u32,
     /// Completion ring slots, a power of two in 2..=262144. Default: twice the request ring
@@ -397,11 +398,6 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
                     }
                 }
                 ReplyKind::ExecutorSqe => {
-                    if a.executor == ExecutorKind::Gpu && args::given(m, "sqpoll_above") {
-                        bail!(
-                            "--sqpoll-above applies to the CPU executor; with --executor gpu the GPU writes SENDs for the SQPOLL thread, which stays the submitter"
-                        );
-                    }
                     if a.gpu_step_loop == StepLoopKind::Device {
                         bail!(
                             "--gpu-step-loop device: with --reply executor-sqe the reply stage runs inside a host executor thread, which the device step loop does not have (use --reply loop)"

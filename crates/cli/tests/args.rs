@@ -230,20 +230,6 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         &["--sqpoll-above", "--transport native"],
     );
     refused(
-        &[
-            "serve",
-            "--transport",
-            "kernel",
-            "--reply",
-            "executor-sqe",
-            "--executor",
-            "gpu",
-            "--sqpoll-above",
-            "0",
-        ],
-        &["--sqpoll-above", "--executor gpu"],
-    );
-    refused(
         &["load", "--op", "gemm8", "--words", "8", "--requests", "1"],
         &["--words", "--op gemm8"],
     );

@@ -475,24 +475,32 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
     __shared__ bgs_u64 cpos;
     __shared__ int tx_idx; /* >= 0: this reply goes out as a GPU-written SEND from entry tx_idx */
     __shared__ bgs_u32 tx_fd;
+    __shared__ bgs_u32 tx_paused; /* the host paused the GPU's sends: queue nothing on the ring */
     const bgs_u32 t = threadIdx.x;
     struct bgs_gpu_tx *tx = (struct bgs_gpu_tx *)s->tx;
     if (tx != 0) {
-        /* GPU-written SEND when the connection is registered and this reply holds its turn
-         * (crates/ring/src/tx.rs); HTTP, closing and rejection-without-frame replies, and
-         * replies that are not the turn, go to the host's reply stage instead. */
+        /* GPU-written SEND when the host has not paused them, the connection is registered
+         * and this reply holds its turn (crates/ring/src/tx.rs); HTTP, closing and
+         * rejection-without-frame replies, and replies that are not the turn, go to the host's
+         * reply stage instead. The pause word is read relaxed, before the lookup's loads, so
+         * the two PCIe reads overlap (a stale value only sends or defers one reply either way,
+         * which the turn keeps in order). */
         if (t == 0) {
             tx_idx = -1;
+            const struct bgs_tx_header *th = (const struct bgs_tx_header *)tx->table;
+            bgs_u32 paused;
+            asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(paused) : "l"(&th->gpu_sends_paused) : "memory");
             const bgs_u32 host_only = BGS_ROUTE_HTTP | BGS_ROUTE_CLOSE | BGS_ROUTE_NO_FRAME |
                                       BGS_ROUTE_EOF | BGS_ROUTE_RESET;
             if ((s->route & host_only) == 0) {
                 bgs_u32 fd = 0, turn = 0;
                 const int idx = tx_lookup(tx, s->conn, &fd, &turn);
-                if (idx >= 0 && turn == s->conn_seq) {
+                if (paused == 0 && idx >= 0 && turn == s->conn_seq) {
                     tx_idx = idx;
                     tx_fd = fd;
                 }
             }
+            tx_paused = paused;
         }
         __syncthreads();
         if (tx_idx >= 0) {
@@ -610,12 +618,14 @@ extern "C" __global__ void bgs_slot_publish(bgs_u8 *ring, struct bgs_gpu_ctl *ct
             atomicMax_system((unsigned long long *)&ring_header(ring)->completion_tail, cpos + 1);
         if (tx != 0 && cs != 0) {
             /* Handed to the host's reply stage: it cannot be woken by a GPU write, so if it
-             * sleeps on the completion ring's futex, bump the word and queue a FUTEX_WAKE. */
+             * sleeps on the completion ring's futex, bump the word and queue a FUTEX_WAKE.
+             * Not while the host pauses our sends: the SQPOLL thread that would run the wake
+             * sleeps then, and BPF's completion watch wakes the stage instead. */
             struct bgs_tx_header *th = (struct bgs_tx_header *)tx->table;
             struct bgs_ring_header *h = ring_header(ring);
             atomicAdd_system((unsigned long long *)&th->gpu_deferred, 1ull);
             __threadfence_system();
-            if (ld_acquire_sys32(&h->completion_waiters) != 0) {
+            if (tx_paused == 0 && ld_acquire_sys32(&h->completion_waiters) != 0) {
                 atomicAdd_system(&h->completion_doorbell, 1u);
                 __threadfence_system();
                 tx_submit(tx, BGS_IORING_OP_FUTEX_WAKE, BGS_FUTEX2_FLAGS, 0x7fffffffull,

@@ -335,7 +335,7 @@ pub fn ring_structs() -> Vec<StructDesc> {
         StructDesc {
             tag: "bgs_tx_header",
             comment: "GPU send table header (crates/ring/src/tx.rs). Geometry: host, once; \
-                      counters: GPU only.",
+                      gpu_sends_paused: host; counters: GPU only.",
             size: size_of::<TH>(),
             fields: vec![
                 field!(TH, capacity, U32, "entries, a power of two"),
@@ -345,7 +345,13 @@ pub fn ring_structs() -> Vec<StructDesc> {
                 field!(TH, entries_offset, U64, "entry array offset"),
                 field!(TH, bufs_offset, U64, "send buffers offset"),
                 field!(TH, total_size, U64, "bytes of the block"),
-                field!(TH, pad0, U8; 24, ""),
+                field!(
+                    TH,
+                    gpu_sends_paused,
+                    U32,
+                    "host: nonzero: hand every reply to the stage"
+                ),
+                field!(TH, pad0, U8; 20, ""),
                 field!(TH, gpu_sends, U64, "replies the GPU queued a SEND for"),
                 field!(TH, gpu_completed, U64, "SEND completions the GPU reaped"),
                 field!(TH, gpu_send_errors, U64, "of those, errors or short sends"),

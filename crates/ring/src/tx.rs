@@ -21,6 +21,16 @@
 //! host keeps it. An agent that ends the connection keeps the token, so nobody sends on the
 //! descriptor again and the host can close it.
 //!
+//! # Pausing the GPU's sends
+//! The GPU's SENDs need the ring's SQPOLL kernel thread, which spins while it is awake and
+//! sleeps only after its idle time without submissions: at a few thousand replies a second it
+//! never sleeps and costs a core. So the host may pause them ([`TxTable::set_gpu_sends_paused`],
+//! the header's `gpu_sends_paused`): the GPU then hands every reply to the host's reply stage
+//! (as if it were not the turn) and queues nothing on its ring, not even the FUTEX_WAKE for
+//! a sleeping stage (whoever pauses must wake the stage another way: BPF's completion watch).
+//! A reply whose publish read the word before it changed may still be sent or woken for; the
+//! turn keeps either order correct, and the host wakes the SQPOLL thread for SQEs left waiting.
+//!
 //! # Entry lifecycle (host only)
 //! Fill: `fd`, `next_seq`, zeroed counters, then `cookie` with release. Empty:
 //! `cookie = TX_TOMBSTONE` (release) before the descriptor is closed (the turn guarantees the
@@ -70,8 +80,12 @@ pub struct TxHeader {
     pub bufs_offset: u64,
     /// Bytes of the whole block.
     pub total_size: u64,
+    /// Host: nonzero while the GPU must send nothing itself (module docs, "Pausing the
+    /// GPU's sends"): it hands every reply to the reply stage and queues nothing on its ring,
+    /// so the SQPOLL thread gets no work and sleeps. 0 (the zeroed default): the GPU sends.
+    pub gpu_sends_paused: u32,
     /// Padding to the counters' line.
-    pub pad0: [u8; 24],
+    pub pad0: [u8; 20],
     /// GPU: replies the GPU queued a SEND for (each answers one request).
     pub gpu_sends: u64,
     /// GPU: SEND completions the GPU reaped.
@@ -114,6 +128,7 @@ pub struct TxEntry {
 const _: () = assert!(size_of::<TxHeader>() == 128 && size_of::<TxHeader>() <= TX_HEADER_BYTES);
 const _: () = assert!(size_of::<TxEntry>() == TX_ENTRY_BYTES);
 const _: () = assert!(offset_of!(TxHeader, gpu_sends) == 64);
+const _: () = assert!(offset_of!(TxHeader, gpu_sends_paused) == 40);
 const _: () =
     assert!(TX_BUF_BYTES >= 24 + 4 * crate::SLOT_WORDS && TX_BUF_BYTES.is_multiple_of(64));
 
@@ -328,6 +343,25 @@ impl TxTable {
     pub fn pass_turn(&self, idx: u32, seq: u32) {
         self.u32_word(idx, offset_of!(TxEntry, next_seq))
             .store(seq, Ordering::Release);
+    }
+
+    /// Pause (`true`) or resume the GPU's own SENDs (module docs, "Pausing the GPU's sends").
+    pub fn set_gpu_sends_paused(&self, paused: bool) {
+        self.paused_word()
+            .store(u32::from(paused), Ordering::SeqCst);
+    }
+
+    /// Whether the GPU's own SENDs are paused.
+    pub fn gpu_sends_paused(&self) -> bool {
+        self.paused_word().load(Ordering::Acquire) != 0
+    }
+
+    fn paused_word(&self) -> &AtomicU32 {
+        // SAFETY: an aligned u32 in the live header, accessed atomically only (by the device
+        // with system-scope loads).
+        unsafe {
+            AtomicU32::from_ptr(&raw mut (*self.base.as_ptr().cast::<TxHeader>()).gpu_sends_paused)
+        }
     }
 
     /// Replies the GPU put on the wire so far (one load; the reply stage polls it).

@@ -8,7 +8,15 @@
 //! `native-poll` (the fixed 100 us poll), `native-paced` (`NativeConfig::pace_completions`),
 //! `kernel-loop` (the io_uring reply loop: BPF's doorbell at each request, then its timer) and
 //! `kernel-watch` (BPF watches the completion ring on a timer and rings the doorbell when the
-//! reply is there). The kernel transports need root.
+//! reply is there), `kernel-sqe` (`--reply executor-sqe` with a send table, as for the GPU,
+//! and adaptive submission: the GPU's sends paused at these rates, so the fake executor, which
+//! never sends itself, is what a paused GPU is; the stage is woken by the completion watch and
+//! sends with `send(2)`) and `kernel-sqpoll` (the same with `sqpoll_above` 0: the stage's SENDs
+//! go through the SQPOLL ring and it polls every 50 µs while requests execute; an approximation
+//! of GPU-written SENDs before adaptive submission, whose SQPOLL thread spins the same way).
+//! The transport's CPU is its threads': the one that runs it, and for `--reply executor-sqe`
+//! the stage (`bgs-exec-sqe`) and io_uring's threads (`iou-sqp`, `iou-wrk`). The kernel
+//! transports need root.
 //!
 //! `cargo run --release -p bgs-transport --example oneshot_poll -- [--service-us N] [--conns N]
 //! [--think-us N] [--secs S] [--transports a,b,..] [--rounds N]`; transport on CPU 0, executor
@@ -27,6 +35,37 @@ use bgs_transport::{NativeConfig, NativeTransport};
 
 mod common;
 use common::{pin, thread_run_ns};
+
+/// CPU time (schedstat, ns) and voluntary context switches (sleeps) of the transport: thread
+/// `tid` and this process's threads that serve it (the executor-sqe stage, io_uring's SQPOLL
+/// and worker threads).
+fn transport_usage(tid: i32) -> (u64, u64) {
+    let sleeps = |id: i32| {
+        std::fs::read_to_string(format!("/proc/self/task/{id}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let (mut ns, mut n) = (thread_run_ns(tid), sleeps(tid));
+    for t in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if ["bgs-exec-sqe", "iou-sqp", "iou-wrk"]
+            .iter()
+            .any(|p| comm.starts_with(p))
+            && let Some(id) = t.file_name().to_str().and_then(|n| n.parse().ok())
+        {
+            ns += thread_run_ns(id);
+            n += sleeps(id);
+        }
+    }
+    (ns, n)
+}
 
 fn arg(name: &str, default: u64) -> u64 {
     let argv: Vec<String> = std::env::args().collect();
@@ -109,6 +148,8 @@ enum Transport {
     NativePaced,
     KernelLoop,
     KernelWatch,
+    KernelSqe,
+    KernelSqpoll,
 }
 
 impl Transport {
@@ -118,7 +159,11 @@ impl Transport {
             "native-paced" => Transport::NativePaced,
             "kernel-loop" => Transport::KernelLoop,
             "kernel-watch" => Transport::KernelWatch,
-            _ => panic!("--transports: native-poll, native-paced, kernel-loop or kernel-watch"),
+            "kernel-sqe" => Transport::KernelSqe,
+            "kernel-sqpoll" => Transport::KernelSqpoll,
+            _ => panic!(
+                "--transports: native-poll, native-paced, kernel-loop, kernel-watch, kernel-sqe or kernel-sqpoll"
+            ),
         }
     }
 
@@ -128,6 +173,8 @@ impl Transport {
             Transport::NativePaced => "native, paced",
             Transport::KernelLoop => "kernel loop, doorbell + timer",
             Transport::KernelWatch => "kernel loop, BPF completion watch",
+            Transport::KernelSqe => "kernel executor-sqe, GPU sends paused (adaptive)",
+            Transport::KernelSqpoll => "kernel executor-sqe, SQPOLL ring (sqpoll_above 0)",
         }
     }
 }
@@ -169,20 +216,38 @@ fn start(which: Transport, tid: Arc<Mutex<i32>>) -> Started {
                 }),
             }
         }
-        Transport::KernelLoop | Transport::KernelWatch => {
+        Transport::KernelLoop
+        | Transport::KernelWatch
+        | Transport::KernelSqe
+        | Transport::KernelSqpoll => {
+            let sqe = matches!(which, Transport::KernelSqe | Transport::KernelSqpoll);
+            let reply = if sqe {
+                ReplyMode::ExecutorSqe {
+                    watchdog: Duration::from_micros(50),
+                    sqpoll_idle_ms: 10,
+                    sqpoll_cpu: None,
+                    sqpoll_above: if which == Transport::KernelSqe {
+                        bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE
+                    } else {
+                        0
+                    },
+                }
+            } else {
+                ReplyMode::Loop {
+                    timer: Duration::from_micros(60),
+                }
+            };
             let t = KernelTransport::bind(KernelConfig {
                 listen: "127.0.0.1:0".parse().unwrap(),
-                reply: ReplyMode::Loop {
-                    timer: Duration::from_micros(60),
-                },
+                reply,
                 framer: FramerConfig::default(),
                 max_connections: 1024,
                 executor_wakes: false,
-                completion_watch: which == Transport::KernelWatch,
+                completion_watch: which != Transport::KernelLoop,
                 stats_every: None,
                 request_slots: 4096,
                 completion_slots: 8192,
-                gpu_sends: false,
+                gpu_sends: sqe,
                 limits: bgs_transport::conn::ConnLimits::default(),
                 cancel_markers: false,
                 wake_timeout: None,
@@ -248,9 +313,9 @@ fn run(which: Transport, service: Duration, conns: usize, think: Duration, secs:
         .collect();
     std::thread::sleep(warm);
     let tid = *tid.lock().unwrap();
-    let (run0, host0, t0) = (thread_run_ns(tid), host_jiffies(), Instant::now());
+    let ((run0, sleeps0), host0, t0) = (transport_usage(tid), host_jiffies(), Instant::now());
     std::thread::sleep(Duration::from_secs_f64(secs));
-    let (run1, host1, t1) = (thread_run_ns(tid), host_jiffies(), Instant::now());
+    let ((run1, sleeps1), host1, t1) = (transport_usage(tid), host_jiffies(), Instant::now());
     let elapsed = (t1 - t0).as_secs_f64();
     for c in clients {
         c.join().unwrap();
@@ -273,13 +338,14 @@ fn run(which: Transport, service: Duration, conns: usize, think: Duration, secs:
     let ticks = 100.0; // USER_HZ
     let host_busy_us = (host1.0 - host0.0) as f64 / ticks * 1e6;
     println!(
-        "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} |",
+        "| {} | {:.0} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {:.2} |",
         which.name(),
         served / elapsed,
         q(0.5),
         q(0.99),
         (run1 - run0) as f64 / 1e3 / served,
         host_busy_us / served,
+        (sleeps1 - sleeps0) as f64 / served,
         waits,
     );
 }
@@ -303,9 +369,9 @@ fn main() {
         "executor answers {service:?} after publish, never wakes; {conns} closed-loop clients, {think:?} think time, {secs} s\n"
     );
     println!(
-        "| transport wait | req/s | p50 us | p99 us | transport us/req | host us/req | waits/req |"
+        "| transport wait | req/s | p50 us | p99 us | transport us/req | host us/req | sleeps/req | waits/req (sqe: SQPOLL wake-ups) |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for _ in 0..rounds {
         for &t in &transports {
             run(t, service, conns, think, secs);

@@ -48,7 +48,9 @@ fn config(reply: ReplyMode) -> KernelConfig {
         framer: FramerConfig::default(),
         max_connections: 256,
         executor_wakes: false,
-        completion_watch: false,
+        // As `bgs serve` sets it for the GPU (`--gpu-completion-wake paced`): it wakes the
+        // stage while the GPU's sends are paused (adaptive submission); unused otherwise.
+        completion_watch: true,
         stats_every: None,
         request_slots: 1024,
         completion_slots: 16384,
@@ -60,13 +62,14 @@ fn config(reply: ReplyMode) -> KernelConfig {
     }
 }
 
-fn sqe_mode() -> ReplyMode {
+/// `sqpoll_above`: 0, the GPU sends whenever the turn allows (the paper's path); else the
+/// reply rate from which it does, paused below it (adaptive submission).
+fn sqe_mode(sqpoll_above: u32) -> ReplyMode {
     ReplyMode::ExecutorSqe {
         watchdog: Duration::from_micros(50),
         sqpoll_idle_ms: 10,
         sqpoll_cpu: None,
-        // Ignored with GPU-written SENDs (the GPU needs the SQPOLL thread).
-        sqpoll_above: bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE,
+        sqpoll_above,
     }
 }
 
@@ -218,6 +221,7 @@ impl Device {
         let host_only = route::HTTP | route::CLOSE | route::NO_FRAME | route::EOF | route::RESET;
         if r.route & host_only == 0
             && r.id & DEFER == 0
+            && !self.table.gpu_sends_paused()
             && let Some(idx) = self.table.lookup(r.conn)
             && self.table.next_seq(idx) == r.seq
         {
@@ -334,7 +338,9 @@ impl Device {
             std::thread::yield_now();
         }
         self.deferred += 1;
-        if self.region.completions().has_sleepers() {
+        // Not while the host pauses our sends: its SQPOLL thread sleeps then, and BPF's
+        // completion watch wakes the stage.
+        if !self.table.gpu_sends_paused() && self.region.completions().has_sleepers() {
             let off = std::mem::offset_of!(RegionHeader, completion_doorbell);
             // SAFETY: the completion ring's doorbell word in the live region header.
             let bell = unsafe { AtomicU32::from_ptr(self.region.as_ptr().add(off).cast()) };
@@ -380,51 +386,58 @@ impl Device {
             .store(self.cq_head, Ordering::Release);
     }
 
+    /// Take what the request ring holds: cancel markers end their connection's streams at
+    /// once, streams start, one-shot requests wait in `pending`. Returns how many it took.
+    fn take_requests(&mut self) -> usize {
+        let mut got = 0;
+        while let Some(r) = self.region.requests().try_pop(|e| Req {
+            conn: e.conn,
+            seq: e.conn_seq,
+            id: e.request_id,
+            route: e.route,
+            op: e.op,
+            param: e.param,
+            words: e.payload[..e.words as usize].to_vec(),
+        }) {
+            got += 1;
+            if r.op == OP_CANCEL {
+                *self.cancels.entry(r.conn).or_default() += 1;
+                for i in 0..self.streams.len() {
+                    if self.streams[i].conn == r.conn && !self.streams[i].ended {
+                        self.stream_frame(i, true);
+                    }
+                }
+                continue;
+            }
+            assert_eq!(
+                r.route & route::HTTP,
+                0,
+                "this test sends binary requests only"
+            );
+            self.conns.insert(r.conn);
+            if r.op == Op::Generate as u16 {
+                let idx = self.free.pop().expect("a free stream index");
+                self.streams.push(DevStream {
+                    conn: r.conn,
+                    seq: r.seq,
+                    id: r.id,
+                    idx,
+                    tokens: r.param,
+                    next: 0,
+                    published: 0,
+                    base_acks: self.acks(idx),
+                    ended: false,
+                });
+                continue;
+            }
+            self.pending.push(r);
+        }
+        got
+    }
+
     fn run(mut self, stop: &AtomicBool) -> Self {
         while !stop.load(Ordering::Acquire) {
-            let mut got = 0;
-            while let Some(r) = self.region.requests().try_pop(|e| Req {
-                conn: e.conn,
-                seq: e.conn_seq,
-                id: e.request_id,
-                route: e.route,
-                op: e.op,
-                param: e.param,
-                words: e.payload[..e.words as usize].to_vec(),
-            }) {
-                got += 1;
-                if r.op == OP_CANCEL {
-                    *self.cancels.entry(r.conn).or_default() += 1;
-                    for i in 0..self.streams.len() {
-                        if self.streams[i].conn == r.conn && !self.streams[i].ended {
-                            self.stream_frame(i, true);
-                        }
-                    }
-                    continue;
-                }
-                assert_eq!(
-                    r.route & route::HTTP,
-                    0,
-                    "this test sends binary requests only"
-                );
-                self.conns.insert(r.conn);
-                if r.op == Op::Generate as u16 {
-                    let idx = self.free.pop().expect("a free stream index");
-                    self.streams.push(DevStream {
-                        conn: r.conn,
-                        seq: r.seq,
-                        id: r.id,
-                        idx,
-                        tokens: r.param,
-                        next: 0,
-                        published: 0,
-                        base_acks: self.acks(idx),
-                        ended: false,
-                    });
-                    continue;
-                }
-                self.pending.push(r);
-            }
+            let got = self.take_requests();
             // Finish in a shuffled order, keeping a few back while requests keep coming, so
             // replies of one connection complete out of order.
             let keep = if got > 0 { 3 } else { 0 };
@@ -439,6 +452,10 @@ impl Device {
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
+        // What the transport published before it stopped (its connections' cancel markers,
+        // which the tests count) may still be in the ring: a loaded machine can keep this
+        // thread off the CPU from the markers' publication until the stop.
+        self.take_requests();
         self.reap();
         self
     }
@@ -449,18 +466,39 @@ fn thread_ticks(name: &str) -> u64 {
     for t in std::fs::read_dir("/proc/self/task").unwrap() {
         let path = t.unwrap().path();
         if std::fs::read_to_string(path.join("comm")).unwrap().trim() == name {
-            let stat = std::fs::read_to_string(path.join("stat")).unwrap();
-            let fields: Vec<&str> = stat
-                .rsplit(')')
-                .next()
-                .unwrap()
-                .split_whitespace()
-                .collect();
-            // After the command: state is field 3, utime 14, stime 15.
-            return fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+            return thread_ticks_at(&path);
         }
     }
     panic!("no thread named {name}");
+}
+
+/// CPU time (clock ticks) of this process's threads whose name starts with `prefix`, and how
+/// many there are.
+fn threads_ticks(prefix: &str) -> (u64, usize) {
+    let (mut ticks, mut n) = (0, 0);
+    for t in std::fs::read_dir("/proc/self/task").unwrap() {
+        let path = t.unwrap().path();
+        let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
+            continue;
+        };
+        if comm.trim().starts_with(prefix) {
+            ticks += thread_ticks_at(&path);
+            n += 1;
+        }
+    }
+    (ticks, n)
+}
+
+fn thread_ticks_at(path: &std::path::Path) -> u64 {
+    let stat = std::fs::read_to_string(path.join("stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    // After the command: state is field 3, utime 14, stime 15.
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
 }
 
 fn fd_count() -> usize {
@@ -574,8 +612,9 @@ struct Server {
     device: std::thread::JoinHandle<Device>,
 }
 
-fn start() -> Server {
-    let transport = KernelTransport::bind(config(sqe_mode())).expect("kernel transport (root)");
+fn start(sqpoll_above: u32) -> Server {
+    let transport =
+        KernelTransport::bind(config(sqe_mode(sqpoll_above))).expect("kernel transport (root)");
     let desc = transport.gpu_tx().expect("a send table with gpu_sends");
     let owner = transport.gpu_tx_owner().unwrap();
     assert!(
@@ -638,7 +677,7 @@ impl Server {
 #[test]
 fn gpu_sends_and_host_sends_share_connections_in_order() {
     let _serial = serial();
-    let server = start();
+    let server = start(0);
     // Idle, the stage sleeps on its futex instead of spinning (a shared futex on the BPF
     // map's memory would fail at once and never sleep).
     std::thread::sleep(Duration::from_millis(50));
@@ -828,7 +867,7 @@ fn mixed_client(addr: SocketAddr, c: u32, rounds: u32) {
 #[test]
 fn streams_stay_host_sent_between_gpu_sends() {
     let _serial = serial();
-    let server = start();
+    let server = start(0);
     let base_fds = fd_count();
     const CONNS: u32 = 8;
     std::thread::scope(|s| {
@@ -879,4 +918,126 @@ fn gpu_sends_need_the_executor_sqe_reply_path() {
     .unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
     assert!(e.to_string().contains("executor-sqe"), "{e}");
+}
+
+/// A client that sends `n` echo requests one at a time, `gap` apart, and checks each reply.
+fn paced_client(addr: SocketAddr, c: u32, n: u32, gap: Duration) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    for k in 0..n {
+        s.write_all(&request(c << 20 | k, &[k, c])).unwrap();
+        let mut h = [0u8; 24];
+        s.read_exact(&mut h).unwrap();
+        let h = ReplyHeader::decode(&h);
+        assert_eq!((h.request_id, h.status, h.words), (c << 20 | k, 0, 2));
+        let mut p = [0u8; 8];
+        s.read_exact(&mut p).unwrap();
+        assert_eq!(p[..4], k.to_le_bytes());
+        std::thread::sleep(gap);
+    }
+    s.shutdown(Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "no bytes after the last reply");
+}
+
+/// Adaptive submission with GPU-written SENDs (issue 12, goal 3): below `--sqpoll-above` the
+/// GPU's sends are paused, every reply goes through the stage (its own `send(2)`), BPF's
+/// completion watch wakes the stage, and the SQPOLL thread, given no work, sleeps instead of
+/// spinning through the gaps (as it did for the whole run before: about a core).
+#[test]
+fn paused_gpu_sends_leave_the_sqpoll_thread_asleep_at_low_rates() {
+    let _serial = serial();
+    let server = start(bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE);
+    let base_fds = fd_count();
+    // Let the SQPOLL thread run out its idle time after the start-up SQEs (the accept).
+    std::thread::sleep(Duration::from_millis(100));
+    let (sqp_before, sqp_threads) = threads_ticks("iou-sqp");
+    assert!(sqp_threads >= 1, "an SQPOLL thread in /proc/self/task");
+    let stage_before = thread_ticks("bgs-exec-sqe");
+    let t0 = Instant::now();
+    const CONNS: u32 = 8;
+    const EACH: u32 = 300;
+    std::thread::scope(|s| {
+        for c in 0..CONNS {
+            let addr = server.addr;
+            s.spawn(move || paced_client(addr, c, EACH, Duration::from_millis(2)));
+        }
+    });
+    let elapsed = t0.elapsed();
+    let sqp = threads_ticks("iou-sqp").0 - sqp_before;
+    let stage = thread_ticks("bgs-exec-sqe") - stage_before;
+    let fds_left = fds_left_after(base_fds);
+    let (stats, dev, owner) = server.stop();
+    // /proc's ticks are USER_HZ, 100 a second on Linux.
+    let run_ticks = elapsed.as_secs_f64() * 100.0;
+    eprintln!(
+        "{stats}\ndevice: {} sends, {} deferred, {} wakes; {:.2} s: SQPOLL thread {sqp} ticks, \
+         stage {stage} ticks ({run_ticks:.0} ticks of run)",
+        dev.sends,
+        dev.deferred,
+        dev.wakes,
+        elapsed.as_secs_f64()
+    );
+    assert_eq!(fds_left, 0, "the server closes every connection");
+    let d = stats.direct.expect("adaptive submission counters");
+    // About 3,500 replies a second, far below 50,000: paused from the start, never resumed.
+    assert_eq!((d.gpu_resumed, d.gpu_paused), (0, 0));
+    assert_eq!(dev.sends, 0, "the paused device sent nothing itself");
+    assert_eq!(dev.wakes, 0, "and queued no FUTEX_WAKE on its ring");
+    assert!(owner.table().gpu_sends_paused());
+    let total = u64::from(CONNS * EACH);
+    assert_eq!(dev.deferred, total, "every reply handed to the stage");
+    assert_eq!(stats.reply.frames, total);
+    assert!(d.sends >= total, "the stage sent them with send(2)");
+    assert_eq!(stats.reply.closed, u64::from(CONNS));
+    // Asleep, not spinning: a spinning SQPOLL thread takes every tick of the run.
+    assert!(
+        (sqp as f64) < run_ticks * 0.2,
+        "the SQPOLL thread used {sqp} of {run_ticks:.0} ticks"
+    );
+    assert_eq!(owner.ring().sq_dropped(), 0);
+}
+
+/// From `--sqpoll-above` on, the GPU's sends resume (the stage wakes the SQPOLL thread), and
+/// replies of one connection still leave in order while the sender changes under load; when
+/// the load stops they pause again.
+#[test]
+fn gpu_sends_resume_from_the_rate_and_pause_below_it() {
+    let _serial = serial();
+    // 500 replies a second: 5 in a 10 ms window, which pipelining clients exceed at once.
+    let server = start(500);
+    let base_fds = fd_count();
+    const CONNS: u32 = 16;
+    std::thread::scope(|s| {
+        for c in 0..CONNS {
+            let addr = server.addr;
+            s.spawn(move || client(addr, c, 60, 8));
+        }
+    });
+    let fds_left = fds_left_after(base_fds);
+    // Two quiet windows: the rate falls to 0 and the stage pauses the GPU again.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !server.owner.table().gpu_sends_paused() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let paused_after = server.owner.table().gpu_sends_paused();
+    let (stats, dev, owner) = server.stop();
+    eprintln!(
+        "{stats}\ndevice: {} sends, {} deferred, {} wakes",
+        dev.sends, dev.deferred, dev.wakes
+    );
+    assert_eq!(fds_left, 0, "the server closes every connection");
+    let d = stats.direct.expect("adaptive submission counters");
+    assert!(d.gpu_resumed >= 1, "resumed under load");
+    assert!(dev.sends > 0, "and the device sent replies itself");
+    assert_eq!(d.gpu_paused, d.gpu_resumed, "every resume ended in a pause");
+    assert!(paused_after, "paused again once the load stopped");
+    let r = &stats.reply;
+    assert_eq!(r.gpu_sent_skipped, dev.sends);
+    assert_eq!(r.behind_turn, 0);
+    assert_eq!(r.closed, u64::from(CONNS));
+    assert_eq!(owner.ring().sq_dropped(), 0);
+    assert_eq!(owner.ring().cq_overflow(), 0);
 }

@@ -17,9 +17,26 @@ use super::submit::DirectCounts;
 /// and the spinning thread's core is paid for by the rate.
 pub const DEFAULT_SQPOLL_ABOVE: u32 = 50_000;
 
-/// The watchdog's period with adaptive submission (a safety net: the stage wakes the SQPOLL
-/// thread itself).
-pub const ADAPTIVE_WATCHDOG: Duration = Duration::from_millis(10);
+/// The watchdog's period with adaptive submission: a safety net, since the stage wakes the
+/// SQPOLL thread itself after every pass that left SQEs for it (its own, or a GPU's). What it
+/// could still catch is an SQE a GPU queued while the stage slept, and the stage sleeps at most
+/// 10 ms then (`WATCH_NET`), so a shorter period would buy nothing and cost wake-ups: at 10 ms
+/// it was 0.1 sleeps per request at 1,000 req/s (`examples/oneshot_poll.rs`).
+pub const ADAPTIVE_WATCHDOG: Duration = Duration::from_millis(100);
+
+/// The completion watch's first look after a publish until it has learned the executor's
+/// service time: about the H200's gemm8 round trip (docs/cost.md).
+pub(super) const WATCH_FIRST: Duration = Duration::from_micros(20);
+
+/// A reply thread's safety timeout while BPF's completion watch looks for it (a look that
+/// fails to ring is a defect: [`KernelStats::wake_timeouts`] counts the waits it ended).
+pub(super) const WATCH_NET: Duration = Duration::from_millis(10);
+
+/// A reply thread's wait, woken by BPF (the reply loop; the executor-sqe stage while the
+/// GPU's sends are paused), with nothing executing and nothing to send: long, since whatever
+/// comes next wakes it (a request's doorbell or look, the executor's eventfd, an accept); it
+/// still catches the markers BPF publishes (BPF cannot write the eventfd).
+pub(super) const IDLE_WAIT: Duration = Duration::from_millis(5);
 
 /// Where the reply stage runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,10 +56,11 @@ pub enum ReplyMode {
         sqpoll_idle_ms: u32,
         /// CPU to pin the SQPOLL thread to.
         sqpoll_cpu: Option<u32>,
-        /// CPU executor: replies per second above which the SQPOLL thread submits. Below it,
-        /// while that thread sleeps, the stage sends with system calls itself instead of
-        /// waking it (a spinning SQPOLL thread costs a core; `submit` module docs). 0: always
-        /// the SQPOLL ring. With GPU-written SENDs the ring is always used.
+        /// Replies per second above which the SQPOLL thread submits. Below it, while that
+        /// thread sleeps, the stage sends with system calls itself instead of waking it (a
+        /// spinning SQPOLL thread costs a core; `submit` module docs), and a GPU that writes
+        /// SENDs hands it every reply (its sends paused). 0: always the SQPOLL ring, and the
+        /// GPU sends whenever the turn allows.
         sqpoll_above: u32,
     },
 }
@@ -66,7 +84,8 @@ pub struct KernelConfig {
     /// sleeping loop (a timer that looks when the reply is expected) and rings the doorbell
     /// when a reply is there, instead of ringing when each request arrives; the loop then
     /// wakes once per reply instead of at the request and again at its timer (docs/kernel.md,
-    /// "The completion watch"). Ignored otherwise.
+    /// "The completion watch"). The same for the reply stage of `--reply executor-sqe` with
+    /// GPU-written SENDs while adaptive submission pauses them. Ignored otherwise.
     pub completion_watch: bool,
     /// Print the counters to stderr this often (None: only at shutdown).
     pub stats_every: Option<Duration>,
@@ -119,7 +138,7 @@ pub struct KernelStats {
     pub conn_states: usize,
     /// The GPU's send counters, when it writes SENDs ([`KernelConfig::gpu_sends`]).
     pub gpu: Option<GpuSendStats>,
-    /// Adaptive submission (`--reply executor-sqe`, CPU executor, `sqpoll_above` > 0).
+    /// Adaptive submission (`--reply executor-sqe`, `sqpoll_above` > 0).
     pub direct: Option<DirectCounts>,
 }
 
@@ -210,6 +229,13 @@ impl std::fmt::Display for KernelStats {
                 "adaptive submission: {} sends made by the stage itself ({} found the socket full and went to the ring), {} sends through the SQPOLL ring, {} SQPOLL wake-ups by the stage",
                 d.sends, d.fallbacks, d.ring_sends, d.wakes
             )?;
+            if self.gpu.is_some() {
+                writeln!(
+                    f,
+                    "gpu sends paused below the rate: resumed {} times, paused again {} times",
+                    d.gpu_resumed, d.gpu_paused
+                )?;
+            }
         }
         writeln!(
             f,

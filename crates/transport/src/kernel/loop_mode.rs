@@ -7,22 +7,9 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use super::KernelTransport;
-use super::config::KernelStats;
+use super::config::{IDLE_WAIT, KernelStats, WATCH_FIRST, WATCH_NET};
 use super::driver::{StageDriver, StatsTimer};
 use super::submit::SqIo;
-
-/// The completion watch's first look after a publish until it has learned the executor's
-/// service time: about the H200's gemm8 round trip (docs/cost.md).
-const WATCH_FIRST: Duration = Duration::from_micros(20);
-
-/// The reply loop's safety timeout while BPF's completion watch looks for it (a look that
-/// fails to ring is a defect: [`KernelStats::wake_timeouts`] counts the waits it ended).
-const WATCH_NET: Duration = Duration::from_millis(10);
-
-/// The reply loop's wait with nothing executing and nothing to send: long, since whatever
-/// comes next wakes it (a request's doorbell or look, the executor's eventfd, an accept); it
-/// still catches the markers BPF publishes (BPF cannot write the eventfd).
-const IDLE_WAIT: Duration = Duration::from_millis(5);
 
 impl KernelTransport {
     /// `--reply loop`: this thread runs the stage and waits in `io_uring_enter` for a CQE (a

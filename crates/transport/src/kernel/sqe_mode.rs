@@ -8,10 +8,99 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::KernelTransport;
-use super::config::{ADAPTIVE_WATCHDOG, KernelStats};
+use bgs_bpf::KernelRx;
+use bgs_uring::Uring;
+
+use super::GpuTx;
+use super::config::{ADAPTIVE_WATCHDOG, IDLE_WAIT, KernelStats, WATCH_FIRST, WATCH_NET};
 use super::driver::{StageDriver, StatsTimer, collect_stats};
 use super::reply::ReplyStage;
-use super::submit::{Direct, SqIo};
+use super::submit::{Direct, GpuPause, SqIo};
+
+/// The stage's poll while requests are on the GPU or replies wait for a turn (the GPU cannot
+/// wake it for either), and the completion watch's longest gap between looks.
+const EXECUTING_POLL: Duration = Duration::from_micros(50);
+
+/// Whether requests are still on the GPU: request-ring entries neither answered through the
+/// stage nor sent by the GPU.
+fn executing(driver: &StageDriver, g: &GpuTx) -> bool {
+    driver.region.requests().produced() > driver.answered() + g.table.gpu_sends()
+}
+
+/// How the stage sleeps while the GPU's sends are paused: in epoll on BPF's doorbell and on
+/// our ring's descriptor (readable when CQEs wait), like the reply loop in `io_uring_enter`.
+struct PausedWait {
+    epoll: rustix::fd::OwnedFd,
+}
+
+/// epoll data of the doorbell (our ring's is 0).
+const EP_DOORBELL: u64 = 1;
+
+impl PausedWait {
+    fn new(rx: &KernelRx, uring: &Uring) -> io::Result<Self> {
+        use rustix::event::epoll;
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        epoll::add(
+            &ep,
+            rx.doorbell_fd(),
+            epoll::EventData::new_u64(EP_DOORBELL),
+            epoll::EventFlags::IN,
+        )?;
+        epoll::add(
+            &ep,
+            uring,
+            epoll::EventData::new_u64(0),
+            epoll::EventFlags::IN,
+        )?;
+        Ok(PausedWait { epoll: ep })
+    }
+
+    /// One wait, as the reply loop's (`loop_mode`): announced as a request-ring sleeper, so
+    /// BPF rings its doorbell for the next request or, with the completion `watch`, looks at
+    /// the completion ring when the reply is expected and rings once it is there.
+    fn wait(&self, driver: &mut StageDriver, uring: &Uring, g: &GpuTx, watch: bool) {
+        let _request_guard = driver.region.requests().sleep_guard();
+        let answered = driver.answered() + g.table.gpu_sends();
+        if watch {
+            driver.rx.watch_answered(answered);
+        }
+        let idle = driver.region.completions().is_empty()
+            && driver.side.completions().is_empty()
+            && uring.cq().is_empty();
+        let executing = driver.region.requests().produced() > answered;
+        let watched = watch && executing && driver.rx.watch_scheduled();
+        let t = match () {
+            _ if !idle => Duration::ZERO,
+            _ if watched && !driver.stage.busy() => WATCH_NET,
+            _ if executing || driver.stage.busy() => EXECUTING_POLL,
+            _ => IDLE_WAIT,
+        };
+        // Waits whose timeout is a safety net: a look should have rung before it.
+        let net_began = (watch && (t == WATCH_NET || t == IDLE_WAIT)).then(Instant::now);
+        let ts = rustix::event::Timespec {
+            tv_sec: t.as_secs() as _,
+            tv_nsec: t.subsec_nanos() as _,
+        };
+        let mut events = Vec::with_capacity(2);
+        let rung = match rustix::event::epoll::wait(
+            &self.epoll,
+            rustix::buffer::spare_capacity(&mut events),
+            Some(&ts),
+        ) {
+            Ok(_) => events.iter().any(|e| e.data.u64() == EP_DOORBELL),
+            Err(_) => false,
+        };
+        if rung {
+            // Consume the records so the doorbell descriptor stops being readable.
+            driver.rx.drain_doorbell();
+        }
+        if net_began.is_some_and(|b| b.elapsed() >= t)
+            && (t == WATCH_NET || !driver.region.completions().is_empty())
+        {
+            driver.wake_timeouts += 1;
+        }
+    }
+}
 
 impl KernelTransport {
     /// `--reply executor-sqe`: the executor's reply thread runs the stage without system
@@ -34,6 +123,23 @@ impl KernelTransport {
         let gpu = self.gpu.clone();
         let (limits, cancel_markers) = (self.cfg.limits, self.cfg.cancel_markers);
         let metrics = self.metrics.clone();
+        // With a GPU paused below the rate (`submit` module docs), BPF's completion watch
+        // wakes the stage when the reply is there, as it wakes the reply loop.
+        let completion_watch = gpu.is_some()
+            && sqpoll_above > 0
+            && self.cfg.completion_watch
+            && !self.cfg.executor_wakes;
+        if completion_watch {
+            self.rx.start_completion_watch(WATCH_FIRST, EXECUTING_POLL);
+        }
+        // While the GPU's sends are paused the stage sleeps in epoll on BPF's doorbell (the
+        // watch rings it) and on our ring (accepts, SENDs that went to the ring). Made here,
+        // before the watchdog's epoll, so that a running transport's descriptors are all open
+        // once that one is (tests count them).
+        let paused_wait = match &gpu {
+            Some(_) if sqpoll_above > 0 => Some(PausedWait::new(&self.rx, &self.uring)?),
+            _ => None,
+        };
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
             .spawn(move || {
@@ -49,15 +155,24 @@ impl KernelTransport {
                 }
                 let mut last_sweep = Instant::now();
                 let mut stats_timer = StatsTimer::new(stats_every);
-                // Adaptive submission (`submit` module docs): CPU executors only; a GPU that
-                // writes SENDs shares the SQPOLL thread and needs it awake.
-                let mut direct =
-                    (gpu.is_none() && sqpoll_above > 0).then(|| Direct::new(sqpoll_above));
+                // Adaptive submission (`submit` module docs): the stage's own system calls
+                // while replies come slowly; with a GPU that writes SENDs, its sends paused
+                // for as long.
+                let mut direct = (sqpoll_above > 0).then(|| Direct::new(sqpoll_above));
+                let mut pause = gpu
+                    .as_ref()
+                    .filter(|_| direct.is_some())
+                    .map(|g| GpuPause::new(g.table.clone()));
                 let mut done = Vec::new();
                 while !stop2.load(Ordering::Acquire) {
                     let now = Instant::now();
                     if let Some(d) = &mut direct {
                         d.begin(&uring, now);
+                        if let (Some(p), Some(g)) = (&mut pause, &gpu)
+                            && let Err(e) = p.update(d, &g.ring)
+                        {
+                            tracing::warn!("waking the SQPOLL thread for the GPU failed: {e}");
+                        }
                     }
                     let mut io = SqIo {
                         direct: direct.as_mut(),
@@ -79,7 +194,14 @@ impl KernelTransport {
                         driver.stage.flush(&mut io);
                     }
                     if let Some(d) = io.direct {
-                        match d.end(&uring) {
+                        let woke = d.end(&uring).and_then(|host| {
+                            Ok(host
+                                | match (&pause, &gpu) {
+                                    (Some(p), Some(g)) => p.end(d, &g.ring)?,
+                                    _ => false,
+                                })
+                        });
+                        match woke {
                             Ok(true) => {
                                 wakeups2.fetch_add(1, Ordering::Relaxed);
                             }
@@ -99,30 +221,34 @@ impl KernelTransport {
                             collect_stats(&rx, &driver, w, gpu.as_deref())
                         );
                     }
-                    if !did {
-                        // Sleep on the completion ring's (private) futex: CPU executors wake
-                        // it, a GPU queues a private FUTEX_WAKE on its ring, which the
-                        // SQPOLL thread (our address space) runs. CQEs are picked up by the
-                        // watchdog's nudge or the timeout.
-                        let t = match &gpu {
-                            None if driver.stage.busy() => Duration::from_micros(100),
-                            None => Duration::from_millis(2),
-                            Some(g) => {
-                                // The GPU cannot wake us when it passes a turn, and its own
-                                // SENDs are finals we never see: poll soon while replies wait
-                                // for a turn or requests are still on the GPU.
-                                let answered = driver.answered() + g.table.gpu_sends();
-                                if driver.stage.busy()
-                                    || driver.region.requests().produced() > answered
-                                {
-                                    Duration::from_micros(50)
-                                } else {
-                                    Duration::from_millis(2)
-                                }
-                            }
-                        };
-                        driver.region.completions().wait_nonempty(t);
+                    if did {
+                        continue;
                     }
+                    if let (Some(w), Some(g)) = (&paused_wait, &gpu)
+                        && pause.as_ref().is_some_and(GpuPause::paused)
+                    {
+                        w.wait(&mut driver, &uring, g, completion_watch);
+                        continue;
+                    }
+                    // Sleep on the completion ring's (private) futex: CPU executors wake
+                    // it, a GPU queues a private FUTEX_WAKE on its ring, which the
+                    // SQPOLL thread (our address space) runs. CQEs are picked up by the
+                    // watchdog's nudge or the timeout.
+                    let t = match &gpu {
+                        None if driver.stage.busy() => Duration::from_micros(100),
+                        None => Duration::from_millis(2),
+                        Some(g) => {
+                            // The GPU cannot wake us when it passes a turn, and its own
+                            // SENDs are finals we never see: poll soon while replies wait
+                            // for a turn or requests are still on the GPU.
+                            if driver.stage.busy() || executing(&driver, g) {
+                                EXECUTING_POLL
+                            } else {
+                                Duration::from_millis(2)
+                            }
+                        }
+                    };
+                    driver.region.completions().wait_nonempty(t);
                 }
                 // The connections still open end with the transport: cancel their streams.
                 driver.stage.end_all();
@@ -144,10 +270,10 @@ impl KernelTransport {
             rustix::event::epoll::EventFlags::IN,
         )?;
         let gpu = self.gpu.clone();
-        let adaptive = gpu.is_none() && sqpoll_above > 0;
+        let adaptive = sqpoll_above > 0;
         // With adaptive submission the stage wakes the SQPOLL thread itself after queueing
-        // (`Direct::end`), so the watchdog is only a safety net and need not cost 20,000
-        // wake-ups a second.
+        // (`Direct::end`, and `GpuPause::end` for the GPU's ring), so the watchdog is only a
+        // safety net and need not cost 20,000 wake-ups a second.
         let watchdog = if adaptive {
             watchdog.max(ADAPTIVE_WATCHDOG)
         } else {
@@ -167,9 +293,14 @@ impl KernelTransport {
             // idle time passes. So only SQEs left waiting count (a safety net).
             let host_sleeps =
                 self.uring.needs_wakeup() && (!adaptive || self.uring.sq_unconsumed() > 0);
-            let (gpu_sleeps, shared) = gpu
-                .as_ref()
-                .map_or((false, true), |g| (g.ring.needs_wakeup(), g.shared_sqpoll));
+            // While the GPU's sends are paused its ring is idle and its SQPOLL thread should
+            // sleep: only SQEs left waiting count, as for ours.
+            let (gpu_sleeps, shared) = gpu.as_ref().map_or((false, true), |g| {
+                (
+                    g.ring.needs_wakeup() && (!adaptive || g.ring.sq_unconsumed() > 0),
+                    g.shared_sqpoll,
+                )
+            });
             if host_sleeps || (gpu_sleeps && shared) {
                 self.uring.wake_sqpoll()?;
                 wakeups.fetch_add(1, Ordering::Relaxed);

@@ -15,6 +15,13 @@
 //! through the ring without a system call, and the stage wakes the thread if it sleeps.
 //! When the load falls, the stage goes back to system calls and the thread to sleep.
 //!
+//! A GPU that writes SENDs itself (`--executor gpu`) keeps the SQPOLL thread busy whatever the
+//! stage does, so the same rule also pauses the GPU's sends ([`GpuPause`]): below the
+//! threshold (the GPU's SENDs counted with the stage's) the GPU hands every reply to the stage,
+//! queues nothing on its ring, and BPF's completion watch wakes the stage when a reply is
+//! there (the GPU's FUTEX_WAKE would need the sleeping SQPOLL thread); from the threshold on
+//! the GPU sends again and the stage wakes the thread.
+//!
 //! # Ordering
 //! Switching submitter per operation keeps each connection's bytes in order because the
 //! stage keeps at most one SEND in flight per connection ([`super::reply`]): the next one is
@@ -194,8 +201,14 @@ pub struct DirectCounts {
     /// SENDs queued for the SQPOLL thread instead (the rate was above the threshold, the
     /// queue was not empty, or a fallback).
     pub ring_sends: u64,
-    /// SQPOLL wake-ups by the stage (operations queued while it slept).
+    /// SQPOLL wake-ups by the stage (operations queued while it slept, or the GPU's).
     pub wakes: u64,
+    /// GPU-written SENDs: times the stage paused them again (the rate fell under the
+    /// threshold; every reply then goes through the stage and the SQPOLL thread sleeps).
+    /// They start paused, which is not counted.
+    pub gpu_paused: u64,
+    /// Times it resumed them (the rate reached the threshold).
+    pub gpu_resumed: u64,
 }
 
 impl Direct {
@@ -223,12 +236,23 @@ impl Direct {
     /// (module docs, "Ordering"). While replies go out this way the SQPOLL thread gets no
     /// work, so after its idle time it sleeps and costs nothing.
     fn allowed(&self) -> bool {
-        self.on && self.in_window < self.per_window && self.in_previous < self.per_window
+        self.on && !self.fast()
+    }
+
+    /// Whether replies come at the threshold rate or faster (this window or the one before):
+    /// the SQPOLL thread is then the cheaper submitter, and a GPU that writes SENDs may send.
+    pub(super) fn fast(&self) -> bool {
+        self.in_window >= self.per_window || self.in_previous >= self.per_window
     }
 
     /// Count one SEND (either way) in the current window.
     fn count_send(&mut self) {
         self.in_window += 1;
+    }
+
+    /// Count `n` SENDs someone else made (a GPU's) in the current window.
+    pub(super) fn count_others(&mut self, n: u64) {
+        self.in_window += n;
     }
 
     /// Before a pass: roll the rate windows and look at the submission queue.
@@ -263,6 +287,69 @@ impl Direct {
         if uring.sq_unconsumed() > 0 && uring.needs_wakeup() {
             uring.wake_sqpoll()?;
             self.counts.wakes += 1;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+}
+
+/// Adaptive submission with GPU-written SENDs (module docs): pauses the GPU's SENDs while the
+/// reply rate (the stage's and the GPU's SENDs) stays under the threshold, resumes them from
+/// it, and wakes the SQPOLL thread for SQEs the GPU left waiting while it slept.
+#[derive(Debug)]
+pub(super) struct GpuPause {
+    table: std::sync::Arc<bgs_ring::tx::TxTable>,
+    /// The GPU's SEND counter at the last look.
+    sent: u64,
+    paused: bool,
+}
+
+impl GpuPause {
+    /// Starts paused (no rate seen yet): the GPU's first replies go through the stage.
+    pub(super) fn new(table: std::sync::Arc<bgs_ring::tx::TxTable>) -> Self {
+        table.set_gpu_sends_paused(true);
+        GpuPause {
+            sent: table.gpu_sends(),
+            table,
+            paused: true,
+        }
+    }
+
+    /// Whether the GPU's sends are paused (the stage then waits for BPF's completion watch).
+    pub(super) fn paused(&self) -> bool {
+        self.paused
+    }
+
+    /// After [`Direct::begin`]: count the GPU's SENDs since the last look into the rate, and
+    /// pause or resume them. On resuming, wake the SQPOLL thread at once (the GPU's SENDs
+    /// would otherwise wait for the next look at its ring).
+    pub(super) fn update(&mut self, d: &mut Direct, gpu_ring: &Uring) -> std::io::Result<()> {
+        let sent = self.table.gpu_sends();
+        d.count_others(sent.wrapping_sub(self.sent));
+        self.sent = sent;
+        let paused = !d.fast();
+        if paused != self.paused {
+            self.paused = paused;
+            self.table.set_gpu_sends_paused(paused);
+            if paused {
+                d.counts.gpu_paused += 1;
+            } else {
+                d.counts.gpu_resumed += 1;
+                if gpu_ring.needs_wakeup() {
+                    gpu_ring.wake_sqpoll()?;
+                    d.counts.wakes += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a pass: wake the SQPOLL thread if the GPU left SQEs waiting while it slept (a
+    /// publish that read the word before a pause, or the moment after a resume).
+    pub(super) fn end(&self, d: &mut Direct, gpu_ring: &Uring) -> std::io::Result<bool> {
+        if gpu_ring.sq_unconsumed() > 0 && gpu_ring.needs_wakeup() {
+            gpu_ring.wake_sqpoll()?;
+            d.counts.wakes += 1;
             return Ok(true);
         }
         Ok(false)
