@@ -7,15 +7,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::KernelTransport;
 use bgs_bpf::KernelRx;
 use bgs_uring::Uring;
 
-use super::GpuTx;
 use super::config::{ADAPTIVE_WATCHDOG, IDLE_WAIT, KernelStats, WATCH_FIRST, WATCH_NET};
 use super::driver::{StageDriver, StatsTimer, collect_stats};
 use super::reply::ReplyStage;
 use super::submit::{Direct, GpuPause, SqIo};
+use super::{GpuTx, KernelTransport};
 
 /// The stage's poll while requests are on the GPU or replies wait for a turn (the GPU cannot
 /// wake it for either), and the completion watch's longest gap between looks.
@@ -57,8 +56,17 @@ impl PausedWait {
 
     /// One wait, as the reply loop's (`loop_mode`): announced as a request-ring sleeper, so
     /// BPF rings its doorbell for the next request or, with the completion `watch`, looks at
-    /// the completion ring when the reply is expected and rings once it is there.
-    fn wait(&self, driver: &mut StageDriver, uring: &Uring, g: &GpuTx, watch: bool) {
+    /// the completion ring when the reply is expected and rings once it is there. `events`:
+    /// the caller's buffer, kept across waits (an epoll event is not `Send`, so it cannot
+    /// travel with this struct into the stage's thread).
+    fn wait(
+        &self,
+        events: &mut Vec<rustix::event::epoll::Event>,
+        driver: &mut StageDriver,
+        uring: &Uring,
+        g: &GpuTx,
+        watch: bool,
+    ) {
         let _request_guard = driver.region.requests().sleep_guard();
         let answered = driver.answered() + g.table.gpu_sends();
         if watch {
@@ -81,10 +89,10 @@ impl PausedWait {
             tv_sec: t.as_secs() as _,
             tv_nsec: t.subsec_nanos() as _,
         };
-        let mut events = Vec::with_capacity(2);
+        events.clear();
         let rung = match rustix::event::epoll::wait(
             &self.epoll,
-            rustix::buffer::spare_capacity(&mut events),
+            rustix::buffer::spare_capacity(events),
             Some(&ts),
         ) {
             Ok(_) => events.iter().any(|e| e.data.u64() == EP_DOORBELL),
@@ -164,6 +172,7 @@ impl KernelTransport {
                     .filter(|_| direct.is_some())
                     .map(|g| GpuPause::new(g.table.clone()));
                 let mut done = Vec::new();
+                let mut events = Vec::with_capacity(2);
                 while !stop2.load(Ordering::Acquire) {
                     let now = Instant::now();
                     if let Some(d) = &mut direct {
@@ -194,19 +203,20 @@ impl KernelTransport {
                         driver.stage.flush(&mut io);
                     }
                     if let Some(d) = io.direct {
-                        let woke = d.end(&uring).and_then(|host| {
-                            Ok(host
-                                | match (&pause, &gpu) {
-                                    (Some(p), Some(g)) => p.end(d, &g.ring)?,
-                                    _ => false,
-                                })
-                        });
-                        match woke {
-                            Ok(true) => {
-                                wakeups2.fetch_add(1, Ordering::Relaxed);
+                        // SQEs left for a sleeping SQPOLL thread: ours, and the GPU's.
+                        let ours = d.end(&uring);
+                        let gpus = match (&pause, &gpu) {
+                            (Some(p), Some(g)) => p.end(d, &g.ring),
+                            _ => Ok(false),
+                        };
+                        for woke in [ours, gpus] {
+                            match woke {
+                                Ok(true) => {
+                                    wakeups2.fetch_add(1, Ordering::Relaxed);
+                                }
+                                Ok(false) => {}
+                                Err(e) => tracing::warn!("waking the SQPOLL thread failed: {e}"),
                             }
-                            Ok(false) => {}
-                            Err(e) => tracing::warn!("waking the SQPOLL thread failed: {e}"),
                         }
                     }
                     if now.duration_since(last_sweep) > Duration::from_millis(5) {
@@ -227,7 +237,7 @@ impl KernelTransport {
                     if let (Some(w), Some(g)) = (&paused_wait, &gpu)
                         && pause.as_ref().is_some_and(GpuPause::paused)
                     {
-                        w.wait(&mut driver, &uring, g, completion_watch);
+                        w.wait(&mut events, &mut driver, &uring, g, completion_watch);
                         continue;
                     }
                     // Sleep on the completion ring's (private) futex: CPU executors wake
