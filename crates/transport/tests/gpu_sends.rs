@@ -582,6 +582,11 @@ fn client(addr: SocketAddr, c: u32, rounds: u32, pipe: u32) {
         }
         next += pipe;
     }
+    end_client(s);
+}
+
+/// A client's end: FIN after its last request, and the server must close after the last reply.
+fn end_client(mut s: TcpStream) {
     s.shutdown(Shutdown::Write).unwrap();
     let mut rest = Vec::new();
     s.read_to_end(&mut rest).unwrap();
@@ -724,10 +729,7 @@ fn gpu_sends_and_host_sends_share_connections_in_order() {
             assert_eq!(u32::from_le_bytes(p), n);
             n += 1;
         }
-        s.shutdown(Shutdown::Write).unwrap();
-        let mut rest = Vec::new();
-        s.read_to_end(&mut rest).unwrap();
-        assert!(rest.is_empty(), "no bytes after the last reply");
+        end_client(s);
         u64::from(n)
     };
     // Every connection is closed by the server: in turn after its EOF or reset. Then wait for
@@ -858,10 +860,7 @@ fn mixed_client(addr: SocketAddr, c: u32, rounds: u32) {
             );
         }
     }
-    s.shutdown(Shutdown::Write).unwrap();
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).unwrap();
-    assert!(rest.is_empty(), "no bytes after the last reply");
+    end_client(s);
 }
 
 #[test]
@@ -936,10 +935,7 @@ fn paced_client(addr: SocketAddr, c: u32, n: u32, gap: Duration) {
         assert_eq!(p[..4], k.to_le_bytes());
         std::thread::sleep(gap);
     }
-    s.shutdown(Shutdown::Write).unwrap();
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).unwrap();
-    assert!(rest.is_empty(), "no bytes after the last reply");
+    end_client(s);
 }
 
 /// Adaptive submission with GPU-written SENDs (issue 12, goal 3): below `--sqpoll-above` the
