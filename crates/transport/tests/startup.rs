@@ -261,3 +261,89 @@ fn connections_bpf_refuses_are_reset_not_left_hanging() {
     assert_eq!(stats.untracked, reset, "{stats}");
     assert_eq!(stats.bpf.conns_refused, reset, "{stats}");
 }
+
+/// The server's end of the connection whose peer is `client` (a socket this process holds:
+/// the transport's accepted descriptor), once the transport has accepted it.
+fn accepted_socket(server: SocketAddr, client: SocketAddr) -> Option<std::os::fd::OwnedFd> {
+    for e in std::fs::read_dir("/proc/self/fd").ok()?.flatten() {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: a descriptor this process holds; it is only duplicated here (a closed or
+        // reused number fails or yields another object, which the address checks reject).
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let Ok(dup) = rustix::io::fcntl_dupfd_cloexec(borrowed, 0) else {
+            continue;
+        };
+        let local = rustix::net::getsockname(&dup)
+            .ok()
+            .and_then(|a| SocketAddr::try_from(a).ok());
+        let peer = rustix::net::getpeername(&dup)
+            .ok()
+            .flatten()
+            .and_then(|a| SocketAddr::try_from(a).ok());
+        if local == Some(server) && peer == Some(client) {
+            return Some(dup);
+        }
+    }
+    None
+}
+
+/// Replies leave without Nagle's wait: the transport's accepted connections have TCP_NODELAY
+/// (a stream's second token frame otherwise waited for the client's delayed ACK of the first,
+/// ~40 ms on loopback), for both reply paths.
+#[test]
+fn accepted_connections_have_tcp_nodelay() {
+    for reply in [
+        ReplyMode::Loop {
+            timer: Duration::from_micros(60),
+        },
+        ReplyMode::ExecutorSqe {
+            watchdog: Duration::from_micros(50),
+            sqpoll_idle_ms: 10,
+            sqpoll_cpu: None,
+            sqpoll_above: bgs_transport::kernel::DEFAULT_SQPOLL_ABOVE,
+        },
+    ] {
+        let transport = KernelTransport::bind(KernelConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            reply,
+            framer: FramerConfig::default(),
+            max_connections: 64,
+            executor_wakes: false,
+            completion_watch: false,
+            stats_every: None,
+            request_slots: 256,
+            completion_slots: 1024,
+            gpu_sends: false,
+            limits: bgs_transport::conn::ConnLimits::default(),
+            cancel_markers: true,
+            wake_timeout: None,
+        })
+        .expect("kernel transport (root)");
+        let addr = transport.local_addr();
+        let handle = transport.shutdown_handle();
+        let server = std::thread::spawn(move || transport.run().unwrap());
+        let client = TcpStream::connect(addr).unwrap();
+        let client_addr = client.local_addr().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let accepted = loop {
+            if let Some(fd) = accepted_socket(addr, client_addr) {
+                break fd;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the connection was never accepted"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert!(
+            rustix::net::sockopt::tcp_nodelay(&accepted).unwrap(),
+            "{reply:?}: the accepted connection has Nagle on"
+        );
+        drop(accepted);
+        drop(client);
+        handle.shutdown();
+        server.join().unwrap();
+    }
+}

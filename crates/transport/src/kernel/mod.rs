@@ -272,6 +272,11 @@ impl KernelTransport {
         // which a connection was accepted but never entered the sockhash, so its requests
         // were never framed and it hung.
         let (socket, local_addr) = bind_unlistened(cfg.listen)?;
+        // Small replies must not wait for delayed ACKs: with Nagle on, a stream's second token
+        // frame waited for the client's delayed ACK of the first (about 40 ms on loopback, seen
+        // with `examples/stream_cost.rs`). Accepted sockets inherit it from the listener, so
+        // it costs nothing per connection (`tests/startup.rs` checks an accepted one).
+        rustix::net::sockopt::set_tcp_nodelay(&socket, true)?;
         let rx = KernelRx::load(&KernelRxConfig {
             listen_port: local_addr.port(),
             max_words: cfg.framer.max_words,
