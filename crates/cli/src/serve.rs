@@ -970,7 +970,14 @@ fn serve_kernel(
         // The CPU executor writes the loop's eventfd; so does the GPU executor's completion
         // notifier, for every completion (hence the long timeout instead of the timer).
         executor_wakes: executor_kind == ExecutorKind::Cpu || gpu_interrupt,
-        wake_timeout: gpu_interrupt.then_some(EXECUTOR_WAKE_TIMEOUT),
+        // Generation wakes the loop once per step that published frames (the engine thread
+        // on either device, the GPU step loop's monitor), so while streams are outstanding
+        // the loop's timer is only a safety net, as for the native transport: polling every
+        // `--reply-timer-us` for a stream's whole life cost the loop 555 us of CPU per
+        // request in the paper workload on the H200, against native's 291 with the wake-up
+        // (bench/results/20261201-gpu-step-loop-paths; `examples/stream_cost.rs
+        // --transports native,kernel` measures both waits without a GPU).
+        wake_timeout: (model.is_some() || gpu_interrupt).then_some(EXECUTOR_WAKE_TIMEOUT),
         completion_watch: executor_kind == ExecutorKind::Gpu
             && args.gpu_completion_wake == GpuWakeKind::Paced,
         stats_every: stats_every(args)?,

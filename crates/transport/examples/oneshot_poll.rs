@@ -34,38 +34,7 @@ use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
 use bgs_transport::{NativeConfig, NativeTransport};
 
 mod common;
-use common::{pin, thread_run_ns};
-
-/// CPU time (schedstat, ns) and voluntary context switches (sleeps) of the transport: thread
-/// `tid` and this process's threads that serve it (the executor-sqe stage, io_uring's SQPOLL
-/// and worker threads).
-fn transport_usage(tid: i32) -> (u64, u64) {
-    let sleeps = |id: i32| {
-        std::fs::read_to_string(format!("/proc/self/task/{id}/status"))
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    let (mut ns, mut n) = (thread_run_ns(tid), sleeps(tid));
-    for t in std::fs::read_dir("/proc/self/task")
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        if ["bgs-exec-sqe", "iou-sqp", "iou-wrk"]
-            .iter()
-            .any(|p| comm.starts_with(p))
-            && let Some(id) = t.file_name().to_str().and_then(|n| n.parse().ok())
-        {
-            ns += thread_run_ns(id);
-            n += sleeps(id);
-        }
-    }
-    (ns, n)
-}
+use common::{pin, transport_usage};
 
 fn arg(name: &str, default: u64) -> u64 {
     let argv: Vec<String> = std::env::args().collect();

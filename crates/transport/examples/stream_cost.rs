@@ -6,10 +6,15 @@
 //! (schedstat) per frame and per request, its writes and epoll waits, for each configuration:
 //! the timed wait (`poll`: a 100 us `epoll_wait` while requests are outstanding; `wake`: the
 //! executor's wake-up with a 10 ms safety net) and the coalescing hold
-//! (`NativeConfig::stream_coalesce`).
+//! (`NativeConfig::stream_coalesce`). With `--transports native,kernel` the kernel transport's
+//! reply loop (root: BPF, io_uring) runs the same load, its timed wait either the loop's
+//! 60 us timer while requests are outstanding or the executor's wake-up with a 10 ms safety
+//! net (`KernelConfig::wake_timeout`); it has no hold. For it, writes are the stage's SENDs
+//! and waits its returns from `io_uring_enter`.
 //!
 //! `cargo run --release -p bgs-transport --example stream_cost -- [--step-us N] [--streams N]
-//! [--tokens N] [--secs S] [--holds-us 0,2000,8000] [--transport-cpu C] [--load-cpu C]`
+//! [--tokens N] [--secs S] [--holds-us 0,2000,8000] [--transports native,kernel]
+//! [--transport-cpu C] [--load-cpu C]`
 //!
 //! The transport thread is pinned to `--transport-cpu` (0), the executor and the clients to
 //! `--load-cpu` (1). On loopback the client's receive processing runs in the writer's context:
@@ -21,12 +26,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bgs_protocol::FramerConfig;
 use bgs_protocol::{Op, ReplyHeader, RequestHeader, Status, encode_request};
 use bgs_ring::{RingConfig, RingRegion};
+use bgs_transport::kernel::{KernelConfig, KernelTransport, ReplyMode};
 use bgs_transport::{NativeConfig, NativeTransport};
 
 mod common;
-use common::{pin, thread_run_ns};
+use common::{pin, transport_usage};
 
 struct Args {
     step: Duration,
@@ -34,6 +41,8 @@ struct Args {
     tokens: u32,
     secs: f64,
     holds: Vec<u64>,
+    kernel: bool,
+    native: bool,
     transport_cpu: usize,
     load_cpu: usize,
 }
@@ -45,6 +54,8 @@ fn parse() -> Args {
         tokens: 64,
         secs: 4.0,
         holds: vec![0, 2000, 8000],
+        kernel: false,
+        native: true,
         transport_cpu: 0,
         load_cpu: 1,
     };
@@ -61,6 +72,14 @@ fn parse() -> Args {
                     .split(',')
                     .map(|h| h.parse().expect("--holds-us"))
                     .collect();
+            }
+            "--transports" => {
+                a.native = v.split(',').any(|t| t == "native");
+                a.kernel = v.split(',').any(|t| t == "kernel");
+                assert!(
+                    v.split(',').all(|t| t == "native" || t == "kernel"),
+                    "--transports: native, kernel"
+                );
             }
             "--transport-cpu" => a.transport_cpu = v.parse().expect("--transport-cpu"),
             "--load-cpu" => a.load_cpu = v.parse().expect("--load-cpu"),
@@ -149,7 +168,16 @@ fn executor(
     }
 }
 
-fn client(addr: std::net::SocketAddr, tokens: u32, until: Instant, done: &AtomicU64) {
+/// Closed loop: a request, its frames, the next. Counts finished requests in `done` and their
+/// first frame's and last frame's times after the request (ns) in `first_ns` and `total_ns`.
+fn client(
+    addr: std::net::SocketAddr,
+    tokens: u32,
+    until: Instant,
+    done: &AtomicU64,
+    first_ns: &AtomicU64,
+    total_ns: &AtomicU64,
+) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_nodelay(true).unwrap();
     let mut id = 0u32;
@@ -164,9 +192,13 @@ fn client(addr: std::net::SocketAddr, tokens: u32, until: Instant, done: &Atomic
             &RequestHeader::new(Op::Generate, id, 2, tokens),
             &[1, 2],
         );
+        let sent = Instant::now();
         s.write_all(&req).unwrap();
-        for _ in 0..=tokens {
+        for k in 0..=tokens {
             s.read_exact(&mut h).unwrap();
+            if k == 0 {
+                first_ns.fetch_add(sent.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
             let hd = ReplyHeader::decode(&h);
             assert!(
                 hd.status == Status::Token as u16 || hd.status == Status::EndOfStream as u16,
@@ -177,11 +209,22 @@ fn client(addr: std::net::SocketAddr, tokens: u32, until: Instant, done: &Atomic
                 s.read_exact(&mut w).unwrap();
             }
         }
+        total_ns.fetch_add(sent.elapsed().as_nanos() as u64, Ordering::Relaxed);
         done.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-fn run(a: &Args, poll: bool, hold_us: u64) {
+/// A transport under test, started: its address, the executor's waker, and how to stop it
+/// (returning its writes and waits).
+struct Started {
+    addr: std::net::SocketAddr,
+    region: Arc<RingRegion>,
+    waker: Arc<dyn Fn() + Send + Sync>,
+    stop: Box<dyn FnOnce() -> (u64, u64, u64)>,
+}
+
+/// The native transport with the timed wait (`poll`) or the executor's wake-up, and a hold.
+fn start_native(poll: bool, hold_us: u64, on_thread: impl FnOnce() + Send + 'static) -> Started {
     let region = Arc::new(
         RingRegion::new(RingConfig {
             request_slots: 4096,
@@ -197,14 +240,75 @@ fn run(a: &Args, poll: bool, hold_us: u64) {
     };
     let t = NativeTransport::bind(cfg, Some(region.clone())).expect("bind");
     let (addr, handle, waker) = (t.local_addr(), t.shutdown_handle(), t.waker());
+    let thread = std::thread::spawn(move || {
+        on_thread();
+        t.run().expect("transport")
+    });
+    Started {
+        addr,
+        region,
+        waker,
+        stop: Box::new(move || {
+            handle.shutdown();
+            let s = thread.join().unwrap();
+            (s.completions, s.writes, s.epoll_waits)
+        }),
+    }
+}
+
+/// The kernel transport's reply loop, woken by the executor (its eventfd), with the loop's
+/// 60 us timer while requests are outstanding (`poll`) or a 10 ms safety net.
+fn start_kernel(poll: bool, on_thread: impl FnOnce() + Send + 'static) -> Started {
+    let t = KernelTransport::bind(KernelConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        reply: ReplyMode::Loop {
+            timer: Duration::from_micros(60),
+        },
+        framer: FramerConfig::default(),
+        max_connections: 1024,
+        executor_wakes: true,
+        completion_watch: false,
+        stats_every: None,
+        wake_timeout: (!poll).then_some(Duration::from_millis(10)),
+        request_slots: 4096,
+        completion_slots: 16384,
+        gpu_sends: false,
+        limits: bgs_transport::conn::ConnLimits::default(),
+        cancel_markers: false,
+    })
+    .expect("kernel transport (needs root, BPF and a cgroup2 mount)");
+    let (addr, handle, region) = (t.local_addr(), t.shutdown_handle(), t.region());
+    let waker = t.waker().expect("the reply loop has a waker");
+    let thread = std::thread::spawn(move || {
+        on_thread();
+        t.run().expect("transport")
+    });
+    Started {
+        addr,
+        region,
+        waker,
+        stop: Box::new(move || {
+            handle.shutdown();
+            let s = thread.join().unwrap();
+            (s.reply.completions, s.reply.sends, s.wakeups)
+        }),
+    }
+}
+
+fn run(a: &Args, kernel: bool, poll: bool, hold_us: u64) {
     let tid = Arc::new(Mutex::new(0));
     let tid2 = tid.clone();
     let cpu = a.transport_cpu;
-    let transport = std::thread::spawn(move || {
+    let on_thread = move || {
         pin(cpu);
         *tid2.lock().unwrap() = rustix::thread::gettid().as_raw_nonzero().get();
-        t.run().expect("transport")
-    });
+    };
+    let started = if kernel {
+        start_kernel(poll, on_thread)
+    } else {
+        start_native(poll, hold_us, on_thread)
+    };
+    let (addr, region, waker) = (started.addr, started.region.clone(), started.waker.clone());
     let stop = Arc::new(AtomicBool::new(false));
     let (r2, s2, step, load_cpu) = (region.clone(), stop.clone(), a.step, a.load_cpu);
     let exec = std::thread::spawn(move || {
@@ -213,55 +317,63 @@ fn run(a: &Args, poll: bool, hold_us: u64) {
     });
     // Warm-up: a second of the same load, not measured.
     let done = Arc::new(AtomicU64::new(0));
+    let first_ns = Arc::new(AtomicU64::new(0));
+    let total_ns = Arc::new(AtomicU64::new(0));
     let warm = Duration::from_secs(1);
     let start = Instant::now();
     let until = start + warm + Duration::from_secs_f64(a.secs);
     let clients: Vec<_> = (0..a.streams)
         .map(|_| {
-            let (d, tokens) = (done.clone(), a.tokens);
+            let (d, f, t, tokens) = (done.clone(), first_ns.clone(), total_ns.clone(), a.tokens);
             std::thread::spawn(move || {
                 pin(load_cpu);
-                client(addr, tokens, until, &d)
+                client(addr, tokens, until, &d, &f, &t)
             })
         })
         .collect();
     std::thread::sleep(warm);
     let tid = *tid.lock().unwrap();
-    let (run0, done0, t0) = (
-        thread_run_ns(tid),
+    let ((run0, _), done0, t0) = (
+        transport_usage(tid),
         done.load(Ordering::Relaxed),
         Instant::now(),
     );
     std::thread::sleep(Duration::from_secs_f64(a.secs));
-    let (run1, done1, secs) = (
-        thread_run_ns(tid),
+    let ((run1, _), done1, secs) = (
+        transport_usage(tid),
         done.load(Ordering::Relaxed),
         t0.elapsed().as_secs_f64(),
     );
     for c in clients {
         c.join().unwrap();
     }
-    handle.shutdown();
-    let stats = transport.join().unwrap();
+    let (completions, writes, waits) = (started.stop)();
     stop.store(true, Ordering::Release);
     exec.join().unwrap();
     let reqs = (done1 - done0).max(1) as f64;
+    // Over every request of the run (warm-up included).
+    let all_done = done.load(Ordering::Relaxed).max(1) as f64;
+    let first_ms = first_ns.load(Ordering::Relaxed) as f64 / all_done / 1e6;
+    let total_ms = total_ns.load(Ordering::Relaxed) as f64 / all_done / 1e6;
     let frames = reqs * f64::from(a.tokens + 1);
     let us = (run1 - run0) as f64 / 1e3;
-    let all = stats.completions.max(1) as f64;
+    let all = completions.max(1) as f64;
+    let wait = match (kernel, poll) {
+        (false, true) => "native, 100 us poll",
+        (false, false) => "native, wake-up, 10 ms net",
+        (true, true) => "kernel loop, 60 us timer",
+        (true, false) => "kernel loop, wake-up, 10 ms net",
+    };
     println!(
-        "| {} | {} | {:.0} | {:.2} | {:.1} | {:.1} | {:.1} |",
-        if poll {
-            "100 us poll"
-        } else {
-            "wake-up, 10 ms net"
-        },
+        "| {wait} | {} | {:.0} | {:.2} / {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
         hold_us,
         reqs / secs,
+        first_ms,
+        total_ms,
         us / frames,
         us / reqs,
-        stats.writes as f64 / all * f64::from(a.tokens + 1),
-        stats.epoll_waits as f64 / all * f64::from(a.tokens + 1),
+        writes as f64 / all * f64::from(a.tokens + 1),
+        waits as f64 / all * f64::from(a.tokens + 1),
     );
 }
 
@@ -272,12 +384,17 @@ fn main() {
         a.step, a.streams, a.tokens, a.secs, a.transport_cpu, a.load_cpu
     );
     println!(
-        "| transport wait | hold us | requests/s | transport us/frame | transport us/request | writes/request | epoll waits/request |"
+        "| transport wait | hold us | requests/s | first frame / request ms | transport us/frame | transport us/request | writes/request | waits/request |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for poll in [true, false] {
-        for &h in &a.holds {
-            run(&a, poll, h);
+        if a.native {
+            for &h in &a.holds {
+                run(&a, false, poll, h);
+            }
+        }
+        if a.kernel {
+            run(&a, true, poll, 0);
         }
     }
 }
