@@ -432,18 +432,22 @@ impl KernelTransport {
         self.shutdown_tx.clone()
     }
 
-    /// For the executor: called after publishing a completion while the reply loop sleeps.
-    /// In executor-sqe mode the stage lives in the executor and nothing needs waking.
+    /// For the executor: called after publishing a completion while the reply thread sleeps
+    /// (announced on the completion ring): it writes an eventfd that the reply loop, or the
+    /// executor-sqe stage with adaptive submission, waits on. None for executor-sqe with
+    /// `sqpoll_above` 0: that stage sleeps on the completion ring's futex alone, so that the
+    /// paper's path makes no read/write-family system call (`ring.notify()` is the wake-up).
     pub fn waker(&self) -> Option<Arc<dyn Fn() + Send + Sync>> {
-        match self.cfg.reply {
-            ReplyMode::Loop { .. } => {
-                let fd = self.waker_fd.clone();
-                Some(Arc::new(move || {
-                    let _ = rustix::io::write(&*fd, &1u64.to_ne_bytes());
-                }))
-            }
-            ReplyMode::ExecutorSqe { .. } => None,
+        if let ReplyMode::ExecutorSqe {
+            sqpoll_above: 0, ..
+        } = self.cfg.reply
+        {
+            return None;
         }
+        let fd = self.waker_fd.clone();
+        Some(Arc::new(move || {
+            let _ = rustix::io::write(&*fd, &1u64.to_ne_bytes());
+        }))
     }
 
     /// How executor slots sleep: BPF cannot wake the request ring's futex, so it rings a BPF

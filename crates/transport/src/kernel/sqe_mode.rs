@@ -2,7 +2,7 @@
 //! an SQPOLL ring (or sends itself below `sqpoll_above`); this thread is the watchdog.
 
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -26,17 +26,29 @@ fn executing(driver: &StageDriver, g: &GpuTx) -> bool {
     driver.region.requests().produced() > driver.answered() + g.table.gpu_sends()
 }
 
-/// How the stage sleeps while the GPU's sends are paused: in epoll on BPF's doorbell and on
-/// our ring's descriptor (readable when CQEs wait), like the reply loop in `io_uring_enter`.
-struct PausedWait {
+/// The stage's poll while a CPU executor's replies wait on something that needs a timely look
+/// (`ReplyStage::busy`: a linger, a SEND in flight; most of those also end with a CQE, which
+/// wakes the wait anyway).
+const CPU_BUSY_POLL: Duration = Duration::from_micros(100);
+
+/// How the stage sleeps with adaptive submission (`sqpoll_above` > 0), when it makes system
+/// calls anyway: in epoll on BPF's doorbell, on our ring's descriptor (readable when CQEs
+/// wait: accepts, SENDs that went to the ring) and, for a CPU executor, on the eventfd it
+/// writes after publishing while we are announced ([`KernelTransport::waker`]). Announced as
+/// a sleeper on the side ring too, so BPF rings for the markers and busy answers it publishes
+/// there. Every event wakes it, so the timed wait is a safety net, like the reply loop's.
+/// (With `sqpoll_above` 0 the stage keeps sleeping on the completion ring's futex: no
+/// read/write-family system call anywhere, the paper's path.)
+struct StageWait {
     epoll: rustix::fd::OwnedFd,
 }
 
-/// epoll data of the doorbell (our ring's is 0).
+/// epoll data of the doorbell and of the executor's eventfd (our ring's is 0).
 const EP_DOORBELL: u64 = 1;
+const EP_WAKER: u64 = 2;
 
-impl PausedWait {
-    fn new(rx: &KernelRx, uring: &Uring) -> io::Result<Self> {
+impl StageWait {
+    fn new(rx: &KernelRx, uring: &Uring, waker: Option<BorrowedFd<'_>>) -> io::Result<Self> {
         use rustix::event::epoll;
         let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
         epoll::add(
@@ -51,40 +63,63 @@ impl PausedWait {
             epoll::EventData::new_u64(0),
             epoll::EventFlags::IN,
         )?;
-        Ok(PausedWait { epoll: ep })
+        if let Some(w) = waker {
+            // Edge-triggered: every write is an edge, so nothing has to read the counter (one
+            // system call a wake-up less; it cannot reach its limit of 2^64 - 2).
+            epoll::add(
+                &ep,
+                w,
+                epoll::EventData::new_u64(EP_WAKER),
+                epoll::EventFlags::IN | epoll::EventFlags::ET,
+            )?;
+        }
+        Ok(StageWait { epoll: ep })
     }
 
-    /// One wait, as the reply loop's (`loop_mode`): announced as a request-ring sleeper, so
-    /// BPF rings its doorbell for the next request or, with the completion `watch`, looks at
-    /// the completion ring when the reply is expected and rings once it is there. `events`:
-    /// the caller's buffer, kept across waits (an epoll event is not `Send`, so it cannot
-    /// travel with this struct into the stage's thread).
+    /// One wait. With a GPU whose sends are paused (`gpu`), as the reply loop's (`loop_mode`):
+    /// announced as a request-ring sleeper, so BPF rings its doorbell for the next request or,
+    /// with the completion `watch`, looks at the completion ring when the reply is expected and
+    /// rings once it is there. With a CPU executor (`gpu` None): announced as a completion-ring
+    /// sleeper, so the executor writes our eventfd. `events`: the caller's buffer, kept across
+    /// waits (an epoll event is not `Send`, so it cannot travel with this struct into the
+    /// stage's thread).
     fn wait(
         &self,
         events: &mut Vec<rustix::event::epoll::Event>,
         driver: &mut StageDriver,
         uring: &Uring,
-        g: &GpuTx,
+        gpu: Option<&GpuTx>,
         watch: bool,
     ) {
-        let _request_guard = driver.region.requests().sleep_guard();
-        let answered = driver.answered() + g.table.gpu_sends();
+        let _side = driver.side.completions().sleep_guard();
+        let _requests = gpu
+            .is_some()
+            .then(|| driver.region.requests().sleep_guard());
+        let _completions = gpu
+            .is_none()
+            .then(|| driver.region.completions().sleep_guard());
+        let answered = driver.answered() + gpu.map_or(0, |g| g.table.gpu_sends());
         if watch {
             driver.rx.watch_answered(answered);
         }
         let idle = driver.region.completions().is_empty()
             && driver.side.completions().is_empty()
             && uring.cq().is_empty();
-        let executing = driver.region.requests().produced() > answered;
+        let executing = gpu.is_some() && driver.region.requests().produced() > answered;
         let watched = watch && executing && driver.rx.watch_scheduled();
+        let busy = driver.stage.busy();
         let t = match () {
             _ if !idle => Duration::ZERO,
-            _ if watched && !driver.stage.busy() => WATCH_NET,
-            _ if executing || driver.stage.busy() => EXECUTING_POLL,
+            _ if watched && !busy => WATCH_NET,
+            _ if executing => EXECUTING_POLL,
+            _ if busy && gpu.is_some() => EXECUTING_POLL,
+            _ if busy => CPU_BUSY_POLL,
             _ => IDLE_WAIT,
         };
-        // Waits whose timeout is a safety net: a look should have rung before it.
-        let net_began = (watch && (t == WATCH_NET || t == IDLE_WAIT)).then(Instant::now);
+        // Waits whose timeout is a safety net: a look (GPU) or the executor's wake-up (CPU)
+        // should have ended them.
+        let net_began =
+            ((gpu.is_none() || watch) && (t == WATCH_NET || t == IDLE_WAIT)).then(Instant::now);
         let ts = rustix::event::Timespec {
             tv_sec: t.as_secs() as _,
             tv_nsec: t.subsec_nanos() as _,
@@ -140,13 +175,15 @@ impl KernelTransport {
         if completion_watch {
             self.rx.start_completion_watch(WATCH_FIRST, EXECUTING_POLL);
         }
-        // While the GPU's sends are paused the stage sleeps in epoll on BPF's doorbell (the
-        // watch rings it) and on our ring (accepts, SENDs that went to the ring). Made here,
-        // before the watchdog's epoll, so that a running transport's descriptors are all open
-        // once that one is (tests count them).
-        let paused_wait = match &gpu {
-            Some(_) if sqpoll_above > 0 => Some(PausedWait::new(&self.rx, &self.uring)?),
-            _ => None,
+        // With adaptive submission the stage sleeps in epoll (`StageWait`): a CPU executor's
+        // eventfd, BPF's doorbell, our ring; for a GPU only while its sends are paused. Made
+        // here, before the watchdog's epoll, so that a running transport's descriptors are all
+        // open once that one is (tests count them).
+        let stage_wait = if sqpoll_above > 0 {
+            let waker = gpu.is_none().then(|| self.waker_fd.as_fd());
+            Some(StageWait::new(&self.rx, &self.uring, waker)?)
+        } else {
+            None
         };
         let stage_thread = std::thread::Builder::new()
             .name("bgs-exec-sqe".into())
@@ -234,16 +271,23 @@ impl KernelTransport {
                     if did {
                         continue;
                     }
-                    if let (Some(w), Some(g)) = (&paused_wait, &gpu)
-                        && pause.as_ref().is_some_and(GpuPause::paused)
-                    {
-                        w.wait(&mut events, &mut driver, &uring, g, completion_watch);
-                        continue;
+                    if let Some(w) = &stage_wait {
+                        match &gpu {
+                            None => {
+                                w.wait(&mut events, &mut driver, &uring, None, false);
+                                continue;
+                            }
+                            Some(g) if pause.as_ref().is_some_and(GpuPause::paused) => {
+                                w.wait(&mut events, &mut driver, &uring, Some(g), completion_watch);
+                                continue;
+                            }
+                            Some(_) => {}
+                        }
                     }
-                    // Sleep on the completion ring's (private) futex: CPU executors wake
-                    // it, a GPU queues a private FUTEX_WAKE on its ring, which the
-                    // SQPOLL thread (our address space) runs. CQEs are picked up by the
-                    // watchdog's nudge or the timeout.
+                    // Sleep on the completion ring's (private) futex (`--sqpoll-above 0`, or a
+                    // GPU that sends): CPU executors wake it, a GPU queues a private
+                    // FUTEX_WAKE on its ring, which the SQPOLL thread (our address space) runs.
+                    // CQEs are picked up at the timeout.
                     let t = match &gpu {
                         None if driver.stage.busy() => Duration::from_micros(100),
                         None => Duration::from_millis(2),
