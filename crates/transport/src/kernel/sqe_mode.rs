@@ -117,15 +117,18 @@ impl StageWait {
         let idle = driver.region.completions().is_empty()
             && driver.side.completions().is_empty()
             && uring.cq().is_empty();
-        let executing = gpu.is_some() && driver.region.requests().produced() > answered;
+        let executing = driver.region.requests().produced() > answered;
         let watched = watch && executing && driver.rx.watch_scheduled();
         let busy = driver.stage.busy();
         let t = match () {
             _ if !idle => Duration::ZERO,
             _ if watched && !busy => WATCH_NET,
-            _ if executing => EXECUTING_POLL,
-            _ if busy && gpu.is_some() => EXECUTING_POLL,
+            _ if gpu.is_some() && (executing || busy) => EXECUTING_POLL,
             _ if busy => CPU_BUSY_POLL,
+            // A CPU executor wakes us for every completion (a stream's once per step): while
+            // requests execute the net can be as long as the reply loop's then, 10 ms (with
+            // the 5 ms idle net it cost 200 wake-ups a second for the whole life of a stream).
+            _ if gpu.is_none() && executing => WATCH_NET,
             _ => IDLE_WAIT,
         };
         // Waits whose timeout is a safety net: a look (GPU) or the executor's wake-up (CPU)
@@ -150,7 +153,7 @@ impl StageWait {
             driver.rx.drain_doorbell();
         }
         if net_began.is_some_and(|b| b.elapsed() >= t)
-            && (t == WATCH_NET || !driver.region.completions().is_empty())
+            && ((t == WATCH_NET && gpu.is_some()) || !driver.region.completions().is_empty())
         {
             driver.wake_timeouts += 1;
         }
