@@ -125,10 +125,11 @@ impl StageWait {
             _ if watched && !busy => WATCH_NET,
             _ if gpu.is_some() && (executing || busy) => EXECUTING_POLL,
             _ if busy => CPU_BUSY_POLL,
-            // A CPU executor wakes us for every completion (a stream's once per step): while
-            // requests execute the net can be as long as the reply loop's then, 10 ms (with
-            // the 5 ms idle net it cost 200 wake-ups a second for the whole life of a stream).
-            _ if gpu.is_none() && executing => WATCH_NET,
+            // (A GPU took the arm above.) A CPU executor wakes us for every completion (a
+            // stream's once per step): while requests execute the net can be as long as the
+            // reply loop's then, 10 ms (with the 5 ms idle net it cost 200 wake-ups a second
+            // for the whole life of a stream).
+            _ if executing => WATCH_NET,
             _ => IDLE_WAIT,
         };
         // Waits whose timeout is a safety net: a look (GPU) or the executor's wake-up (CPU)
