@@ -1134,6 +1134,107 @@ impl Plan<'_> {
     }
 }
 
+/// One weight region for the side branch's L2 streamer (`bgs_l2_side`'s `bgs_l2_item`, 24
+/// bytes): fetch `bytes` at `ptr` once `marks` of the step's launches have begun.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct L2Item {
+    pub ptr: u64,
+    pub bytes: u64,
+    pub marks: u32,
+}
+
+impl L2Item {
+    /// The item as the kernel reads it (`bgs_l2_item`: ptr, bytes, marks, pad; little-endian).
+    pub(crate) fn to_bytes(self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        b[..8].copy_from_slice(&self.ptr.to_le_bytes());
+        b[8..16].copy_from_slice(&self.bytes.to_le_bytes());
+        b[16..20].copy_from_slice(&self.marks.to_le_bytes());
+        b
+    }
+}
+
+impl Plan<'_> {
+    /// The streamed weights of every layer, (start, bytes): QKV, o_proj, gate/up, down_proj
+    /// (the norms and biases are a few KB; the embedding is gathered, the LM head is another
+    /// graph).
+    pub(crate) fn weight_regions(&self) -> Vec<(u64, u64)> {
+        let c = self.cfg;
+        let es = self.dtype.size() as u64;
+        let (h, inter) = (c.hidden_size as u64, c.intermediate_size as u64);
+        let (qd, kvd) = (
+            (c.num_heads * c.head_dim) as u64,
+            (c.num_kv_heads * c.head_dim) as u64,
+        );
+        self.w
+            .layers
+            .iter()
+            .flat_map(|l| {
+                [
+                    (l.qkv, (qd + 2 * kvd) * h * es),
+                    (l.o, h * qd * es),
+                    (l.gate_up, 2 * inter * h * es),
+                    (l.down, h * inter * es),
+                ]
+            })
+            .collect()
+    }
+}
+
+/// The side branch's items for a step's `ops`: each region of `regions` that an op names (a
+/// launch's pointer argument, a GEMM's operand), in the order the chain first reads them, with
+/// the count of begun launches (`bgs_l2_marks`) from which it may be fetched: the first count
+/// at which the bytes from the region being read to the end of this one are at most `budget`,
+/// so the side branch runs at most `budget` bytes ahead of the chain and evicts nothing the
+/// chain has still to read (while launch k runs the count is k + 1; a cuBLAS GEMM, which
+/// bumps nothing, runs at the count of the launches before it). A region larger than the
+/// budget is fetched when its reader begins. Also returns the launches (the count a step
+/// ends with).
+pub(crate) fn l2_side_items(ops: &[Op], regions: &[(u64, u64)], budget: u64) -> (Vec<L2Item>, u32) {
+    // (region, the count while its first reader runs)
+    let mut used: Vec<((u64, u64), u32)> = Vec::new();
+    let mut launches = 0u32;
+    for op in ops {
+        let (ptrs, at): (Vec<u64>, u32) = match op {
+            Op::Launch { args, .. } => {
+                launches += 1;
+                (
+                    args.iter()
+                        .filter_map(|a| match a {
+                            Arg::P(p) => Some(*p),
+                            _ => None,
+                        })
+                        .collect(),
+                    launches,
+                )
+            }
+            Op::Gemm(g) => (vec![g.a, g.b], launches),
+        };
+        for &r in regions {
+            if r.1 > 0 && ptrs.contains(&r.0) && !used.iter().any(|(u, _)| u.0 == r.0) {
+                used.push((r, at));
+            }
+        }
+    }
+    // consumed(m): bytes of the regions whose reader ran before count m.
+    let consumed = |m: u32| -> u64 {
+        used.iter()
+            .filter(|(_, at)| *at < m)
+            .map(|((_, b), _)| *b)
+            .sum()
+    };
+    let mut end = 0u64;
+    let items = used
+        .iter()
+        .map(|&((ptr, bytes), at)| {
+            end += bytes;
+            let marks = (0..at).find(|&m| end - consumed(m) <= budget).unwrap_or(at);
+            L2Item { ptr, bytes, marks }
+        })
+        .collect();
+    (items, launches)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1206,5 +1307,67 @@ mod tests {
             tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 75, &any),
             None
         );
+    }
+
+    fn l2_op(ptrs: &[u64]) -> Op {
+        Op::Launch {
+            kernel: Kernel::GemmTcSmall,
+            grid: (1, 1),
+            block: 256,
+            shared: 0,
+            args: ptrs.iter().map(|&p| Arg::P(p)).chain([Arg::I(3)]).collect(),
+        }
+    }
+
+    /// The side branch runs at most the budget ahead: regions of 10, 10, 30 and 10 bytes read
+    /// by launches 2, 3 and 4 (after an embedding that reads none) and by a GEMM after launch
+    /// 4, a budget of 40. A region read twice counts once, one that no op names is left out,
+    /// and one larger than the budget waits for its reader.
+    #[test]
+    fn l2_side_items_stay_within_the_budget() {
+        let regions = [
+            (100, 10),
+            (200, 10),
+            (300, 30),
+            (400, 10),
+            (500, 7),
+            (600, 50),
+        ];
+        let ops = vec![
+            l2_op(&[1]),
+            l2_op(&[100, 2]),
+            l2_op(&[200]),
+            l2_op(&[300, 100]),
+            Op::Gemm(Gemm {
+                trans_a: true,
+                trans_b: false,
+                m: 1,
+                n: 1,
+                k: 1,
+                a: 400,
+                lda: 1,
+                b: 3,
+                ldb: 1,
+                c: 4,
+                ldc: 1,
+                what: "test",
+            }),
+            l2_op(&[600]),
+        ];
+        let (items, launches) = l2_side_items(&ops, &regions, 40);
+        assert_eq!(launches, 5);
+        let got: Vec<(u64, u32)> = items.iter().map(|i| (i.ptr, i.marks)).collect();
+        // Readers run at counts 2, 3, 4, 4 (the GEMM after four launches), 5.
+        // 100: end 10 <= 40 at 0. 200: end 20 at 0. 300: end 50; consumed(2) = 0 (reader of
+        // 100 runs at 2, not below), consumed(3) = 10: 40 <= 40 at 3. 400: end 60; consumed(4)
+        // = 20: 40 at 4. 600: end 110 > 40 + anything before its reader: at 5.
+        assert_eq!(got, vec![(100, 0), (200, 0), (300, 3), (400, 4), (600, 5)]);
+        assert_eq!(items[2].bytes, 30);
+        let b = items[2].to_bytes();
+        assert_eq!(u64::from_le_bytes(b[..8].try_into().unwrap()), 300);
+        assert_eq!(u64::from_le_bytes(b[8..16].try_into().unwrap()), 30);
+        assert_eq!(u32::from_le_bytes(b[16..20].try_into().unwrap()), 3);
+        // Never later than the reader, never before the one before it.
+        assert!(items.windows(2).all(|w| w[0].marks <= w[1].marks));
     }
 }
