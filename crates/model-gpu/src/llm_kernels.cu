@@ -142,41 +142,15 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
 #ifndef BGS_PDL_EARLY
 #define BGS_PDL_EARLY 1
 #endif
-// BGS_L2_SIDE (`GpuModelOptions::l2_side_blocks` > 0 defines it; off by default): the side
-// branch of the step graph (bgs_l2_side, below) streams the weights into L2 ahead of the
-// chain, paced by bgs_l2_marks, which thread 0 of block (0, 0) of every launched kernel bumps
-// once the kernel's wait on the previous grid is over: marks = how many of the step's
-// launches have begun (every earlier one complete but the last). A hint only: no kernel reads
-// what the side branch does, so the values are the same bits with it or without it.
-#ifndef BGS_L2_SIDE
-#define BGS_L2_SIDE 0
-#endif
-#if BGS_L2_SIDE
-__device__ unsigned bgs_l2_marks;
-#define BGS_L2_MARK()                                                                      \
-    do {                                                                                   \
-        if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)                        \
-            atomicAdd(&bgs_l2_marks, 1u);                                                  \
-    } while (0)
-#else
-#define BGS_L2_MARK() \
-    do {              \
-    } while (0)
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #if BGS_PDL_EARLY
 #define BGS_PDL_BEGIN()                                                                    \
     do {                                                                                   \
         asm volatile("griddepcontrol.wait;" ::: "memory");                                 \
-        BGS_L2_MARK();                                                                     \
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                    \
     } while (0)
 #else
-#define BGS_PDL_BEGIN()                                    \
-    do {                                                   \
-        asm volatile("griddepcontrol.wait;" ::: "memory"); \
-        BGS_L2_MARK();                                     \
-    } while (0)
+#define BGS_PDL_BEGIN() asm volatile("griddepcontrol.wait;" ::: "memory")
 #endif
 #else
 #define BGS_PDL_BEGIN() \
@@ -2100,40 +2074,4 @@ extern "C" __global__ void __launch_bounds__(BGS_OP_THREADS, BGS_OP_MIN_BLOCKS)
             __threadfence();
         }
     }
-}
-
-// The side branch's L2 streamer (BGS_L2_SIDE): items[i] is a weight region the chain reads,
-// in the order it reads them, and the count of marks (launches begun) at which to fetch it
-// (`plan::l2_side_items`: so that at most a budget of bytes is fetched ahead of what the chain
-// is reading). Each block's thread 0 waits for an item's count (bounded by timeout_ns from
-// the kernel's start: marks that never come cost at most that, never a hang), then every
-// thread of the grid issues prefetch.global.L2 for its share of the region's 128-byte lines.
-// A handful of small blocks: they sit beside the chain's blocks on their multiprocessors.
-struct bgs_l2_item {
-    unsigned long long ptr, bytes;
-    unsigned marks, pad;
-};
-extern "C" __global__ void bgs_l2_side(const bgs_l2_item *items, int n, unsigned long long timeout_ns) {
-#if BGS_L2_SIDE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned long long t0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
-    const unsigned long long me = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (int i = 0; i < n; i++) {
-        const bgs_l2_item it = items[i];
-        if (threadIdx.x == 0) {
-            for (;;) {
-                unsigned m;
-                asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(m) : "l"(&bgs_l2_marks));
-                unsigned long long t;
-                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-                if (m >= it.marks || t - t0 > timeout_ns) break;
-                __nanosleep(100);
-            }
-        }
-        __syncthreads();
-        for (unsigned long long off = me * 128; off < it.bytes; off += threads * 128)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(it.ptr + off));
-    }
-#endif
 }

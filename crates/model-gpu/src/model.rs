@@ -152,16 +152,6 @@ pub struct GpuModelOptions {
     /// Blocks of the persistent kernel per multiprocessor (at most what fits; 0: as many as
     /// fit).
     pub persistent_blocks_per_sm: u32,
-    /// An experiment (0, the default: off): the body graphs get a side branch, `bgs_l2_side`
-    /// in this many blocks beside the chain of launches, that streams the layers' weights into
-    /// L2 ahead of the chain, paced by a count of launches begun that the kernels bump
-    /// (`BGS_L2_SIDE` in the kernels; `plan::l2_side_items`). The same bits (a prefetch is a
-    /// hint). Host-launched graphs on sm_90 and later only (refused with `device_launch`,
-    /// ignored with a log line on older devices).
-    pub l2_side_blocks: u32,
-    /// With `l2_side_blocks`: at most this many weight bytes fetched ahead of the region the
-    /// chain reads (24 MiB by default: under half of an H100's or H200's 50 MB L2).
-    pub l2_side_budget_bytes: usize,
 }
 
 impl Default for GpuModelOptions {
@@ -193,8 +183,6 @@ impl Default for GpuModelOptions {
             persistent_max_tokens: 0,
             persistent_prefetch_distance: 0,
             persistent_blocks_per_sm: 1,
-            l2_side_blocks: 0,
-            l2_side_budget_bytes: 24 << 20,
         }
     }
 }
@@ -314,10 +302,8 @@ fn kernels(
     dtype: GpuDtype,
     head_dim: usize,
     cache: Option<&Path>,
-    extra: &[String],
 ) -> Result<(Vec<u8>, bool), GpuError> {
-    let mut options = crate::nvrtc_options(env.cc.0, env.cc.1, dtype, head_dim);
-    options.extend_from_slice(extra);
+    let options = crate::nvrtc_options(env.cc.0, env.cc.1, dtype, head_dim);
     let versions = format!("driver {} nvrtc {}", env.driver, compile::nvrtc_version()?);
     let key = crate::cache_key(&options, &env.name, &versions);
     let dir = compile::cache_dir(cache);
@@ -403,73 +389,6 @@ pub struct GpuModel {
     graphs: Vec<cu::CUgraph>,
     /// The persistent form (`GpuModelOptions::persistent_max_tokens`).
     persist: Persist,
-    /// The body graphs' side branch (`GpuModelOptions::l2_side_blocks`).
-    l2: Option<L2Side>,
-}
-
-/// Threads of a `bgs_l2_side` block.
-const L2_SIDE_THREADS: u32 = 128;
-/// How long the side branch waits for a count that does not come (then it goes on).
-const L2_SIDE_TIMEOUT_NS: u64 = 5_000_000;
-
-/// The side branch of the body graphs: the streamer, its stream and fork/join events, the
-/// count's address and one item table per token bucket.
-#[derive(Debug)]
-struct L2Side {
-    func: cu::CUfunction,
-    blocks: u32,
-    budget: u64,
-    /// `bgs_l2_marks` in the module.
-    marks: u64,
-    stream: cu::CUstream,
-    fork: cu::CUevent,
-    join: cu::CUevent,
-    /// (bucket, device items, item count, the body's launches).
-    tables: Vec<(usize, u64, i32, u32)>,
-}
-
-impl L2Side {
-    fn new(module: cu::CUmodule, blocks: u32, budget: u64) -> Result<L2Side, GpuError> {
-        let func = get_function(module, "bgs_l2_side")?;
-        let mut marks: u64 = 0;
-        let mut size: usize = 0;
-        let name = CString::new("bgs_l2_marks").expect("no NUL");
-        let mut l = L2Side {
-            func,
-            blocks,
-            budget,
-            marks: 0,
-            stream: std::ptr::null_mut(),
-            fork: std::ptr::null_mut(),
-            join: std::ptr::null_mut(),
-            tables: Vec::new(),
-        };
-        // SAFETY: a context is current and `module` is loaded; out-pointers valid; the stream
-        // and events are destroyed in GpuModel's Drop.
-        unsafe {
-            ck(
-                cu::cuModuleGetGlobal_v2(&mut marks, &mut size, module, name.as_ptr()),
-                "cuModuleGetGlobal(bgs_l2_marks)",
-            )?;
-            ck(
-                cu::cuStreamCreate(&mut l.stream, STREAM_NON_BLOCKING),
-                "cuStreamCreate(L2 side)",
-            )?;
-            for e in [&mut l.fork, &mut l.join] {
-                ck(
-                    cu::cuEventCreate(e, cu::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32),
-                    "cuEventCreate(L2 side)",
-                )?;
-            }
-        }
-        if size != 4 {
-            return Err(GpuError::Failed(format!(
-                "bgs_l2_marks is {size} bytes, not a u32"
-            )));
-        }
-        l.marks = marks;
-        Ok(l)
-    }
 }
 
 /// One op list as a persistent table on the device.
@@ -543,11 +462,6 @@ impl GpuModel {
     ) -> Result<GpuModel, GpuModelError> {
         host::check_config(&cfg).map_err(GpuModelError::Config)?;
         weights.check_shapes(&cfg).map_err(GpuModelError::Config)?;
-        if opts.device_launch && opts.l2_side_blocks > 0 {
-            return Err(GpuModelError::Config(
-                "l2_side_blocks needs host-launched graphs (not device_launch)".into(),
-            ));
-        }
         if opts.device_launch && !opts.use_graphs {
             return Err(GpuModelError::Config(
                 "device_launch needs use_graphs (only captured graphs can be device-launched)"
@@ -676,7 +590,6 @@ impl GpuModel {
                 blocks_per_sm: opts.persistent_blocks_per_sm,
                 ..Default::default()
             },
-            l2: None,
         };
         // Before the build: the step graphs are captured with the attention form chosen here.
         m.set_tensor_core_attention(opts.tensor_core_attention);
@@ -698,21 +611,11 @@ impl GpuModel {
             )?;
         }
         self.make_current()?;
-        let l2_side = opts.l2_side_blocks > 0 && env.cc.0 >= 9;
-        if opts.l2_side_blocks > 0 && !l2_side {
-            tracing::info!("l2_side_blocks ignored: the marks need sm_90 (griddepcontrol)");
-        }
-        let extra = if l2_side {
-            vec!["-DBGS_L2_SIDE=1".to_string()]
-        } else {
-            Vec::new()
-        };
         let (cubin, hit) = kernels(
             env,
             self.dtype,
             self.cfg.head_dim,
             opts.cache_dir.as_deref(),
-            &extra,
         )?;
         self.cache_hit = hit;
         ck(
@@ -751,13 +654,6 @@ impl GpuModel {
             unsafe { cu::cuStreamCreate(&mut self.stream, STREAM_NON_BLOCKING) },
             "cuStreamCreate",
         )?;
-        if l2_side {
-            self.l2 = Some(L2Side::new(
-                self.module,
-                opts.l2_side_blocks,
-                opts.l2_side_budget_bytes as u64,
-            )?);
-        }
         ck(
             // SAFETY: a context is current; out-pointer valid; destroyed in Drop.
             unsafe {
@@ -880,18 +776,6 @@ impl GpuModel {
         // surfaces launch errors with their names), then capture.
         let tb = host::buckets_up_to(self.geo.max_tokens);
         let sb = host::buckets_up_to(self.geo.max_samples);
-        if let Some(budget) = self.l2.as_ref().map(|l| l.budget) {
-            for &n in &tb {
-                let plan = self.plan();
-                let (items, launches) =
-                    plan::l2_side_items(&plan.body(n), &plan.weight_regions(), budget);
-                let bytes: Vec<u8> = items.iter().flat_map(|i| i.to_bytes()).collect();
-                let dev = self.upload(&bytes, &format!("L2 side items, {n} tokens"))?;
-                if let Some(l) = self.l2.as_mut() {
-                    l.tables.push((n, dev, items.len() as i32, launches));
-                }
-            }
-        }
         for &n in &tb {
             self.enqueue_body(n)?;
         }
@@ -1028,97 +912,7 @@ impl GpuModel {
     }
 
     fn enqueue_body(&self, n: usize) -> Result<(), GpuError> {
-        let ops = self.plan().body(n);
-        let Some((l, &(_, items, count, _))) = self
-            .l2
-            .as_ref()
-            .and_then(|l| l.tables.iter().find(|t| t.0 == n).map(|t| (l, t)))
-        else {
-            return self.run(&ops);
-        };
-        // The side branch: the count reset, then (forked) the streamer beside the chain,
-        // joined at the end. Under capture the event record and wait become graph edges.
-        // SAFETY: `marks` is the module's u32 global; the events and the side stream are
-        // live objects of the current context (L2Side::new); `stream` is live.
-        unsafe {
-            ck(
-                cu::cuMemsetD32Async(l.marks, 0, 1, self.stream),
-                "cuMemsetD32Async(bgs_l2_marks)",
-            )?;
-            ck(
-                cu::cuEventRecord(l.fork, self.stream),
-                "cuEventRecord(fork)",
-            )?;
-            ck(
-                cu::cuStreamWaitEvent(l.stream, l.fork, 0),
-                "cuStreamWaitEvent(side)",
-            )?;
-        }
-        let mut cells: [u64; 3] = [items, u64::from(count as u32), L2_SIDE_TIMEOUT_NS];
-        let mut ptrs: Vec<*mut c_void> = cells
-            .iter_mut()
-            .map(|c| (c as *mut u64).cast::<c_void>())
-            .collect();
-        ck(
-            // SAFETY: `bgs_l2_side(const bgs_l2_item *, int, unsigned long long)`: a pointer
-            // (whole cell), an int (the cell's first 4 bytes, little-endian) and a u64; the
-            // cells outlive the call; no dynamic shared memory.
-            unsafe {
-                cu::cuLaunchKernel(
-                    l.func,
-                    l.blocks,
-                    1,
-                    1,
-                    L2_SIDE_THREADS,
-                    1,
-                    1,
-                    0,
-                    l.stream,
-                    ptrs.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuLaunchKernel(bgs_l2_side)",
-        )?;
-        let chain = self.run(&ops);
-        // SAFETY: as above. The join is made even when the chain failed, so that a capture
-        // does not end with the side stream still forked.
-        let join = unsafe {
-            ck(cu::cuEventRecord(l.join, l.stream), "cuEventRecord(join)").and_then(|()| {
-                ck(
-                    cu::cuStreamWaitEvent(self.stream, l.join, 0),
-                    "cuStreamWaitEvent(join)",
-                )
-            })
-        };
-        chain.and(join)
-    }
-
-    /// With `l2_side_blocks`: run bucket `n`'s body once (uncaptured, on the inputs the last
-    /// step left) and return (the count of launches begun that the kernels left, the launches
-    /// of the body): equal when every launch bumped the count once, which the side branch's
-    /// pacing assumes. None without the side branch.
-    pub fn l2_side_marks(&mut self, n: usize) -> Result<Option<(u32, u32)>, GpuModelError> {
-        self.make_current()?;
-        let Some(b) = host::bucket_for(n) else {
-            return Err(GpuModelError::Config(format!("no bucket holds {n} tokens")));
-        };
-        let Some((marks, launches)) = self
-            .l2
-            .as_ref()
-            .and_then(|l| l.tables.iter().find(|t| t.0 == b).map(|t| (l.marks, t.3)))
-        else {
-            return Ok(None);
-        };
-        self.enqueue_body(b)?;
-        self.sync("L2 side marks")?;
-        let mut got = 0u32;
-        ck(
-            // SAFETY: `marks` is a u32 of the module; synchronous copy into a local.
-            unsafe { cu::cuMemcpyDtoH_v2((&mut got as *mut u32).cast(), marks, 4) },
-            "cuMemcpyDtoH(bgs_l2_marks)",
-        )?;
-        Ok(Some((got, launches)))
+        self.run(&self.plan().body(n))
     }
 
     fn enqueue_head(&self, s: usize) -> Result<(), GpuError> {
@@ -2155,17 +1949,6 @@ impl Drop for GpuModel {
             }
             if !self.step_done.is_null() {
                 let _ = cu::cuEventDestroy_v2(self.step_done);
-            }
-            if let Some(l) = self.l2.take() {
-                for e in [l.fork, l.join] {
-                    if !e.is_null() {
-                        let _ = cu::cuEventDestroy_v2(e);
-                    }
-                }
-                if !l.stream.is_null() {
-                    let _ = cu::cuStreamSynchronize(l.stream);
-                    let _ = cu::cuStreamDestroy_v2(l.stream);
-                }
             }
             if !self.stream.is_null() {
                 let _ = cu::cuStreamDestroy_v2(self.stream);

@@ -25,7 +25,7 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 22] = [
+const ENTRY_POINTS: [&str; 21] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -47,7 +47,6 @@ const ENTRY_POINTS: [&str; 22] = [
     "bgs_gemm_tc_add_norm_small",
     "bgs_gemm_tc_rope_kv_small",
     "bgs_persistent",
-    "bgs_l2_side",
 ];
 
 #[test]
@@ -94,29 +93,6 @@ fn kernels_compile_with_nvrtc_for_sm90_in_every_dtype() {
             cubin.len()
         );
     }
-    // The side branch's marks (BGS_L2_SIDE, `GpuModelOptions::l2_side_blocks`): the count the
-    // kernels bump is a global the host finds by name, and exists only with the define.
-    let side = |on: bool| {
-        let mut o = nvrtc_options(9, 0, GpuDtype::Bf16, 64);
-        if on {
-            o.push("-DBGS_L2_SIDE=1".into());
-        }
-        compile::nvrtc_compile_source("llm_kernels.cu", KERNEL_SOURCE, &kernel_headers(), &o)
-            .unwrap_or_else(|e| panic!("BGS_L2_SIDE={on}: {e}"))
-    };
-    let has = |cubin: &[u8], name: &str| {
-        cubin
-            .windows(name.len() + 1)
-            .any(|w| &w[..name.len()] == name.as_bytes() && w[name.len()] == 0)
-    };
-    assert!(
-        has(&side(true), "bgs_l2_marks"),
-        "the count is missing with BGS_L2_SIDE"
-    );
-    assert!(
-        !has(&side(false), "bgs_l2_marks"),
-        "the count is there without BGS_L2_SIDE"
-    );
     // A wrong dtype selector is a compile error, not a silently wrong type.
     let e = compile::nvrtc_compile_source(
         "llm_kernels.cu",

@@ -128,13 +128,6 @@ struct DeviceArgs {
     /// Blocks of the persistent kernel per multiprocessor (0: as many as fit).
     #[arg(long, default_value_t = GpuModelOptions::default().persistent_blocks_per_sm)]
     persistent_blocks_per_sm: u32,
-    /// An experiment: a side branch of this many blocks in the body graphs streams the
-    /// weights into L2 ahead of the launches (0: off; `GpuModelOptions::l2_side_blocks`).
-    #[arg(long, default_value_t = GpuModelOptions::default().l2_side_blocks)]
-    l2_side_blocks: u32,
-    /// With --l2-side-blocks: at most this many MiB fetched ahead of what the launches read.
-    #[arg(long, default_value_t = GpuModelOptions::default().l2_side_budget_bytes >> 20)]
-    l2_side_budget_mib: usize,
 }
 
 #[derive(Args, Debug)]
@@ -242,8 +235,6 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         persistent_max_tokens: dev.persistent_max_tokens,
         persistent_prefetch_distance: dev.persistent_prefetch,
         persistent_blocks_per_sm: dev.persistent_blocks_per_sm,
-        l2_side_blocks: dev.l2_side_blocks,
-        l2_side_budget_bytes: dev.l2_side_budget_mib << 20,
         ..Default::default()
     }
 }
@@ -1039,18 +1030,6 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
             "| {b} | {med:.4} | {p90:.4} | {tps:.0} | {floor_ms:.4} | {:.2} |",
             med / floor_ms
         );
-        let l2_marks = m.l2_side_marks(b).map_err(|e| e.to_string())?;
-        if let Some((got, launches)) = l2_marks {
-            println!(
-                "  batch {b}: L2 side branch on, the body's launches bumped the count to {got} \
-                 of {launches}{}",
-                if got == launches {
-                    ""
-                } else {
-                    " (the pacing is off)"
-                }
-            );
-        }
         let per_op = if a.per_op {
             let ops = m
                 .profile_ops(&items, a.iters.min(50))
@@ -1079,7 +1058,6 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
             "persistent_ms_median": persistent.map(|p| p.0),
             "persistent_ms_p90": persistent.map(|p| p.1),
             "persistent_per_op": persistent_ops,
-            "l2_side_marks": l2_marks.map(|(g, l)| json!({"counted": g, "launches": l})),
         }));
     }
     let prefill = {
