@@ -16,7 +16,9 @@
 # Runs ON the GPU machine from the repo root. Usage: bash bench/gpu/step-loop.sh BIN_DIR OUT_DIR
 # (BIN_DIR: bgs, REVISION, qwen-tokenizer.json). SECS (default 20): paper workload duration;
 # SLOTS (default "16 32 64"; empty skips) and LOOPS (default "device host") pick the paper
-# workload's runs.
+# workload's runs. TRANSPORT_FLAGS (default: the native transport) go to every server, e.g.
+# "--transport kernel --reply executor-sqe" (the kernel transport refuses the holds of 3b:
+# set COALESCE="").
 set -uo pipefail
 bin=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); work=/tmp/bgs-steploop
 rm -rf "$work"; mkdir -p "$work"
@@ -45,8 +47,9 @@ port=8190
 start_server() { # name, then serve flags
   local name=$1; shift
   rm -f "$work/$name.server.log"
-  "$bin/bgs" serve --listen 127.0.0.1:$port --cpus 0-3 --executor gpu --api-listen off "$@" \
-    >"$work/$name.server.log" 2>&1 &
+  # shellcheck disable=SC2086
+  "$bin/bgs" serve --listen 127.0.0.1:$port --cpus 0-3 --executor gpu --api-listen off \
+    ${TRANSPORT_FLAGS:-} "$@" >"$work/$name.server.log" 2>&1 &
   spid=$!
   for _ in $(seq 900); do
     grep -q listening "$work/$name.server.log" 2>/dev/null && return 0
@@ -202,6 +205,7 @@ s = {
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     "machine": f"{platform.node()} ({os.cpu_count()} CPUs), GPU: {open(out + '/gpu.txt').read().strip()}",
     "command": "bash bench/gpu/step-loop.sh .gpu-carry $OUT",
+    "transport_flags": os.environ.get("TRANSPORT_FLAGS", ""),
     "revision": open(out + "/revision.txt").read().strip() if os.path.exists(out + "/revision.txt") else None,
     "steps": open(out + "/steps.log").read().splitlines(),
     "runs": {os.path.basename(p)[:-5]: load(p) for p in sorted(glob.glob(f"{work}/*.json"))},

@@ -190,7 +190,8 @@ pub struct ServeArgs {
     /// the reply stage's thread (CPU executor) or, with `--executor gpu` (or `auto` finding a
     /// GPU), by the GPU itself for plain binary replies, through a second SQPOLL ring that
     /// shares the first one's kernel thread; the stage sends the rest (HTTP, closing and
-    /// busy replies, and replies that are not yet their connection's turn).
+    /// busy replies, and replies that are not yet their connection's turn). With `--model`
+    /// (either step loop) the stage sends every frame: streams are never GPU-sent.
     #[arg(long, value_enum, default_value = "loop")]
     pub reply: ReplyKind,
     /// Kernel transport, `--reply loop`: longest wait while replies are outstanding (us),
@@ -398,11 +399,6 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
                     }
                 }
                 ReplyKind::ExecutorSqe => {
-                    if a.gpu_step_loop == StepLoopKind::Device {
-                        bail!(
-                            "--gpu-step-loop device: with --reply executor-sqe the reply stage runs inside a host executor thread, which the device step loop does not have (use --reply loop)"
-                        );
-                    }
                     if a.gpu_completion_wake == GpuWakeKind::Interrupt {
                         bail!(
                             "--gpu-completion-wake interrupt wakes the reply loop; with --reply executor-sqe the reply stage runs inside the executor and has nothing to wake (use --reply loop)"
@@ -719,7 +715,9 @@ fn start_api(
 fn model_device(args: &ServeArgs, kind: ExecutorKind) -> crate::llm::ModelDevice {
     // The device step loop has run on an H200 with the native transport (binary and HTTP),
     // the kernel transport's reply loop and the OpenAI API (bench/results/
-    // 20261201-gpu-step-loop-paths); `--reply executor-sqe` is refused with it elsewhere.
+    // 20261201-gpu-step-loop-paths). With `--reply executor-sqe` the transport's reply stage
+    // serves its streams as it serves the host engine's: the loop's monitor rings the
+    // stage's eventfd and the completion ring's futex once per step that published frames.
     match kind {
         ExecutorKind::Gpu => crate::llm::ModelDevice::Gpu {
             device: 0,

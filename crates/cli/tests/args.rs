@@ -71,6 +71,35 @@ fn the_gpu_executors_slot_limit_applies_to_one_shot_ops_not_to_live_sequences() 
     assert!(err.contains("bgs-checkpoint"), "{err}");
 }
 
+/// The device step loop with `--reply executor-sqe`: the transport's reply stage serves the
+/// loop's streams like any executor's that wakes it (it was refused before the GPU run of
+/// 2026-12-07), so the flags pass and the run fails on the missing checkpoint instead.
+#[test]
+fn the_device_step_loop_takes_the_executor_sqe_reply_stage() {
+    let out = bgs(&[
+        "serve",
+        "--transport",
+        "kernel",
+        "--reply",
+        "executor-sqe",
+        "--executor",
+        "gpu",
+        "--model",
+        "/nonexistent/bgs-checkpoint",
+        "--gpu-step-loop",
+        "device",
+        "--api-listen",
+        "off",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a missing checkpoint was accepted: {err}"
+    );
+    assert!(!err.contains("--reply loop"), "{err}");
+    assert!(err.contains("bgs-checkpoint"), "{err}");
+}
+
 #[test]
 fn numbers_outside_their_ranges_are_refused() {
     refused(&["serve", "--slots", "100000"], &["--slots", "1..=512"]);
@@ -164,22 +193,6 @@ fn flags_that_do_nothing_are_refused_naming_both() {
             "device",
         ],
         &["--gpu-step-loop", "--executor gpu"],
-    );
-    refused(
-        &[
-            "serve",
-            "--transport",
-            "kernel",
-            "--reply",
-            "executor-sqe",
-            "--executor",
-            "gpu",
-            "--model",
-            "/nonexistent",
-            "--gpu-step-loop",
-            "device",
-        ],
-        &["--gpu-step-loop device", "--reply executor-sqe"],
     );
     refused(
         &["serve", "--transport", "kernel", "--poll-us", "10"],
