@@ -24,7 +24,7 @@ export BGS_QWEN_TOKENIZER=${BGS_QWEN_TOKENIZER:-$bin/qwen-tokenizer.json}
 SECS=${SECS:-30}
 PARTS=${PARTS:-check hf bench served openai}
 # STEP_LOOP (default host): where the served parts run the step loop (device: every path of
-# issue 9 part 6 through the resident loop; `--reply executor-sqe` is refused with it).
+# issue 9 part 6 through the resident loop).
 STEP_LOOP=${STEP_LOOP:-host}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 log() { echo "$*" | tee -a "$out/steps.log"; }
@@ -193,11 +193,11 @@ for slots in 16 32; do
     stop_server
   fi
 done
-replies="loop executor-sqe"; [ "$STEP_LOOP" = device ] && replies=loop
-for reply in $replies; do
+for reply in loop executor-sqe; do
   port=$((port + 2))
   if start_server "kernel-$reply" --transport kernel --reply "$reply" --model "$work/qwen2.5-0.5b" --slots 32 --api-listen off; then
     gen_load "paper-kernel-$reply" --rate 192 --duration 10 --warmup 2 --prompts 64
+    gen_load "http-kernel-$reply" --rate 192 --duration 5 --http --prompts 16
     stop_server
   fi
 done
