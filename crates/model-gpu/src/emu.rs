@@ -209,7 +209,7 @@ impl Emu {
     /// The launch properties the tensor-core GEMM kernels are written for: 16-bit types,
     /// `groups` warp groups a block, every one of `rows` output rows and `n` tokens in the
     /// grid, whole 32-value chunks of the input width `inp`.
-    /// The staged small-tile entry points ([`plan::TC_STAGED_KERNELS`]) take row tiles
+    /// The staged small- and mid-tile entry points ([`plan::TC_STAGED_KERNELS`]) take row tiles
     /// x, x + gx, ...: any grid width up to the tiles covers every row, and `shared`, where
     /// given, must hold every block's tiles' weights (or the kernel would load them into
     /// registers: a plan that gives too little has miscounted).
@@ -301,7 +301,8 @@ impl Emu {
         };
         let es = self.dtype.size() as u64;
         let (gx, gy) = (grid.0 as usize, grid.1 as usize);
-        // A small-tile entry point computes its wide form's bits over narrower token blocks.
+        // A small- or mid-tile entry point computes its wide form's bits over narrower token
+        // blocks.
         let tile = k.tc_tile_tokens().unwrap_or(0);
         let named = k;
         let k = k.wide();
@@ -760,7 +761,11 @@ impl Emu {
             Kernel::GemmTcSmall
             | Kernel::GemmTcSiluSmall
             | Kernel::GemmTcAddNormSmall
-            | Kernel::GemmTcRopeKvSmall => unreachable!("k is the wide form (Kernel::wide)"),
+            | Kernel::GemmTcRopeKvSmall
+            | Kernel::GemmTcMid
+            | Kernel::GemmTcSiluMid
+            | Kernel::GemmTcAddNormMid
+            | Kernel::GemmTcRopeKvMid => unreachable!("k is the wide form (Kernel::wide)"),
         }
     }
 }
@@ -911,6 +916,7 @@ pub(crate) struct EmuModel {
     tc_epilogues: bool,
     tc_fold_max_tokens: usize,
     tc_small_max_tokens: usize,
+    tc_mid_max_tokens: usize,
     tc_stage_bytes: usize,
     split_argmax: bool,
 }
@@ -965,6 +971,7 @@ impl EmuModel {
             tc_fold_max_tokens: crate::GpuModelOptions::default().tensor_core_gemm_fold_max_tokens,
             tc_small_max_tokens: crate::GpuModelOptions::default()
                 .tensor_core_small_tiles_max_tokens,
+            tc_mid_max_tokens: crate::GpuModelOptions::default().tensor_core_mid_tiles_max_tokens,
             // An H100/H200's opt-in limit (227 KB): the plan stages where its rules say.
             tc_stage_bytes: plan::tc_stage_budget(232_448),
             split_argmax: true,
@@ -978,6 +985,13 @@ impl EmuModel {
         self
     }
 
+    /// Mid tensor-core tiles for buckets of more than `plan::TC_SMALL_TOKENS` and at most `n`
+    /// tokens (as `GpuModelOptions::tensor_core_mid_tiles_max_tokens`).
+    pub(crate) fn with_tc_mid_max_tokens(mut self, n: usize) -> EmuModel {
+        self.tc_mid_max_tokens = n;
+        self
+    }
+
     /// The LM head's argmax over `plan::ARGMAX_PARTS` blocks a row (true, as the launched
     /// form) or one (false, as the persistent form).
     pub(crate) fn with_split_argmax(mut self, on: bool) -> EmuModel {
@@ -985,7 +999,7 @@ impl EmuModel {
         self
     }
 
-    /// Dynamic shared memory a staged small-tile block may take (0: never staged; as
+    /// Dynamic shared memory a staged small- or mid-tile block may take (0: never staged; as
     /// `GpuModelOptions::tensor_core_staged_tiles` on a device allowing `n + 16 KB`).
     pub(crate) fn with_tc_stage_bytes(mut self, n: usize) -> EmuModel {
         self.tc_stage_bytes = n;
@@ -1054,6 +1068,7 @@ impl EmuModel {
             tc_epilogues: self.tc_epilogues,
             tc_fold_max_tokens: self.tc_fold_max_tokens,
             tc_small_max_tokens: self.tc_small_max_tokens,
+            tc_mid_max_tokens: self.tc_mid_max_tokens,
             staging: plan::TcStaging {
                 bytes: self.tc_stage_bytes,
                 ..plan::TcStaging::from(&crate::GpuModelOptions::default())
@@ -1643,17 +1658,20 @@ mod tests {
     /// The parameter types of `name`'s C signature in the kernel source (the `extern "C"
     /// __global__` declaration, launch bounds or not): 'P' pointer, 'I' int, 'F' float, 'L'
     /// long long.
-    /// The tensor-core entry points come from a macro (`BGS_TC_ENTRY_POINTS(SUF, TOK)`, its
-    /// lines continued with backslashes) instantiated for both tile widths: `bgs_gemm_tc` and
-    /// `bgs_gemm_tc_small` are both `bgs_gemm_tc##SUF` there.
+    /// The tensor-core entry points come from a macro (`BGS_TC_ENTRY_POINTS(SUF, TOK, STAGE)`,
+    /// its lines continued with backslashes) instantiated for every tile width: `bgs_gemm_tc`,
+    /// `bgs_gemm_tc_small` and `bgs_gemm_tc_mid` are all `bgs_gemm_tc##SUF` there.
     fn signature(name: &str) -> Vec<char> {
         let src = crate::KERNEL_SOURCE.replace("\\\n", "\n");
-        let base = name.strip_suffix("_small").unwrap_or(name);
-        if base != name {
-            assert!(
-                src.contains("BGS_TC_ENTRY_POINTS(_small,"),
-                "{name}: no _small entry points"
-            );
+        let mut base = name;
+        for suf in ["_small", "_mid"] {
+            if let Some(b) = name.strip_suffix(suf) {
+                assert!(
+                    src.contains(&format!("BGS_TC_ENTRY_POINTS({suf},")),
+                    "{name}: no {suf} entry points"
+                );
+                base = b;
+            }
         }
         let calls = [format!("{name}("), format!("{base}##SUF(")];
         let start = src
@@ -1702,12 +1720,14 @@ mod tests {
             let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
             let m = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
                 .with_tensor_core_attention(mma)
-                .with_tc_fold_max_tokens(64);
+                .with_tc_fold_max_tokens(64)
+                .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
             // With the epilogues apart; and SiLU·up alone folded (the default).
             // (and the one-block argmax, as the persistent form runs it)
             let apart = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
                 .with_tc_epilogues(false)
-                .with_split_argmax(false);
+                .with_split_argmax(false)
+                .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
             let narrow = ModelConfig {
                 head_dim: 8,
                 num_heads: 2 * cfg.num_heads,
@@ -1715,11 +1735,14 @@ mod tests {
                 ..cfg
             };
             let (narrow, wn) = synth_weights_for(narrow, 1, DType::F32);
-            let silu =
-                EmuModel::new(narrow, &wn, dtype, [16, 8, 64, 8], inv).with_tc_fold_max_tokens(64);
-            // (64 tokens: the wide tensor-core tiles; 8: the small ones.)
-            let plans =
-                [m, apart, silu].map(|m| [m.plan().body(64), m.plan().body(8), m.plan().head(8)]);
+            let silu = EmuModel::new(narrow, &wn, dtype, [16, 8, 64, 8], inv)
+                .with_tc_fold_max_tokens(64)
+                .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
+            // (64 tokens: the wide tensor-core tiles; 8: the small ones; 16: the mid ones.)
+            let plans = [m, apart, silu].map(|m| {
+                let p = m.plan();
+                [p.body(64), p.body(8), p.head(8), p.body(16), p.head(16)]
+            });
             for ops in plans.into_iter().flatten() {
                 for op in ops {
                     if let Op::Launch { kernel, args, .. } = op {
@@ -2082,6 +2105,123 @@ mod tests {
         }
     }
 
+    /// The mid tensor-core tiles, on: buckets of more than `TC_SMALL_TOKENS` and at most
+    /// `TC_MID_TOKENS` tokens (and LM heads of that many rows) launch the `_mid` entry points in
+    /// one token block, smaller ones keep the small tiles (where those are on) and larger ones
+    /// the wide tiles, in the apart and the folded form; the mid SiLU GEMM stages on the
+    /// emulator's two multiprocessors as the small one does. Off (the default), no bucket
+    /// launches them.
+    #[test]
+    fn mid_tensor_core_tiles_are_planned_past_the_small_width() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let mid = [
+            Kernel::GemmTcMid,
+            Kernel::GemmTcSiluMid,
+            Kernel::GemmTcAddNormMid,
+            Kernel::GemmTcRopeKvMid,
+        ];
+        let tc_launches = |m: &EmuModel, n: usize| -> Vec<(Kernel, u32, u32)> {
+            let plan = m.plan();
+            [plan.body(n), plan.head(n)]
+                .concat()
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Launch {
+                        kernel,
+                        grid,
+                        shared,
+                        ..
+                    } if kernel.tc_tile_tokens().is_some() => Some((*kernel, grid.1, *shared)),
+                    _ => None,
+                })
+                .collect()
+        };
+        for (fold, small_max) in [(false, 16), (true, 16), (false, 0), (true, 0)] {
+            let m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
+                .with_tc_fold_max_tokens(if fold { 64 } else { 0 })
+                .with_tc_small_max_tokens(small_max)
+                .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
+            for n in [1, 8, 16, 32] {
+                let tc = tc_launches(&m, n);
+                assert!(!tc.is_empty());
+                let on_mid = n > plan::TC_SMALL_TOKENS && n <= plan::TC_MID_TOKENS;
+                for &(k, gy, _) in &tc {
+                    let want = if on_mid {
+                        k.wide().mid()
+                    } else if n <= small_max {
+                        k.wide().small()
+                    } else {
+                        k.wide()
+                    };
+                    assert_eq!(k, want, "bucket {n}, fold {fold}, small to {small_max}");
+                    assert_eq!(mid.contains(&k), on_mid);
+                    assert_eq!(gy as usize, n.div_ceil(k.tc_tile_tokens().unwrap()));
+                }
+                if n == plan::TC_MID_TOKENS {
+                    // One token block, the LM head's 16 rows included; the gate/up tiles stage.
+                    assert!(tc.iter().all(|&(_, gy, _)| gy == 1));
+                    assert!(tc.iter().any(|&(k, _, _)| k == Kernel::GemmTcMid));
+                    assert!(
+                        tc.iter()
+                            .any(|&(k, _, shared)| k == Kernel::GemmTcSiluMid && shared > 0),
+                        "{tc:?}"
+                    );
+                }
+            }
+        }
+        let off = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true);
+        for n in [1, 8, 16, 32] {
+            assert!(tc_launches(&off, n).iter().all(|(k, ..)| !mid.contains(k)));
+        }
+    }
+
+    /// The mid tensor-core tiles give exactly the bits of the small tiles (two 8-token blocks)
+    /// and of the wide ones on steps of 9 to 16 tokens: prefill steps of 9 and 16 tokens, and
+    /// decode steps of 9, 12 and 16 sequences, apart and folded, staged (the emulator's two
+    /// multiprocessors) and not.
+    #[test]
+    fn mid_tensor_core_tiles_give_the_bits_of_small_and_wide_tiles() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let cases: [Vec<usize>; 5] = [
+            vec![5, 11],
+            vec![4, 5],
+            vec![1; 9],
+            (0..12).map(|i| 1 + i % 2).collect(),
+            vec![1; 16],
+        ];
+        for (fold, stage) in [(false, true), (true, true), (false, false)] {
+            let model = |small_max: usize, mid_max: usize| {
+                EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
+                    .with_tc_fold_max_tokens(if fold { 64 } else { 0 })
+                    .with_tc_stage_bytes(if stage {
+                        plan::tc_stage_budget(232_448)
+                    } else {
+                        0
+                    })
+                    .with_tc_small_max_tokens(small_max)
+                    .with_tc_mid_max_tokens(mid_max)
+            };
+            for lens in &cases {
+                let b = lens.len();
+                let prompts = prompts(cfg.vocab_size, lens);
+                let blocks: Vec<Vec<u32>> = (0..b as u32).map(|i| vec![i]).collect();
+                let next: Vec<Vec<u32>> = (0..b as u32)
+                    .map(|i| vec![(7 * i + 1) % cfg.vocab_size as u32])
+                    .collect();
+                // Mid tiles, small tiles, wide tiles.
+                let mut logits = Vec::new();
+                for (small_max, mid_max) in [(16, plan::TC_MID_TOKENS), (16, 0), (0, 0)] {
+                    let mut m = model(small_max, mid_max);
+                    let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; b]));
+                    logits.push((first, m.step_logits(&sampled(&next, &blocks, lens))));
+                }
+                let what = format!("prompts {lens:?}, fold {fold}, staged {stage}");
+                assert_eq!(logits[0], logits[1], "mid vs small tiles, {what}");
+                assert_eq!(logits[0], logits[2], "mid vs wide tiles, {what}");
+            }
+        }
+    }
+
     /// The persistent form takes every op of the own-kernel plans (the invariant tensor-core
     /// form, the fused form, f32's invariant form) at every bucket, refuses the cuBLAS plan,
     /// and its table decodes back to the very ops (each argument in its signature's kind).
@@ -2153,10 +2293,17 @@ mod tests {
         // Nor are the small tiles' entry points (the same bits as the wide ones).
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(
-            e.contains("op 2 (bgs_gemm_tc_small) is a small-tile"),
+            e.contains("op 2 (bgs_gemm_tc_small) is a small- or mid-tile"),
             "{e}"
         );
-        let m = m.with_tc_small_max_tokens(0);
+        // Nor the mid tiles' (a 16-token bucket).
+        let m = m.with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
+        let e = persistent::encode(&m.plan().body(16), GpuDtype::Bf16, 1).unwrap_err();
+        assert!(
+            e.contains("op 2 (bgs_gemm_tc_mid) is a small- or mid-tile"),
+            "{e}"
+        );
+        let m = m.with_tc_mid_max_tokens(0).with_tc_small_max_tokens(0);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(e.contains("(bgs_gemm_tc_silu)"), "{e}");
         let m = m.with_tc_fold_max_tokens(8);

@@ -23,6 +23,9 @@ mod plan;
 pub use gen_exec::{GenLoopConfig, GenLoopStats, GpuGenError, GpuGenExecutor};
 pub use host::{GpuDtype, StepGeometry};
 pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
+/// The mid tensor-core tiles' width (`GpuModelOptions::tensor_core_mid_tiles_max_tokens`): the
+/// check runs them up to it.
+pub use plan::TC_MID_TOKENS;
 
 /// The kernels' CUDA C++ source.
 pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
@@ -55,6 +58,7 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         format!("-DBGS_TC_WARPS={}", plan::TC_WARPS),
         format!("-DBGS_TC_TOKENS={}", plan::TC_TOKENS),
         format!("-DBGS_TC_SMALL_TOKENS={}", plan::TC_SMALL_TOKENS),
+        format!("-DBGS_TC_MID_TOKENS={}", TC_MID_TOKENS),
         format!("-DBGS_TC_SMALL_UNROLL={}", plan::TC_SMALL_UNROLL),
         // The split argmax's block size.
         format!("-DBGS_ARGMAX_SPLIT_THREADS={}", plan::ARGMAX_SPLIT_THREADS),
@@ -177,6 +181,7 @@ mod tests {
         ]));
         // A longer name sharing the prefix stays.
         assert_eq!(defs("-DBGS_TC_SMALL_TOKENS="), 1);
+        assert_eq!(defs("-DBGS_TC_MID_TOKENS="), 1);
         assert!(o.contains(&"-fmad=false".to_string()));
     }
 }

@@ -1398,19 +1398,26 @@ extern "C" __global__ void __launch_bounds__(BGS_ARGMAX_SPLIT_THREADS)
 // 8q+{6,7}. w and x are permuted alike, so every dot product is a sum of the same products.
 // Weights never change during a step, so the first chunks' weights are loaded before waiting
 // on the previous kernel (programmatic dependent launch), overlapping its tail.
-// Two tile widths: BGS_TC_TOKENS tokens (the kernels' plain names) and BGS_TC_SMALL_TOKENS
-// (the `_small` entry points, decode at small batch: `Plan::tc_kernel`). A tile's width only
-// sizes its fragments (registers, hence blocks per multiprocessor) and its token blocks; every
-// output is the same sum of the same products in the same order either way, so the two give a
-// token the same bits. Chunks whose weights a warp loads ahead: BGS_TC_UNROLL for the wide
-// tiles, BGS_TC_SMALL_UNROLL for the small ones (registers again; the order of the sums is
+// Three tile widths: BGS_TC_TOKENS tokens (the kernels' plain names), BGS_TC_SMALL_TOKENS
+// (the `_small` entry points, decode at small batch: `Plan::tc_kernel`) and BGS_TC_MID_TOKENS
+// (the `_mid` entry points: a bucket past the small width in one token block, so its weights
+// are read once rather than once per small block). A tile's width only sizes its fragments
+// (registers, hence blocks per multiprocessor) and its token blocks; every output is the same
+// sum of the same products in the same order whatever the width, so they all give a token the
+// same bits. Chunks whose weights a warp loads ahead: BGS_TC_UNROLL for the wide tiles,
+// BGS_TC_SMALL_UNROLL for the small and mid ones (registers again; the order of the sums is
 // the chunks' whatever the unroll).
-// BGS_TC_WARPS, BGS_TC_TOKENS, BGS_TC_SMALL_TOKENS and BGS_TC_SMALL_UNROLL come from the host
-// (`plan::TC_WARPS`, `plan::TC_TOKENS`, `plan::TC_SMALL_TOKENS`, `plan::TC_SMALL_UNROLL`).
+// BGS_TC_WARPS, BGS_TC_TOKENS, BGS_TC_SMALL_TOKENS, BGS_TC_MID_TOKENS and BGS_TC_SMALL_UNROLL
+// come from the host (`plan::TC_WARPS`, `plan::TC_TOKENS`, `plan::TC_SMALL_TOKENS`,
+// `plan::TC_MID_TOKENS`, `plan::TC_SMALL_UNROLL`).
 #if !defined(BGS_TC_WARPS) || !defined(BGS_TC_TOKENS) || BGS_TC_TOKENS % 8 != 0 || \
     !defined(BGS_TC_SMALL_TOKENS) || BGS_TC_SMALL_TOKENS % 8 != 0 ||                \
     BGS_TC_SMALL_TOKENS > BGS_TC_TOKENS || !defined(BGS_TC_SMALL_UNROLL)
 #error "BGS_TC_WARPS, BGS_TC_TOKENS, BGS_TC_SMALL_TOKENS (multiples of 8) and BGS_TC_SMALL_UNROLL must be defined"
+#endif
+#if !defined(BGS_TC_MID_TOKENS) || BGS_TC_MID_TOKENS % 8 != 0 ||       \
+    BGS_TC_MID_TOKENS <= BGS_TC_SMALL_TOKENS || BGS_TC_MID_TOKENS >= BGS_TC_TOKENS
+#error "BGS_TC_MID_TOKENS (a multiple of 8 between the small and the wide widths) must be defined (plan::TC_MID_TOKENS)"
 #endif
 #define BGS_TC_UNROLL 4
 #if BGS_HAVE_MMA
@@ -1910,6 +1917,7 @@ __device__ __forceinline__ void prefetch_lines_l2(int bit, const void *pf, long 
     }
 BGS_TC_ENTRY_POINTS(, BGS_TC_TOKENS, false)
 BGS_TC_ENTRY_POINTS(_small, BGS_TC_SMALL_TOKENS, true)
+BGS_TC_ENTRY_POINTS(_mid, BGS_TC_MID_TOKENS, true)
 
 // ---- The persistent form: a whole op list in one launch ----
 //

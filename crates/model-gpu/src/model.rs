@@ -96,6 +96,14 @@ pub struct GpuModelOptions {
     /// than in one wide one, the 32-token bucket 4-20% slower); 0: the wide tiles everywhere.
     /// The persistent form keeps the wide tiles.
     pub tensor_core_small_tiles_max_tokens: usize,
+    /// Buckets of more than `plan::TC_SMALL_TOKENS` (8) and at most this many tokens, and LM
+    /// heads of that many rows, run the tensor-core kernels' mid-tile entry points instead
+    /// (`bgs_gemm_tc_mid` and the others' `_mid` forms): fragments for `plan::TC_MID_TOKENS`
+    /// (16) tokens, so the 16-token bucket is one token block reading the weights once, where
+    /// the small tiles take two blocks each reading them; staged like the small tiles, for the
+    /// same bits (the check compares them with the small and the wide tiles). 0 (the default):
+    /// none, until it is measured on the GPU. The persistent form keeps the wide tiles.
+    pub tensor_core_mid_tiles_max_tokens: usize,
     /// Let the small-tile GEMMs stage their weights in shared memory (`plan::Plan::tc_stage`):
     /// where a warp's share of a row tile takes more than one round of loads into registers
     /// (down_proj) or the row tiles outnumber the multiprocessors (gate/up), a block takes up
@@ -173,6 +181,7 @@ impl Default for GpuModelOptions {
             tensor_core_gemm_epilogues: true,
             tensor_core_gemm_fold_max_tokens: 4,
             tensor_core_small_tiles_max_tokens: 2 * plan::TC_SMALL_TOKENS,
+            tensor_core_mid_tiles_max_tokens: 0,
             tensor_core_staged_tiles: true,
             tensor_core_stage_min_rounds: 3,
             tensor_core_stage_waves: true,
@@ -342,6 +351,9 @@ pub struct GpuModel {
     tc_small_max_tokens: usize,
     /// Whether the small tiles are used (`set_tc_small_tiles` changes it for direct launches).
     tc_small_on: bool,
+    /// `tensor_core_mid_tiles_max_tokens` (`set_tc_mid_max_tokens` changes it for direct
+    /// launches).
+    tc_mid_max_tokens: usize,
     /// When the small tiles stage (`tensor_core_stage_min_rounds`, `tensor_core_stage_waves`)
     /// and the dynamic shared memory they may take a block (0: never staged).
     tc_stage: plan::TcStaging,
@@ -548,6 +560,7 @@ impl GpuModel {
             tc_fold_max_tokens: opts.tensor_core_gemm_fold_max_tokens,
             tc_small_max_tokens: opts.tensor_core_small_tiles_max_tokens,
             tc_small_on: true,
+            tc_mid_max_tokens: opts.tensor_core_mid_tiles_max_tokens,
             tc_stage: plan::TcStaging {
                 bytes: if opts.tensor_core_staged_tiles && env.cc.0 >= 8 {
                     plan::tc_stage_budget(env.smem_optin)
@@ -628,18 +641,18 @@ impl GpuModel {
             .map(|k| get_function(self.module, k.name()))
             .collect::<Result<_, _>>()?;
         if self.tc_stage.bytes > 0 {
-            // The staged small tiles take more dynamic shared memory than a block gets without
-            // the opt-in (`plan::Plan::tc_stage` stays within tc_stage.bytes).
+            // The staged small and mid tiles take more dynamic shared memory than a block gets
+            // without the opt-in (`plan::Plan::tc_stage` stays within what each is allowed).
             for k in plan::TC_STAGED_KERNELS {
                 ck(
                     // SAFETY: `func(k)` is a kernel of the loaded module; the size is within
-                    // the device's opt-in limit less the kernels' static shared memory
-                    // (`plan::tc_stage_budget`).
+                    // the device's opt-in limit less the kernel's static shared memory
+                    // (`plan::tc_stage_budget`, `plan::tc_stage_kernel_bytes`).
                     unsafe {
                         cu::cuFuncSetAttribute(
                             self.func(k)?,
                             cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            self.tc_stage.bytes as i32,
+                            plan::tc_stage_kernel_bytes(k, self.tc_stage.bytes) as i32,
                         )
                     },
                     &format!(
@@ -899,6 +912,7 @@ impl GpuModel {
             } else {
                 0
             },
+            tc_mid_max_tokens: self.tc_mid_max_tokens,
             staging: plan::TcStaging {
                 bytes: if self.tc_stage_on {
                     self.tc_stage.bytes
@@ -1148,6 +1162,7 @@ impl GpuModel {
         let mut plan = self.plan();
         plan.tc_epilogues = false;
         plan.tc_small_max_tokens = 0;
+        plan.tc_mid_max_tokens = 0;
         plan.split_argmax = false;
         let mut lists = Vec::new();
         for &n in tb.iter().filter(|&&n| n <= max) {
@@ -1343,6 +1358,20 @@ impl GpuModel {
     /// `tensor_core_small_tiles_max_tokens`.
     pub fn tc_small_max_tokens(&self) -> usize {
         self.tc_small_max_tokens
+    }
+
+    /// Run buckets of more than `plan::TC_SMALL_TOKENS` and at most `n` tokens on the
+    /// tensor-core kernels' mid tiles (0: none), for the launches made without graphs (the
+    /// captured graphs keep `tensor_core_mid_tiles_max_tokens`). The same bits as the small
+    /// and the wide tiles; the check compares them whatever the option.
+    pub fn set_tc_mid_max_tokens(&mut self, n: usize) {
+        self.tc_mid_max_tokens = n;
+    }
+
+    /// The mid tiles' reach for the launches made now (`tensor_core_mid_tiles_max_tokens`
+    /// unless `set_tc_mid_max_tokens` changed it).
+    pub fn tc_mid_max_tokens(&self) -> usize {
+        self.tc_mid_max_tokens
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),

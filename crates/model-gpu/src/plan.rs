@@ -38,22 +38,48 @@ pub const TC_TOKENS: usize = 32;
 /// 8 tokens instead of 32 take fewer registers, so more blocks share a multiprocessor; every
 /// output is the same sum in the same order, so the same bits as the wide tiles.
 pub const TC_SMALL_TOKENS: usize = 8;
-/// Chunks whose weights a warp of a small tile loads ahead (`-DBGS_TC_SMALL_UNROLL`; the wide
-/// tiles load 4): registers against loads in flight.
+/// Tokens of a block of the tensor-core kernels' mid-tile entry points (`bgs_gemm_tc_mid` and
+/// the others' `_mid` forms, `-DBGS_TC_MID_TOKENS`): buckets of more than [`TC_SMALL_TOKENS`]
+/// and at most [`Plan::tc_mid_max_tokens`] tokens run them, in one token block where the small
+/// tiles take two, each loading the weights again. Staged like the small tiles
+/// ([`TC_STAGED_KERNELS`]); the same bits as the small and the wide tiles.
+pub const TC_MID_TOKENS: usize = 16;
+/// Chunks whose weights a warp of a small or mid tile loads ahead (`-DBGS_TC_SMALL_UNROLL`; the
+/// wide tiles load 4): registers against loads in flight. (At 4 the mid tiles' SiLU GEMM
+/// meets its 128-register launch bound with 12 bytes spilled, outside its loops.)
 pub const TC_SMALL_UNROLL: usize = 4;
 /// Row tiles a block of a staged small-tile GEMM takes at most (`-DBGS_TC_STAGE_MAX`; see
 /// [`Plan::tc_stage`]).
 pub const TC_STAGE_MAX: usize = 4;
-/// The small-tile entry points that stage their weights in shared memory where the launch
-/// gives them room ([`Plan::tc_stage`]).
-pub(crate) const TC_STAGED_KERNELS: [Kernel; 3] = [
+/// The small- and mid-tile entry points that stage their weights in shared memory where the
+/// launch gives them room ([`Plan::tc_stage`]).
+pub(crate) const TC_STAGED_KERNELS: [Kernel; 6] = [
     Kernel::GemmTcSmall,
     Kernel::GemmTcSiluSmall,
     Kernel::GemmTcAddNormSmall,
+    Kernel::GemmTcMid,
+    Kernel::GemmTcSiluMid,
+    Kernel::GemmTcAddNormMid,
 ];
 /// Shared memory kept back from a staged block's opt-in limit for the kernels' static shared
-/// memory (their partial sums: at most ~11 KB for the small tiles).
+/// memory (their partial sums: at most ~11 KB for the small tiles; the mid tiles keep back
+/// more, [`tc_stage_kernel_bytes`]).
 const TC_STAGE_RESERVE: usize = 16 * 1024;
+/// Static shared memory of the largest staged block of tile width `tok`, the SiLU GEMM's: two
+/// warp groups' partial sums and the gate and up values, `[16][tok + 1]` floats each (10,368
+/// bytes for the small tiles, 19,584 for the mid ones: ptxas's counts).
+fn tc_silu_static_shared(tok: usize) -> usize {
+    2 * (TC_WARPS + 1) * TC_ROWS * (tok + 1) * 4
+}
+/// The dynamic shared memory a staged launch of `kernel` may take out of `budget`
+/// ([`tc_stage_budget`], which keeps back the small tiles' static shared memory): less what
+/// wider partial sums take beyond the small tiles' (9 KB for the mid tiles), so that static
+/// and dynamic memory together stay within the block's opt-in limit.
+pub(crate) fn tc_stage_kernel_bytes(kernel: Kernel, budget: usize) -> usize {
+    let tok = kernel.tc_tile_tokens().unwrap_or(TC_SMALL_TOKENS);
+    let wider = tc_silu_static_shared(tok).saturating_sub(tc_silu_static_shared(TC_SMALL_TOKENS));
+    budget.saturating_sub(wider)
+}
 /// Bytes one warp stages for one tile of a projection of input width `inp`: its
 /// ceil(chunks / TC_WARPS) chunks, 2 × 16 bytes a lane each (`TC_STAGE_U4` in the kernels).
 fn tc_stage_warp_bytes(inp: usize) -> usize {
@@ -112,7 +138,8 @@ fn tc_stage(
     let gx = tiles.min(sms);
     let mine = tiles.div_ceil(gx);
     let bytes = mine * groups * TC_WARPS * tc_stage_warp_bytes(inp);
-    (mine <= TC_STAGE_MAX && bytes <= rule.bytes).then_some((gx as u32, bytes as u32))
+    (mine <= TC_STAGE_MAX && bytes <= tc_stage_kernel_bytes(kernel, rule.bytes))
+        .then_some((gx as u32, bytes as u32))
 }
 /// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
 pub(crate) const TC_ROWS: usize = 16;
@@ -144,12 +171,17 @@ pub(crate) enum Kernel {
     GemmTcSiluSmall,
     GemmTcAddNormSmall,
     GemmTcRopeKvSmall,
-    /// (Last, so that the persistent op ids, which follow this order, stay as they were.)
+    /// (After the kernels before it, so that the persistent op ids, which follow this order,
+    /// stay as they were; later kernels come after it for the same reason.)
     ArgmaxSplit,
+    GemmTcMid,
+    GemmTcSiluMid,
+    GemmTcAddNormMid,
+    GemmTcRopeKvMid,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 21] = [
+    pub(crate) const ALL: [Kernel; 25] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -171,6 +203,10 @@ impl Kernel {
         Kernel::GemmTcAddNormSmall,
         Kernel::GemmTcRopeKvSmall,
         Kernel::ArgmaxSplit,
+        Kernel::GemmTcMid,
+        Kernel::GemmTcSiluMid,
+        Kernel::GemmTcAddNormMid,
+        Kernel::GemmTcRopeKvMid,
     ];
 
     /// The `extern "C"` name.
@@ -197,6 +233,10 @@ impl Kernel {
             Kernel::GemmTcSiluSmall => "bgs_gemm_tc_silu_small",
             Kernel::GemmTcAddNormSmall => "bgs_gemm_tc_add_norm_small",
             Kernel::GemmTcRopeKvSmall => "bgs_gemm_tc_rope_kv_small",
+            Kernel::GemmTcMid => "bgs_gemm_tc_mid",
+            Kernel::GemmTcSiluMid => "bgs_gemm_tc_silu_mid",
+            Kernel::GemmTcAddNormMid => "bgs_gemm_tc_add_norm_mid",
+            Kernel::GemmTcRopeKvMid => "bgs_gemm_tc_rope_kv_mid",
         }
     }
 
@@ -211,26 +251,41 @@ impl Kernel {
         }
     }
 
-    /// The wide-tile kernel a small-tile entry point computes the same bits as (itself for
-    /// the others): what the emulator (test builds only) matches on.
-    #[cfg(test)]
-    pub(crate) fn wide(self) -> Kernel {
+    /// The mid-tile entry point of a tensor-core kernel (itself for the others).
+    pub(crate) fn mid(self) -> Kernel {
         match self {
-            Kernel::GemmTcSmall => Kernel::GemmTc,
-            Kernel::GemmTcSiluSmall => Kernel::GemmTcSilu,
-            Kernel::GemmTcAddNormSmall => Kernel::GemmTcAddNorm,
-            Kernel::GemmTcRopeKvSmall => Kernel::GemmTcRopeKv,
+            Kernel::GemmTc => Kernel::GemmTcMid,
+            Kernel::GemmTcSilu => Kernel::GemmTcSiluMid,
+            Kernel::GemmTcAddNorm => Kernel::GemmTcAddNormMid,
+            Kernel::GemmTcRopeKv => Kernel::GemmTcRopeKvMid,
             k => k,
         }
     }
 
-    /// Tokens of a block of a tensor-core kernel ([`TC_TOKENS`] or [`TC_SMALL_TOKENS`]), or
-    /// `None` for the others.
+    /// The wide-tile kernel a small- or mid-tile entry point computes the same bits as (itself
+    /// for the others): what the emulator (test builds only) matches on.
+    #[cfg(test)]
+    pub(crate) fn wide(self) -> Kernel {
+        match self {
+            Kernel::GemmTcSmall | Kernel::GemmTcMid => Kernel::GemmTc,
+            Kernel::GemmTcSiluSmall | Kernel::GemmTcSiluMid => Kernel::GemmTcSilu,
+            Kernel::GemmTcAddNormSmall | Kernel::GemmTcAddNormMid => Kernel::GemmTcAddNorm,
+            Kernel::GemmTcRopeKvSmall | Kernel::GemmTcRopeKvMid => Kernel::GemmTcRopeKv,
+            k => k,
+        }
+    }
+
+    /// Tokens of a block of a tensor-core kernel ([`TC_TOKENS`], [`TC_MID_TOKENS`] or
+    /// [`TC_SMALL_TOKENS`]), or `None` for the others.
     pub(crate) fn tc_tile_tokens(self) -> Option<usize> {
         match self {
             Kernel::GemmTc | Kernel::GemmTcSilu | Kernel::GemmTcAddNorm | Kernel::GemmTcRopeKv => {
                 Some(TC_TOKENS)
             }
+            Kernel::GemmTcMid
+            | Kernel::GemmTcSiluMid
+            | Kernel::GemmTcAddNormMid
+            | Kernel::GemmTcRopeKvMid => Some(TC_MID_TOKENS),
             Kernel::GemmTcSmall
             | Kernel::GemmTcSiluSmall
             | Kernel::GemmTcAddNormSmall
@@ -643,7 +698,11 @@ pub(crate) struct Plan<'a> {
     /// tensor-core kernels' small-tile entry points ([`Plan::tc_kernel`]): the same bits as
     /// the wide tiles (0: none).
     pub tc_small_max_tokens: usize,
-    /// When the small tiles stage their weights ([`Plan::tc_stage`]).
+    /// Buckets of more than [`TC_SMALL_TOKENS`] and at most this many tokens (and LM heads of
+    /// that many rows) run the mid-tile entry points instead ([`Plan::tc_kernel`]): the same
+    /// bits (0: none).
+    pub tc_mid_max_tokens: usize,
+    /// When the small and mid tiles stage their weights ([`Plan::tc_stage`]).
     pub staging: TcStaging,
     /// The LM head's argmax over [`ARGMAX_PARTS`] blocks a row (`bgs_argmax_split`) rather
     /// than one (`bgs_argmax`, which the persistent form runs): the same ids.
@@ -688,13 +747,13 @@ impl Plan<'_> {
 
     /// Whether and how a launch of `kernel` (`groups` warp groups a block) over `rows` output
     /// rows of input width `inp` stages its weights: `Some((grid x, dynamic shared bytes))`
-    /// for the staged small-tile entry points ([`TC_STAGED_KERNELS`]) where loading into
-    /// registers would take more than one round of loads a warp (more than
+    /// for the staged small- and mid-tile entry points ([`TC_STAGED_KERNELS`]) where loading
+    /// into registers would take more than one round of loads a warp (more than
     /// [`TC_SMALL_UNROLL`] chunks) or more than one wave of blocks (more row tiles than
     /// multiprocessors: the gate/up tiles run one block a multiprocessor), and every block's
     /// tiles (at most [`TC_STAGE_MAX`], dealt out round-robin over at most one block a
-    /// multiprocessor) fit `staging.bytes`. The tiles compute the same bits whichever block
-    /// takes them.
+    /// multiprocessor) fit `staging.bytes` ([`tc_stage_kernel_bytes`] of it). The tiles compute
+    /// the same bits whichever block takes them.
     pub(crate) fn tc_stage(
         &self,
         kernel: Kernel,
@@ -727,9 +786,13 @@ impl Plan<'_> {
     }
 
     /// The entry point of tensor-core kernel `k` (its wide-tile name) for a bucket of `n`
-    /// tokens: its small-tile form where `tc_small_max_tokens` covers the bucket.
+    /// tokens: its mid-tile form where `tc_mid_max_tokens` covers a bucket wider than one small
+    /// tile (one token block rather than several small ones, each reading the weights), else
+    /// its small-tile form where `tc_small_max_tokens` covers the bucket.
     pub(crate) fn tc_kernel(&self, k: Kernel, n: usize) -> Kernel {
-        if n <= self.tc_small_max_tokens {
+        if n > TC_SMALL_TOKENS && n <= self.tc_mid_max_tokens {
+            k.mid()
+        } else if n <= self.tc_small_max_tokens {
             k.small()
         } else {
             k
@@ -1206,5 +1269,49 @@ mod tests {
             tc_stage(Kernel::GemmTcSiluSmall, 2, 4864, 896, 75, &any),
             None
         );
+        // The mid tiles stage as the small ones: the same shapes, the same blocks and bytes.
+        for (small, groups, rows, inp) in [
+            (Kernel::GemmTcAddNormSmall, 1, 896, 4864),
+            (Kernel::GemmTcSmall, 1, 896, 4864),
+            (Kernel::GemmTcSiluSmall, 2, 4864, 896),
+            (Kernel::GemmTcAddNormSmall, 1, 896, 896),
+        ] {
+            let mid = small.wide().mid();
+            assert!(TC_STAGED_KERNELS.contains(&mid));
+            assert_eq!(
+                stage(mid, groups, rows, inp),
+                stage(small, groups, rows, inp),
+                "{mid:?}"
+            );
+        }
+        assert_eq!(stage(Kernel::GemmTcRopeKvMid, 1, 1152, 896), None);
+    }
+
+    /// Every staged entry point's dynamic shared memory (what the host allows it with
+    /// `cuFuncSetAttribute`) and its static partial sums fit the H200's opt-in limit of a
+    /// block (227 KB, of which 1 KB is the system's): the mid tiles' SiLU GEMM keeps back 9 KB
+    /// more than the small tiles' budget.
+    #[test]
+    fn staged_kernels_fit_the_block_with_their_static_shared_memory() {
+        let optin = 232_448;
+        let budget = tc_stage_budget(optin);
+        for k in TC_STAGED_KERNELS {
+            let tok = k.tc_tile_tokens().unwrap();
+            let dynamic = tc_stage_kernel_bytes(k, budget);
+            assert!(
+                dynamic + tc_silu_static_shared(tok) + 1024 <= optin,
+                "{k:?}: {dynamic} dynamic bytes"
+            );
+        }
+        assert_eq!(
+            tc_stage_kernel_bytes(Kernel::GemmTcSiluSmall, budget),
+            budget
+        );
+        assert_eq!(
+            tc_stage_kernel_bytes(Kernel::GemmTcSiluMid, budget),
+            budget - 9 * 1024
+        );
+        // Qwen2.5-0.5B's gate/up (3 tiles of 2 groups a block, 192 KB) still stages mid.
+        assert!(3 * 2 * 8 * 4 * 1024 <= tc_stage_kernel_bytes(Kernel::GemmTcSiluMid, budget));
     }
 }

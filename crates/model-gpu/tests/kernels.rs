@@ -25,7 +25,7 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 21] = [
+const ENTRY_POINTS: [&str; 25] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -46,6 +46,10 @@ const ENTRY_POINTS: [&str; 21] = [
     "bgs_gemm_tc_silu_small",
     "bgs_gemm_tc_add_norm_small",
     "bgs_gemm_tc_rope_kv_small",
+    "bgs_gemm_tc_mid",
+    "bgs_gemm_tc_silu_mid",
+    "bgs_gemm_tc_add_norm_mid",
+    "bgs_gemm_tc_rope_kv_mid",
     "bgs_persistent",
 ];
 

@@ -95,6 +95,12 @@ struct DeviceArgs {
     /// others the 32-token ones; the same bits, which the check compares; 0: never).
     #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_small_tiles_max_tokens)]
     tc_small_max_tokens: usize,
+    /// Buckets of more than 8 and at most this many tokens run the tensor-core kernels'
+    /// 16-token tiles instead (one token block where the 8-token tiles take two, each reading
+    /// the weights; the same bits, which the check compares; 0: never, the default until it is
+    /// measured).
+    #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_mid_tiles_max_tokens)]
+    tc_mid_max_tokens: usize,
     /// Keep the small tiles' weights in registers: no staging in shared memory
     /// (`tensor_core_staged_tiles`, on by default; the same bits, which the check compares).
     #[arg(long)]
@@ -226,6 +232,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         tensor_core_gemm_epilogues: !dev.no_tc_epilogues,
         tensor_core_gemm_fold_max_tokens: dev.tc_fold_max_tokens,
         tensor_core_small_tiles_max_tokens: dev.tc_small_max_tokens,
+        tensor_core_mid_tiles_max_tokens: dev.tc_mid_max_tokens,
         tensor_core_staged_tiles: !dev.no_tc_stage,
         tensor_core_stage_min_rounds: dev.tc_stage_min_rounds,
         tensor_core_stage_waves: !dev.no_tc_stage_waves,
@@ -583,6 +590,80 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             }
             gpu.set_tc_staged_tiles(!a.dev.no_tc_stage);
         }
+        // The mid tensor-core tiles (one 16-token block) against the small tiles (two 8-token
+        // blocks, where the small tiles take the bucket) and the wide ones: prefill steps of 9
+        // and 16 tokens and decode steps of 9, 12 and 16 sequences, the buckets past the small
+        // width that the mid tiles take. Up to TC_MID_TOKENS whatever --tc-mid-max-tokens
+        // (these launches are not captured), so that every run of the check compares them.
+        let mid_max = gpu.tc_mid_max_tokens();
+        let mid_on = |g: &mut GpuModel, on: bool| {
+            g.set_tc_mid_max_tokens(if on { bgs_model_gpu::TC_MID_TOKENS } else { 0 });
+        };
+        let cases: [(&[usize], usize); 5] = [
+            (&[4, 5], 0),
+            (&[5, 11], 0),
+            (&[1; 9], 20),
+            (&[1; 12], 20),
+            (&[1; 16], 20),
+        ];
+        for (lens, pos) in cases {
+            let (toks, tables) = step_inputs(lens, per, vocab);
+            let step = step_items(&toks, &tables, pos);
+            let tokens: usize = lens.iter().sum();
+            let (what, name) = if pos == 0 {
+                (
+                    format!("prefill step of {tokens} tokens"),
+                    format!("prefill_{tokens}"),
+                )
+            } else {
+                (
+                    format!("decode step of {}", lens.len()),
+                    format!("decode_{}", lens.len()),
+                )
+            };
+            if bgs_model_gpu::host::bucket_for(tokens).is_some_and(|n| n <= small_max) {
+                let [small, mid] = logits_off_on(&mut gpu, &step, mid_on)?;
+                ok &= report_bitwise(
+                    &format!("tensor-core mid tiles vs small tiles, {what}"),
+                    &format!("tc_mid_tiles_vs_small_{name}"),
+                    ("small", &small),
+                    ("mid", &mid),
+                    tol,
+                    &mut results,
+                );
+            }
+            gpu.set_tc_small_tiles(false);
+            let wide_mid = logits_off_on(&mut gpu, &step, mid_on);
+            gpu.set_tc_small_tiles(true);
+            let [wide, mid] = wide_mid?;
+            ok &= report_bitwise(
+                &format!("tensor-core mid tiles vs wide tiles, {what}"),
+                &format!("tc_mid_tiles_vs_wide_{name}"),
+                ("wide", &wide),
+                ("mid", &mid),
+                tol,
+                &mut results,
+            );
+        }
+        // The staged mid tiles against the same tiles loading into registers.
+        if gpu.set_tc_staged_tiles(true) {
+            mid_on(&mut gpu, true);
+            let (toks, tables) = step_inputs(&[1; 16], per, vocab);
+            let step = step_items(&toks, &tables, 20);
+            let [regs, staged] = logits_off_on(&mut gpu, &step, |g, on| {
+                g.set_tc_staged_tiles(on);
+            })?;
+            ok &= report_bitwise(
+                "staged mid tiles vs registers, decode step of 16",
+                "tc_staged_mid_tiles_decode_16",
+                ("registers", &regs),
+                ("staged", &staged),
+                tol,
+                &mut results,
+            );
+            gpu.set_tc_staged_tiles(!a.dev.no_tc_stage);
+        }
+        gpu.set_tc_mid_max_tokens(mid_max);
         gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
     }
 
@@ -694,6 +775,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "tc_epilogues": !a.dev.no_tc_epilogues,
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
+        "tc_mid_max_tokens": a.dev.tc_mid_max_tokens,
         "tc_staged_tiles": !a.dev.no_tc_stage,
         "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
         "tc_stage_waves": !a.dev.no_tc_stage_waves,
@@ -1087,6 +1169,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "tc_epilogues": !a.dev.no_tc_epilogues,
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
+        "tc_mid_max_tokens": a.dev.tc_mid_max_tokens,
         "tc_staged_tiles": !a.dev.no_tc_stage,
         "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
         "tc_stage_waves": !a.dev.no_tc_stage_waves,
