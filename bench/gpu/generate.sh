@@ -12,7 +12,7 @@
 # Runs ON the GPU machine from the repo root. Writes OUT_DIR/summary.json (date, machine,
 # command, revision) and the logs.
 # Usage: bash bench/gpu/generate.sh BIN_DIR OUT_DIR   (BIN_DIR: bgs, bgs-llm-gpu, REVISION)
-# PARTS (default "check hf bench served openai"; also "persistent", "attribution") picks parts, STEP_LOOP (host|device) the step
+# PARTS (default "check hf bench served openai"; also "persistent", "attribution", "tiles") picks parts, STEP_LOOP (host|device) the step
 # loop of the served parts; SECS (default 30) is the paper
 # workload's duration per slot count.
 set -uo pipefail
@@ -159,6 +159,29 @@ for k in 0 1 2 4 8 16 32 64 127; do
   step "bench-attr-skip$k" 240 env BGS_LLM_KERNEL_DEFINES="BGS_TIME_SKIP=$k" "$bin/bgs-llm-gpu" bench \
     --arch qwen2.5-0.5b --dtype bf16 --invariant-gemm --batches 1,16 --context 128 \
     --json "$work/bench-attr-skip$k.json"
+done
+fi
+
+# 3d. The 16-token tensor-core tiles (`--tc-mid-max-tokens`: buckets of 9-16 tokens in one
+#     16-token block instead of two 8-token ones; the served paper workload runs mostly the
+#     16-token bucket). Checks first (mid tiles bitwise against small and wide), then the
+#     invariant decode step with and without them, interleaved, twice, both shapes, and the
+#     32-token bucket in two mid blocks (`--tc-mid-max-tokens 32`).
+if want tiles; then
+step check-tiny-qwen2-bf16-mid 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 \
+  --invariant-gemm --tc-mid-max-tokens 16 --json "$work/check-tiny-qwen2-bf16-mid.json"
+step check-qwen-bf16-mid 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 \
+  --invariant-gemm --tc-mid-max-tokens 16 --json "$work/check-qwen-bf16-mid.json"
+step check-smollm2-bf16-mid 240 "$bin/bgs-llm-gpu" check --model "$work/smollm2-135m" --dtype bf16 --steps 16 \
+  --invariant-gemm --tc-mid-max-tokens 16 --json "$work/check-smollm2-bf16-mid.json"
+for r in 1 2; do
+  for m in qwen2.5-0.5b smollm2-135m; do
+    for mid in 0 16 32; do
+      step "bench-$m-mid$mid-$r" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 --invariant-gemm \
+        --tc-mid-max-tokens $mid --batches 1,8,12,16,24,32 --context 128 --iters 100 \
+        --json "$work/bench-$m-mid$mid-$r.json"
+    done
+  done
 done
 fi
 
