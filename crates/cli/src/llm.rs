@@ -68,6 +68,12 @@ pub struct ModelArgs {
     /// --batch-invariant runs the GEMM for every bucket.
     #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_gemm_max_tokens)]
     pub gpu_tc_gemm_max_tokens: usize,
+    /// GPU forward pass: buckets of 9 up to this many tokens run the tensor-core GEMM in
+    /// 16-token blocks (one block reads the weights once where two 8-token blocks read them
+    /// twice; the same bits). 0: 8-token blocks there. Only where the tensor-core GEMM runs
+    /// (--batch-invariant or --gpu-tc-gemm-max-tokens).
+    #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_mid_tiles_max_tokens)]
+    pub gpu_tc_mid_max_tokens: usize,
     /// GPU forward pass: launch the model's kernels one after the other, without programmatic
     /// dependent launch (by default, on sm_90+, each may start while the one before it
     /// drains; the same results either way).
@@ -133,6 +139,7 @@ pub const GPU_ONLY_MODEL_FLAGS: &[&str] = &[
     "batch_invariant",
     "gpu_fused_max_tokens",
     "gpu_tc_gemm_max_tokens",
+    "gpu_tc_mid_max_tokens",
     "gpu_no_pdl",
 ];
 
@@ -258,6 +265,7 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                 batch_invariant_gemm: args.batch_invariant,
                 fused_max_tokens: args.gpu_fused_max_tokens,
                 tensor_core_gemm_max_tokens: args.gpu_tc_gemm_max_tokens,
+                tensor_core_mid_tiles_max_tokens: args.gpu_tc_mid_max_tokens,
                 programmatic_launch: !args.gpu_no_pdl,
                 device_launch: *step_loop_on_device,
                 ..bgs_model_gpu::GpuModelOptions::default()

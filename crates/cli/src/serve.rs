@@ -293,6 +293,7 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "batch_invariant",
             "gpu_fused_max_tokens",
             "gpu_tc_gemm_max_tokens",
+            "gpu_tc_mid_max_tokens",
             "gpu_no_pdl",
         ])
     {
