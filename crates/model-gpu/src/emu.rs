@@ -2053,9 +2053,11 @@ mod tests {
         ];
         for (fold, max) in [(false, 8), (true, 8), (false, 16), (true, 16)] {
             let model = |max: usize| {
+                // The small tiles alone: 16 tokens would otherwise take the mid tiles.
                 EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
                     .with_tc_fold_max_tokens(if fold { 64 } else { 0 })
                     .with_tc_small_max_tokens(max)
+                    .with_tc_mid_max_tokens(0)
             };
             let m = model(max);
             for n in [1, 8, 16, 32] {
@@ -2169,7 +2171,8 @@ mod tests {
                 }
             }
         }
-        let off = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true);
+        let off = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
+            .with_tc_mid_max_tokens(0);
         for n in [1, 8, 16, 32] {
             assert!(tc_launches(&off, n).iter().all(|(k, ..)| !mid.contains(k)));
         }
