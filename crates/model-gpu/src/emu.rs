@@ -758,79 +758,6 @@ impl Emu {
                     self.put_i32s(next + 4 * s as u64, &[id as i32]);
                 }
             }
-            Kernel::GemmTcMlpSmall => {
-                // (wgu, x, act, inter, in, n, wd, res, nw, eps, xn, cnt, pf, pf_bytes): the
-                // tickets in the order the blocks take them, gate/up's row tiles (the
-                // GemmTcSilu arithmetic over 16 rows) and then down's (GemmTcAddNorm's), the
-                // last down tile norming the rows.
-                let (wgu, x, act, inter, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
-                let (wd, res, nw, eps, xn, cnt) = (p(6), p(7), p(8), fl(9), p(10), p(11));
-                let _prefetch = (p(12), ll(13));
-                let name = named.name();
-                let (g_tiles, d_tiles) =
-                    (inter.div_ceil(plan::TC_ROWS), inp.div_ceil(plan::TC_ROWS));
-                assert_ne!(self.dtype, GpuDtype::F32, "{name}: 16-bit types only");
-                assert_eq!(block as usize, 2 * plan::TC_WARPS * 32, "{name}: block");
-                assert!(
-                    gx >= 1 && gx <= g_tiles + d_tiles && gy == 1,
-                    "{name}: grid {grid:?} for {} tickets",
-                    g_tiles + d_tiles
-                );
-                assert!(n >= 1 && n <= tile, "{name}: {n} tokens in one token block");
-                assert_eq!(inp % plan::TC_CHUNK, 0, "{name}: partial chunk");
-                assert_eq!(inter % plan::TC_CHUNK, 0, "{name}: partial chunk");
-                // The room: nothing, or what one kind of tile stages (the kernel stages each
-                // kind that fits), within the opt-in limit the tests' device allows.
-                let gate_up_bytes =
-                    2 * plan::TC_WARPS * (inp / plan::TC_CHUNK).div_ceil(plan::TC_WARPS) * 1024;
-                let down_bytes =
-                    plan::TC_WARPS * (inter / plan::TC_CHUNK).div_ceil(plan::TC_WARPS) * 1024;
-                let shared = shared as usize;
-                assert!(
-                    [0, gate_up_bytes, down_bytes].contains(&shared)
-                        && shared
-                            <= plan::tc_stage_kernel_bytes(named, plan::tc_stage_budget(232_448)),
-                    "{name}: {shared} bytes of shared memory (gate/up tiles {gate_up_bytes}, \
-                     down tiles {down_bytes})"
-                );
-                assert!(
-                    self.i32s(cnt, 4).iter().all(|&c| c == 0),
-                    "{name}: the ticket counts are not zero at launch"
-                );
-                let xs = self.wts(x, n * inp);
-                let mut gate_up_done = 0;
-                for ticket in 0..g_tiles + d_tiles {
-                    if ticket < g_tiles {
-                        for i in ticket * plan::TC_ROWS..((ticket + 1) * plan::TC_ROWS).min(inter) {
-                            let wg = self.wts(wgu + (i * inp) as u64 * es, inp);
-                            let wu = self.wts(wgu + ((inter + i) * inp) as u64 * es, inp);
-                            for t in 0..n {
-                                let xt = &xs[t * inp..(t + 1) * inp];
-                                let v = silu_times(tc_dot(&wg, xt), tc_dot(&wu, xt));
-                                self.put_wts(act + ((t * inter + i) as u64) * es, &[v]);
-                            }
-                        }
-                        gate_up_done += 1;
-                        continue;
-                    }
-                    // A down tile waits until every gate/up tile is done; it reads act as
-                    // they stored it.
-                    assert_eq!(gate_up_done, g_tiles, "{name}: down before gate/up");
-                    let acts = self.wts(act, n * inter);
-                    let r0 = (ticket - g_tiles) * plan::TC_ROWS;
-                    for r in r0..(r0 + plan::TC_ROWS).min(inp) {
-                        let wr = self.wts(wd + (r * inter) as u64 * es, inter);
-                        for t in 0..n {
-                            let d = tc_dot(&wr, &acts[t * inter..(t + 1) * inter]);
-                            let o = res + ((t * inp + r) * 4) as u64;
-                            let v = self.f32s(o, 1)[0] + d;
-                            self.put_f32s(o, &[v]);
-                        }
-                    }
-                }
-                let normed = self.normed_rows(res, nw, eps, inp, n);
-                self.put_wts(xn, &normed);
-            }
             Kernel::GemmTcSmall
             | Kernel::GemmTcSiluSmall
             | Kernel::GemmTcAddNormSmall
@@ -991,7 +918,6 @@ pub(crate) struct EmuModel {
     tc_small_max_tokens: usize,
     tc_mid_max_tokens: usize,
     tc_stage_bytes: usize,
-    tc_fused_mlp: bool,
     split_argmax: bool,
 }
 
@@ -1048,7 +974,6 @@ impl EmuModel {
             tc_mid_max_tokens: crate::GpuModelOptions::default().tensor_core_mid_tiles_max_tokens,
             // An H100/H200's opt-in limit (227 KB): the plan stages where its rules say.
             tc_stage_bytes: plan::tc_stage_budget(232_448),
-            tc_fused_mlp: crate::GpuModelOptions::default().tensor_core_fused_mlp,
             split_argmax: true,
         }
     }
@@ -1078,13 +1003,6 @@ impl EmuModel {
     /// `GpuModelOptions::tensor_core_staged_tiles` on a device allowing `n + 16 KB`).
     pub(crate) fn with_tc_stage_bytes(mut self, n: usize) -> EmuModel {
         self.tc_stage_bytes = n;
-        self
-    }
-
-    /// The MLP of the folded small-tile buckets in one launch (as
-    /// `GpuModelOptions::tensor_core_fused_mlp`).
-    pub(crate) fn with_tc_fused_mlp(mut self, on: bool) -> EmuModel {
-        self.tc_fused_mlp = on;
         self
     }
 
@@ -1155,7 +1073,6 @@ impl EmuModel {
                 bytes: self.tc_stage_bytes,
                 ..plan::TcStaging::from(&crate::GpuModelOptions::default())
             },
-            tc_fused_mlp: self.tc_fused_mlp,
             split_argmax: self.split_argmax,
         }
     }
@@ -1811,10 +1728,6 @@ mod tests {
                 .with_tc_epilogues(false)
                 .with_split_argmax(false)
                 .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
-            // The fused MLP (the folded form's small-tile buckets; f32 has no folded form).
-            let mlp = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
-                .with_tc_fold_max_tokens(64)
-                .with_tc_fused_mlp(true);
             let narrow = ModelConfig {
                 head_dim: 8,
                 num_heads: 2 * cfg.num_heads,
@@ -1826,7 +1739,7 @@ mod tests {
                 .with_tc_fold_max_tokens(64)
                 .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
             // (64 tokens: the wide tensor-core tiles; 8: the small ones; 16: the mid ones.)
-            let plans = [m, apart, silu, mlp].map(|m| {
+            let plans = [m, apart, silu].map(|m| {
                 let p = m.plan();
                 [p.body(64), p.body(8), p.head(8), p.body(16), p.head(16)]
             });
@@ -2308,120 +2221,6 @@ mod tests {
                 let what = format!("prompts {lens:?}, fold {fold}, staged {stage}");
                 assert_eq!(logits[0], logits[1], "mid vs small tiles, {what}");
                 assert_eq!(logits[0], logits[2], "mid vs wide tiles, {what}");
-            }
-        }
-    }
-
-    /// The fused MLP (`tensor_core_fused_mlp`): in the folded form's small-tile buckets (one
-    /// token block) gate/up and down are one launch of ticketed tiles, so a layer has one
-    /// launch fewer and no SiLU or add-norm launch for its MLP (o_proj's add-norm stays), every
-    /// other op as before; wider buckets, unfolded ones and the option off (the default) plan
-    /// as before. The launch: a block a multiprocessor (the emulator's two) and
-    /// `plan::tc_mlp_shared`'s room. The emulated logits (the emulator takes the tickets in
-    /// order, down's after gate/up's, and checks the launch and that the counts are zero at
-    /// every launch) are the two launches', bit for bit: prefill steps of 1-8 tokens and
-    /// decode steps of 1, 3 and 8 sequences, staged and in registers.
-    #[test]
-    fn fused_mlp_plan_and_bits() {
-        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 7, DType::F32);
-        let (h, inter, layers) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers);
-        assert!(!crate::GpuModelOptions::default().tensor_core_fused_mlp);
-        let model = |on: bool, bytes: usize, fold: usize| {
-            EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
-                .with_tc_fold_max_tokens(fold)
-                .with_tc_stage_bytes(bytes)
-                .with_tc_fused_mlp(on)
-        };
-        let is =
-            |op: &Op, ks: &[Kernel]| matches!(op, Op::Launch { kernel, .. } if ks.contains(kernel));
-        let count = |ops: &[Op], k: Kernel| ops.iter().filter(|op| is(op, &[k])).count();
-        let tickets = inter.div_ceil(plan::TC_ROWS) + h.div_ceil(plan::TC_ROWS);
-        for bytes in [plan::tc_stage_budget(232_448), 0] {
-            let (off, on) = (model(false, bytes, 8), model(true, bytes, 8));
-            let default = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 64, 16], true)
-                .with_tc_fold_max_tokens(8)
-                .with_tc_stage_bytes(bytes);
-            for n in [1, 2, 4, 8, 16, 32] {
-                let (apart, fused) = (off.plan().body(n), on.plan().body(n));
-                assert_eq!(
-                    default.plan().body(n),
-                    apart,
-                    "bucket {n}: off is the default"
-                );
-                if n > plan::TC_SMALL_TOKENS {
-                    assert_eq!(apart, fused, "bucket {n}: not folded, as before");
-                    continue;
-                }
-                assert!(on.plan().tc_mlp_fused(n) && !off.plan().tc_mlp_fused(n));
-                assert_eq!(fused.len() + layers, apart.len(), "bucket {n}");
-                assert_eq!(count(&fused, Kernel::GemmTcMlpSmall), layers);
-                assert_eq!(count(&fused, Kernel::GemmTcSiluSmall), 0);
-                assert_eq!(count(&fused, Kernel::GemmTcAddNormSmall), layers);
-                assert_eq!(count(&apart, Kernel::GemmTcAddNormSmall), 2 * layers);
-                assert_eq!(count(&apart, Kernel::GemmTcMlpSmall), 0);
-                // Every other op the same, in the same order: the apart plan without its MLP
-                // launches (each layer's gate/up and its second add-norm) is the fused plan
-                // without its fused launches.
-                let mut seen = 0;
-                let apart_rest: Vec<&Op> = apart
-                    .iter()
-                    .filter(|op| {
-                        if is(op, &[Kernel::GemmTcSiluSmall]) {
-                            return false;
-                        }
-                        if is(op, &[Kernel::GemmTcAddNormSmall]) {
-                            seen += 1;
-                            return seen % 2 == 1; // o_proj's, not down's
-                        }
-                        true
-                    })
-                    .collect();
-                let fused_rest: Vec<&Op> = fused
-                    .iter()
-                    .filter(|op| !is(op, &[Kernel::GemmTcMlpSmall]))
-                    .collect();
-                assert_eq!(apart_rest, fused_rest, "bucket {n}, room {bytes}");
-                for op in &fused {
-                    if let Op::Launch {
-                        kernel: Kernel::GemmTcMlpSmall,
-                        grid,
-                        block,
-                        shared,
-                        ..
-                    } = op
-                    {
-                        assert_eq!(*grid, (2.min(tickets) as u32, 1));
-                        assert_eq!(*block, 2 * plan::TC_WARPS as u32 * 32);
-                        assert_eq!(*shared as usize, plan::tc_mlp_shared(h, inter, bytes));
-                        assert_eq!(*shared > 0, bytes > 0);
-                    }
-                }
-            }
-            // Only in the folded form.
-            let unfolded = model(true, bytes, 0);
-            assert_eq!(
-                unfolded.plan().body(1),
-                model(false, bytes, 0).plan().body(1)
-            );
-        }
-        // The bits: the first steps' prefill (5 tokens over b prompts, or one prompt of each
-        // length up to 8), then a decode step of each sequence.
-        let cases: [&[usize]; 5] = [&[1], &[1, 1, 1], &[1; 8], &[2, 3], &[8]];
-        for lens in cases {
-            let b = lens.len();
-            let prompts = prompts(cfg.vocab_size, lens);
-            let blocks: Vec<Vec<u32>> = (0..b as u32).map(|i| vec![i]).collect();
-            let next: Vec<Vec<u32>> = (0..b as u32)
-                .map(|i| vec![(7 * i + 3) % cfg.vocab_size as u32])
-                .collect();
-            for bytes in [plan::tc_stage_budget(232_448), 0] {
-                let mut logits = Vec::new();
-                for on in [false, true] {
-                    let mut m = model(on, bytes, 8);
-                    let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; b]));
-                    logits.push((first, m.step_logits(&sampled(&next, &blocks, lens))));
-                }
-                assert_eq!(logits[0], logits[1], "prompts {lens:?}, room {bytes}");
             }
         }
     }

@@ -26,10 +26,6 @@ pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
 /// The mid tensor-core tiles' width (`GpuModelOptions::tensor_core_mid_tiles_max_tokens`): the
 /// check runs them up to it.
 pub use plan::TC_MID_TOKENS;
-/// The small tensor-core tiles' width, the one the fused MLP is built for
-/// (`GpuModelOptions::tensor_core_fused_mlp`): the check folds buckets up to it to compare
-/// the fused MLP there.
-pub use plan::TC_SMALL_TOKENS;
 
 /// The kernels' CUDA C++ source.
 pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
@@ -61,7 +57,7 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         // The tensor-core GEMM's block shape, which the plan's grids are sized by.
         format!("-DBGS_TC_WARPS={}", plan::TC_WARPS),
         format!("-DBGS_TC_TOKENS={}", plan::TC_TOKENS),
-        format!("-DBGS_TC_SMALL_TOKENS={}", TC_SMALL_TOKENS),
+        format!("-DBGS_TC_SMALL_TOKENS={}", plan::TC_SMALL_TOKENS),
         format!("-DBGS_TC_MID_TOKENS={}", TC_MID_TOKENS),
         format!("-DBGS_TC_SMALL_UNROLL={}", plan::TC_SMALL_UNROLL),
         // The split argmax's block size.

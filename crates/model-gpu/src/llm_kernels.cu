@@ -165,8 +165,7 @@ __device__ __forceinline__ float dot_row(const float *q, const wt *k, int hd) {
 // with the previous one's end (what timing kernels one by one cannot show). The values are
 // wrong with any bit set. Bits: 1 attention, 2 the folded QKV (+RoPE, KV write), 4 the folded
 // o_proj (+add, norm), 8 the folded down_proj (+add, norm), 16 gate/up (+SiLU), 32 bgs_gemm_tc
-// (the LM head in the folded form; every projection in the others), 64 the argmax. The fused
-// MLP (bgs_gemm_tc_mlp_small, gate/up and down in one launch) skips on either 8 or 16.
+// (the LM head in the folded form; every projection in the others), 64 the argmax.
 #ifndef BGS_TIME_SKIP
 #define BGS_TIME_SKIP 0
 #endif
@@ -1430,15 +1429,6 @@ __device__ __forceinline__ bgs_u4 ld_nc16(const bgs_u4 *p) {
         : "l"(p));
     return v;
 }
-// 16 bytes through L2 (ld.global.cg): written by other blocks of the same grid.
-__device__ __forceinline__ bgs_u4 ld_cg16(const bgs_u4 *p) {
-    bgs_u4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
 #endif
 #if BGS_HAVE_MMA
 // One 16-row x TOK-token tile of y = x · wᵀ (tokens t0.. of n): the MMA's rows 0-7 are
@@ -1508,10 +1498,7 @@ __device__ __forceinline__ unsigned tc_dynamic_smem() {
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
     return r;
 }
-// XCG: x is read through L2 (ld.global.cg), for an input that other blocks of the same grid
-// wrote (the fused MLP's down tiles read gate/up's act): an L1 line of this multiprocessor
-// may hold an older copy. The same values, so the same bits.
-template <int G, int TOK, bool XCG = false, class WSrc, class Epi>
+template <int G, int TOK, class WSrc, class Epi>
 __device__ __forceinline__ void tc_tile_from(WSrc wsrc, const wt *x, int t0, int in, int n,
                                              bool pdl, Epi epi) {
     constexpr int TILES = TOK / 8;
@@ -1544,12 +1531,8 @@ __device__ __forceinline__ void tc_tile_from(WSrc wsrc, const wt *x, int t0, int
             for (int j = 0; j < TILES; j++) {
                 const int t = t0 + 8 * j + g;
                 b[u][j] = bgs_u4{0u, 0u, 0u, 0u};
-                if (c < chunks && j < tiles && t < n) {
-                    if constexpr (XCG)
-                        b[u][j] = ld_cg16((const bgs_u4 *)(x + (size_t)(t - t0) * in) + 4 * c + q);
-                    else
-                        b[u][j] = ((const bgs_u4 *)(x + (size_t)(t - t0) * in))[4 * c + q];
-                }
+                if (c < chunks && j < tiles && t < n)
+                    b[u][j] = ((const bgs_u4 *)(x + (size_t)(t - t0) * in))[4 * c + q];
             }
         }
 #pragma unroll
@@ -1901,165 +1884,6 @@ __device__ __forceinline__ void prefetch_lines_l2(int bit, const void *pf, long 
 #endif
 }
 
-// The fused MLP (`GpuModelOptions::tensor_core_fused_mlp`, the folded form at most
-// BGS_TC_SMALL_TOKENS tokens): gate/up with SiLU·up and down with the residual add and the norm
-// after it in one launch, so that down's weights load while gate/up computes. Run apart, down's
-// staged blocks (~152 KB of shared memory on the Qwen2.5-0.5B shape) cannot start on a
-// multiprocessor until gate/up's blocks leave it, and programmatic dependent launch overlaps
-// nothing of its weight loads.
-//
-// Ticketed tiles: the grid is at most one block a multiprocessor (the host's choice; nothing
-// here needs the blocks to be resident together), and each block takes tickets from cnt[0]
-// (atomicAdd) until they run out: tickets 0 .. G-1 are gate/up's row tiles (G = inter / 16,
-// rounded up), each computed as tc_silu_tiles computes it (the gate and the up tile side by
-// side, then act = silu(g) · u), tickets G .. G+D-1 down's (D = in / 16, rounded up), each
-// computed as gemm_tc_add_norm_body computes it (res += act · wdᵀ, act read through L2). A
-// gate/up tile publishes its act rows (every thread fences, then one add to cnt[1]: release);
-// a down tile first copies its weights into shared memory, then waits until cnt[1] is G
-// (acquire loads, backing off with nanosleep), then computes. No deadlock without a
-// cooperative launch: tickets are taken in order by running blocks, so when a down tile waits
-// every gate/up ticket has been taken by a block that is running and waits for nothing but
-// the previous grid. The down tile that brings cnt[2] to D norms the rows into xn
-// (tc_norm_rows, as the add-norm body's last block) and zeroes cnt[2]; the block that leaves
-// last (cnt[3]) zeroes the others, so the counters are zero for the next launch (the next
-// layer's, the next replay of the graph). Every output is the same sum as in the two launches,
-// so the same bits. One token block (n <= TOK: `plan::Plan::tc_mlp_fused`).
-// Weights are staged (cp.async, one tile at a time, before the wait on the previous grid for a
-// block's first tile) where the launch's dynamic shared memory holds that kind of tile: 2 warp
-// groups' share of in for gate/up, one group's of inter for down (`plan::tc_mlp_shared`); else
-// loaded into registers as tc_tile does.
-// Backoff of a down tile's wait: doubling from 32 to 256 ns.
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void sleep_ns(unsigned ns) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
-    asm volatile("nanosleep.u32 %0;" ::"r"(ns));
-#endif
-}
-template <int TOK>
-__device__ __forceinline__ void gemm_tc_mlp_body(const wt *wgu, const wt *x, wt *act, int inter,
-                                                 int in, int n, const wt *wd, float *res,
-                                                 const float *nw, float eps, wt *xn,
-                                                 unsigned *cnt) {
-#if BGS_HAVE_MMA
-    __shared__ float gate[16][TOK + 1], up[16][TOK + 1];
-    __shared__ int ticket;
-    __shared__ unsigned last;
-    // (Both kinds: BGS_TIME_SKIP's gate/up bit or down's skips the whole launch.)
-    BGS_SKIP_IF(16 | 8, true);
-    if (n > TOK) __trap();  // never planned: one token block
-    const int G = (inter + 15) / 16, D = (in + 15) / 16;
-    const int tid = threadIdx.x;
-    const bool first = tid < BGS_TC_WARPS * 32;  // the gate group (and down's)
-    const int warp = (tid / 32) % BGS_TC_WARPS, lane = tid % 32;
-    const unsigned dyn = tc_dynamic_smem();
-    const bool stage_gu = dyn >= (unsigned)(2 * BGS_TC_WARPS * TC_STAGE_U4(in) * 16);
-    const bool stage_d = dyn >= (unsigned)(BGS_TC_WARPS * TC_STAGE_U4(inter) * 16);
-    extern __shared__ bgs_u4 tc_stage_smem[];
-    bool waited = false;  // on the previous grid (BGS_PDL_BEGIN), once a block
-    for (;;) {
-        if (tid == 0) ticket = (int)atomicAdd(cnt, 1u);
-        __syncthreads();
-        const int tk = ticket;
-        if (tk >= G + D) break;
-        if (tk < G) {
-            // A gate/up tile: tc_silu_tiles' for row tile tk.
-            const int r0 = tk * 16;
-            const wt *wg = first ? wgu : wgu + (size_t)inter * in;  // this group's rows
-            bgs_u4 *region = tc_stage_smem + ((!first) * BGS_TC_WARPS + warp) * TC_STAGE_U4(in);
-            auto epi = [&](int row, int col, float s) { (first ? gate : up)[row][col] = s; };
-            if (stage_gu) {
-                tc_stage(wg, r0, r0 + 8, inter, in, region, warp);
-                cp_async_commit();
-                if (!waited) BGS_PDL_BEGIN();
-                cp_async_wait_all();
-                if (first)
-                    tc_tile_from<0, TOK>(TcStagedW{region, warp, lane}, x, 0, in, n, false, epi);
-                else
-                    tc_tile_from<1, TOK>(TcStagedW{region, warp, lane}, x, 0, in, n, false, epi);
-            } else if (first) {
-                tc_tile<0, TOK>(wg, x, r0, r0 + 8, 0, inter, in, n, !waited, epi);
-            } else {
-                tc_tile<1, TOK>(wg, x, r0, r0 + 8, 0, inter, in, n, !waited, epi);
-            }
-            waited = true;
-            __syncthreads();
-            for (int e = tid; e < 16 * TOK; e += 2 * BGS_TC_WARPS * 32) {
-                const int row = e % 16, col = e / 16;
-                const int r = r0 + row;
-                if (r < inter && col < n)
-                    act[(size_t)col * inter + r] = silu_times(gate[row][col], up[row][col]);
-            }
-            // Release: the block's act stores, then the count.
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) atomicAdd(cnt + 1, 1u);
-        } else {
-            // A down tile: gemm_tc_add_norm_body's for row tile tk - G, by the first group.
-            const int r0 = (tk - G) * 16;
-            bgs_u4 *region = tc_stage_smem + warp * TC_STAGE_U4(inter);
-            if (stage_d && first) {
-                tc_stage(wd, r0, r0 + 8, in, inter, region, warp);
-                cp_async_commit();
-            }
-            if (!waited) BGS_PDL_BEGIN();
-            waited = true;
-            // Acquire: every gate/up tile's act rows (thread 0's loads, then the barrier).
-            if (tid == 0) {
-                unsigned ns = 32;
-                while (ld_acquire_u32(cnt + 1) < (unsigned)G) {
-                    sleep_ns(ns);
-                    ns = ns < 128u ? 2 * ns : 256u;
-                }
-            }
-            __syncthreads();
-            if (first) {
-                auto epi = [&](int row, int col, float s) {
-                    const int r = r0 + row;
-                    if (r < in && col < n) {
-                        float *o = res + (size_t)col * in + r;
-                        *o = *o + s;
-                    }
-                };
-                if (stage_d) {
-                    cp_async_wait_all();
-                    tc_tile_from<0, TOK, true>(TcStagedW{region, warp, lane}, act, 0, inter, n,
-                                               false, epi);
-                } else {
-                    tc_tile_from<0, TOK, true>(tc_global_w(wd, r0, r0 + 8, in, inter), act, 0,
-                                               inter, n, false, epi);
-                }
-            }
-            // The add-norm body's count: the tile's adds made visible, then counted; the
-            // tile that completes the count norms the rows.
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) last = atomicAdd(cnt + 2, 1u) == (unsigned)D - 1;
-            __syncthreads();
-            if (last) {
-                __threadfence();
-                tc_norm_rows(res, nw, eps, xn, in, n);
-                if (tid == 0) cnt[2] = 0u;
-            }
-        }
-        // The tile's shared memory (staged weights, gate and up, the ticket) is free again.
-        __syncthreads();
-    }
-    // Every ticket is taken once the last block leaves (each leaves after taking one past the
-    // end), and every tile is done: zero the counts for the next launch.
-    if (tid == 0 && atomicAdd(cnt + 3, 1u) == gridDim.x - 1) {
-        cnt[0] = 0u;
-        cnt[1] = 0u;
-        cnt[3] = 0u;
-    }
-#else
-    __trap();
-#endif
-}
-
 // The tensor-core kernels' entry points for one tile width TOK, names suffixed SUF:
 //   bgs_gemm_tc             y = x · wᵀ
 //   bgs_gemm_tc_silu        gate/up with SiLU·up (512 threads: at most 128 registers a
@@ -2094,16 +1918,6 @@ __device__ __forceinline__ void gemm_tc_mlp_body(const wt *wgu, const wt *x, wt 
 BGS_TC_ENTRY_POINTS(, BGS_TC_TOKENS, false)
 BGS_TC_ENTRY_POINTS(_small, BGS_TC_SMALL_TOKENS, true)
 BGS_TC_ENTRY_POINTS(_mid, BGS_TC_MID_TOKENS, true)
-// The fused MLP at the small tiles' width (gemm_tc_mlp_body): gate/up + SiLU·up, then down +
-// residual add + the next norm; 512 threads as bgs_gemm_tc_silu (at most 128 registers).
-// Like down_proj's launch, it fetches the next layer's QKV weights into L2 (pf).
-extern "C" __global__ void __launch_bounds__(2 * BGS_TC_WARPS * 32)
-    bgs_gemm_tc_mlp_small(const wt *wgu, const wt *x, wt *act, int inter, int in, int n,
-                          const wt *wd, float *res, const float *nw, float eps, wt *xn,
-                          unsigned *cnt, const void *pf, long long pf_bytes) {
-    prefetch_lines_l2(4, pf, pf_bytes);
-    gemm_tc_mlp_body<BGS_TC_SMALL_TOKENS>(wgu, x, act, inter, in, n, wd, res, nw, eps, xn, cnt);
-}
 
 // ---- The persistent form: a whole op list in one launch ----
 //

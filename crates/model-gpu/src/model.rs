@@ -123,15 +123,6 @@ pub struct GpuModelOptions {
     /// multiprocessors (Qwen2.5-0.5B's gate/up: 304 tiles a block a multiprocessor). On by
     /// default.
     pub tensor_core_stage_waves: bool,
-    /// In the folded form's buckets of at most `plan::TC_SMALL_TOKENS` (8) tokens on the small
-    /// tiles (the batch-1 decode step), run gate/up + SiLU·up and down + residual add + norm as
-    /// one launch of ticketed tiles (`bgs_gemm_tc_mlp_small`) instead of two: a block a
-    /// multiprocessor takes gate/up's row tiles, then down's, one ticket after another; a down
-    /// tile stages its weights, then waits until every gate/up tile is done, so down's weights
-    /// load while gate/up computes (apart, down's staged blocks cannot start before gate/up's
-    /// blocks leave). The same bits (the check compares the two). Off by default: not yet
-    /// measured on a GPU.
-    pub tensor_core_fused_mlp: bool,
     /// Launch the crate's kernels with programmatic dependent launch (sm_90 and later; ignored
     /// on older devices): each may be scheduled while the one before it drains, and waits for
     /// it before reading (`BGS_PDL_BEGIN` in the kernels). cuBLAS's GEMMs launch as they do.
@@ -197,7 +188,6 @@ impl Default for GpuModelOptions {
             tensor_core_staged_tiles: true,
             tensor_core_stage_min_rounds: 3,
             tensor_core_stage_waves: true,
-            tensor_core_fused_mlp: false,
             programmatic_launch: true,
             attention_warps: 4,
             tensor_core_attention: true,
@@ -358,8 +348,7 @@ pub struct GpuModel {
     tc_gemm_max_tokens: usize,
     /// `tensor_core_gemm_epilogues` (`set_tc_epilogues` changes it for direct launches).
     tc_epilogues: bool,
-    /// `tensor_core_gemm_fold_max_tokens` (`set_tc_fold_max_tokens` changes it for direct
-    /// launches).
+    /// `tensor_core_gemm_fold_max_tokens`.
     tc_fold_max_tokens: usize,
     /// `tensor_core_small_tiles_max_tokens`.
     tc_small_max_tokens: usize,
@@ -373,8 +362,6 @@ pub struct GpuModel {
     tc_stage: plan::TcStaging,
     /// Whether the plan stages (`set_tc_staged_tiles` changes it for direct launches).
     tc_stage_on: bool,
-    /// `tensor_core_fused_mlp` (`set_tc_fused_mlp` changes it for direct launches).
-    tc_fused_mlp: bool,
     /// Launch the crate's kernels with programmatic stream serialization
     /// (`programmatic_launch` on a device that has it); off while `profile_ops` captures
     /// events between the operations.
@@ -586,7 +573,6 @@ impl GpuModel {
                 ..plan::TcStaging::from(opts)
             },
             tc_stage_on: true,
-            tc_fused_mlp: opts.tensor_core_fused_mlp,
             pdl: std::cell::Cell::new(opts.programmatic_launch && env.cc.0 >= 9),
             sms: env.sms,
             attention_warps: opts.attention_warps,
@@ -658,13 +644,9 @@ impl GpuModel {
             .map(|k| get_function(self.module, k.name()))
             .collect::<Result<_, _>>()?;
         if self.tc_stage.bytes > 0 {
-            // The staged small and mid tiles and the fused MLP take more dynamic shared memory
-            // than a block gets without the opt-in (`plan::Plan::tc_stage` and
-            // `plan::tc_mlp_shared` stay within what each is allowed).
-            for k in plan::TC_STAGED_KERNELS
-                .into_iter()
-                .chain([Kernel::GemmTcMlpSmall])
-            {
+            // The staged small and mid tiles take more dynamic shared memory than a block gets
+            // without the opt-in (`plan::Plan::tc_stage` stays within what each is allowed).
+            for k in plan::TC_STAGED_KERNELS {
                 ck(
                     // SAFETY: `func(k)` is a kernel of the loaded module; the size is within
                     // the device's opt-in limit less the kernel's static shared memory
@@ -942,7 +924,6 @@ impl GpuModel {
                 },
                 ..self.tc_stage
             },
-            tc_fused_mlp: self.tc_fused_mlp,
             split_argmax: true,
         }
     }
@@ -1183,7 +1164,6 @@ impl GpuModel {
         // kernel runs bgs_gemm_tc's body for 32 tokens): the same bits either way.
         let mut plan = self.plan();
         plan.tc_epilogues = false;
-        plan.tc_fused_mlp = false;
         plan.tc_small_max_tokens = 0;
         plan.tc_mid_max_tokens = 0;
         plan.split_argmax = false;
@@ -1389,33 +1369,6 @@ impl GpuModel {
     /// and the wide tiles; the check compares them whatever the option.
     pub fn set_tc_mid_max_tokens(&mut self, n: usize) {
         self.tc_mid_max_tokens = n;
-    }
-
-    /// Run the MLP of the folded form's small-tile buckets as one launch of ticketed tiles
-    /// (true) or as the gate/up and down launches (false), for the launches made without
-    /// graphs (the captured graphs keep `tensor_core_fused_mlp`). The same bits either way;
-    /// the check compares the two whatever the option.
-    pub fn set_tc_fused_mlp(&mut self, on: bool) {
-        self.tc_fused_mlp = on;
-    }
-
-    /// Whether the launches made now fuse the MLP (`tensor_core_fused_mlp` unless
-    /// `set_tc_fused_mlp` changed it).
-    pub fn tc_fused_mlp(&self) -> bool {
-        self.tc_fused_mlp
-    }
-
-    /// Take the folded form for buckets of at most `n` tokens (0: none), for the launches made
-    /// without graphs (the captured graphs keep `tensor_core_gemm_fold_max_tokens`). The same
-    /// bits as the launches apart; the check widens it to compare the fused MLP at 8 tokens.
-    pub fn set_tc_fold_max_tokens(&mut self, n: usize) {
-        self.tc_fold_max_tokens = n;
-    }
-
-    /// The folded form's reach for the launches made now (`tensor_core_gemm_fold_max_tokens`
-    /// unless `set_tc_fold_max_tokens` changed it).
-    pub fn tc_fold_max_tokens(&self) -> usize {
-        self.tc_fold_max_tokens
     }
 
     /// The mid tiles' reach for the launches made now (`tensor_core_mid_tiles_max_tokens`

@@ -213,8 +213,7 @@ pub(crate) fn encode(
             | Kernel::GemmTcMid
             | Kernel::GemmTcSiluMid
             | Kernel::GemmTcAddNormMid
-            | Kernel::GemmTcRopeKvMid
-            | Kernel::GemmTcMlpSmall => {
+            | Kernel::GemmTcRopeKvMid => {
                 return Err(format!(
                     "op {i} ({}) is a small- or mid-tile tensor-core kernel, which the persistent \
                      form does not run (build its tables with the wide tiles: the same bits)",

@@ -141,24 +141,6 @@ fn tc_stage(
     (mine <= TC_STAGE_MAX && bytes <= tc_stage_kernel_bytes(kernel, rule.bytes))
         .then_some((gx as u32, bytes as u32))
 }
-/// Dynamic shared memory of a fused MLP launch ([`Kernel::GemmTcMlpSmall`]) for hidden size
-/// `h` and intermediate size `inter` under the staging budget `budget` ([`TcStaging::bytes`];
-/// 0: nothing staged): the larger of a gate/up tile's weights (two warp groups' share of `h`)
-/// and a down tile's (one group's share of `inter`) among those within
-/// [`tc_stage_kernel_bytes`]. The kernel stages each kind of tile whose weights fit what the
-/// launch gives it (one tile at a time: its blocks take tiles one ticket after another, so the
-/// staging rules' rounds and waves do not apply), and loads the other kind into registers.
-/// Qwen2.5-0.5B: 64 KB a gate/up tile, 152 KB a down tile, so 152 KB and both staged.
-pub(crate) fn tc_mlp_shared(h: usize, inter: usize, budget: usize) -> usize {
-    let room = tc_stage_kernel_bytes(Kernel::GemmTcMlpSmall, budget);
-    let gate_up = 2 * TC_WARPS * tc_stage_warp_bytes(h);
-    let down = TC_WARPS * tc_stage_warp_bytes(inter);
-    [gate_up, down]
-        .into_iter()
-        .filter(|&b| b <= room)
-        .max()
-        .unwrap_or(0)
-}
 /// Output rows of a `bgs_gemm_tc` block (the MMA's 16 rows).
 pub(crate) const TC_ROWS: usize = 16;
 /// Values of one `bgs_gemm_tc` chunk: a projection's input width must be a multiple of it.
@@ -196,14 +178,10 @@ pub(crate) enum Kernel {
     GemmTcSiluMid,
     GemmTcAddNormMid,
     GemmTcRopeKvMid,
-    /// The fused MLP at the small tiles' width (`bgs_gemm_tc_mlp_small`,
-    /// [`Plan::tc_mlp_fused`]): gate/up + SiLU·up and down + residual add + norm in one launch
-    /// of ticketed tiles.
-    GemmTcMlpSmall,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 26] = [
+    pub(crate) const ALL: [Kernel; 25] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -229,7 +207,6 @@ impl Kernel {
         Kernel::GemmTcSiluMid,
         Kernel::GemmTcAddNormMid,
         Kernel::GemmTcRopeKvMid,
-        Kernel::GemmTcMlpSmall,
     ];
 
     /// The `extern "C"` name.
@@ -260,7 +237,6 @@ impl Kernel {
             Kernel::GemmTcSiluMid => "bgs_gemm_tc_silu_mid",
             Kernel::GemmTcAddNormMid => "bgs_gemm_tc_add_norm_mid",
             Kernel::GemmTcRopeKvMid => "bgs_gemm_tc_rope_kv_mid",
-            Kernel::GemmTcMlpSmall => "bgs_gemm_tc_mlp_small",
         }
     }
 
@@ -313,8 +289,7 @@ impl Kernel {
             Kernel::GemmTcSmall
             | Kernel::GemmTcSiluSmall
             | Kernel::GemmTcAddNormSmall
-            | Kernel::GemmTcRopeKvSmall
-            | Kernel::GemmTcMlpSmall => Some(TC_SMALL_TOKENS),
+            | Kernel::GemmTcRopeKvSmall => Some(TC_SMALL_TOKENS),
             _ => None,
         }
     }
@@ -486,11 +461,6 @@ pub(crate) struct Bufs {
     /// their finished blocks per token block here (`bgs_gemm_tc_add_norm`; the last one norms
     /// the rows and zeroes its count).
     pub tiles_done: u64,
-    /// u32 `[4]`, zero between launches: the fused MLP's tickets taken, gate/up tiles done,
-    /// down tiles done and blocks finished (`bgs_gemm_tc_mlp_small`, which zeroes them at its
-    /// end). Its own, not `tiles_done`: its blocks take tickets before waiting on o_proj's
-    /// grid, whose last block zeroes `tiles_done`.
-    pub mlp_tickets: u64,
     /// u32 `[S][ARGMAX_PARTS][2]`: `bgs_argmax_split`'s slice winners (value bits, id).
     pub argmax_cand: u64,
     /// u32 `[S]`, zero between launches: `bgs_argmax_split`'s finished slices a row.
@@ -526,7 +496,6 @@ pub(crate) fn alloc_bufs(
         next: d.alloc(s * 4, "next tokens")?,
         inv_freq: d.upload(&GpuDtype::F32.encode(&inv_freq), "RoPE frequencies")?,
         tiles_done: d.alloc(t.div_ceil(TC_SMALL_TOKENS) * 4, "tile counts")?,
-        mlp_tickets: d.alloc(4 * 4, "fused MLP tickets")?,
         argmax_cand: d.alloc(s * ARGMAX_PARTS * 8, "argmax slice winners")?,
         argmax_done: d.alloc(s * 4, "argmax slice counts")?,
     })
@@ -735,10 +704,6 @@ pub(crate) struct Plan<'a> {
     pub tc_mid_max_tokens: usize,
     /// When the small and mid tiles stage their weights ([`Plan::tc_stage`]).
     pub staging: TcStaging,
-    /// In the folded form's buckets that the small tiles take in one token block, gate/up and
-    /// down in one launch of ticketed tiles (`bgs_gemm_tc_mlp_small`, [`Plan::tc_mlp_fused`]):
-    /// the same bits as the two launches.
-    pub tc_fused_mlp: bool,
     /// The LM head's argmax over [`ARGMAX_PARTS`] blocks a row (`bgs_argmax_split`) rather
     /// than one (`bgs_argmax`, which the persistent form runs): the same ids.
     pub split_argmax: bool,
@@ -853,34 +818,6 @@ impl Plan<'_> {
                 .into_iter()
                 .all(|inp| self.tc_gemm(n, inp))
             && tc_fold_fits(c, self.dtype).is_ok()
-    }
-
-    /// Whether a bucket of `n` tokens runs its MLP as one launch (`bgs_gemm_tc_mlp_small`)
-    /// instead of the folded form's gate/up and down launches: `tc_fused_mlp` on, the bucket
-    /// folded ([`Plan::tc_fold`]) and on the small tiles in one token block (at most
-    /// [`TC_SMALL_TOKENS`] tokens), the only width the fused kernel is built for.
-    pub(crate) fn tc_mlp_fused(&self, n: usize) -> bool {
-        self.tc_fused_mlp
-            && n <= TC_SMALL_TOKENS
-            && self.tc_fold(n)
-            && self.tc_kernel(Kernel::GemmTcSilu, n) == Kernel::GemmTcSiluSmall
-    }
-
-    /// The fused MLP's launch over `n` tokens (`args`: `bgs_gemm_tc_mlp_small`'s): a block
-    /// of two warp groups (gate/up's) a multiprocessor, at most one a ticket (gate/up's row
-    /// tiles, then down's), so never more blocks than fit at once (the kernel would be right
-    /// with fewer resident: its tickets are taken in order); [`tc_mlp_shared`] bytes.
-    fn tc_mlp_launch(&self, n: usize, args: &[Arg]) -> Op {
-        let (h, inter) = (self.cfg.hidden_size, self.cfg.intermediate_size);
-        let tickets = inter.div_ceil(TC_ROWS) + h.div_ceil(TC_ROWS);
-        debug_assert!(n <= TC_SMALL_TOKENS);
-        Op::Launch {
-            kernel: Kernel::GemmTcMlpSmall,
-            grid: ((self.sms as usize).clamp(1, tickets) as u32, 1),
-            block: (2 * TC_WARPS * 32) as u32,
-            shared: tc_mlp_shared(h, inter, self.staging.bytes) as u32,
-            args: args.to_vec(),
-        }
     }
 
     /// Whether a bucket of `n` tokens runs the fused form: every bucket with the invariant
@@ -1111,19 +1048,8 @@ impl Plan<'_> {
                             Some(_) => (0, 0),
                         }
                     };
-                let fused_mlp = self.tc_mlp_fused(n);
-                let gate_up_pf = if fused_mlp {
-                    // (The fused MLP stages gate/up where its shared memory holds a tile.)
-                    let staged = tc_mlp_shared(h, inter, self.staging.bytes)
-                        >= 2 * TC_WARPS * tc_stage_warp_bytes(h);
-                    if staged {
-                        (0, 0)
-                    } else {
-                        (lw.gate_up, (2 * inter * h) as i64 * es as i64)
-                    }
-                } else {
-                    unstaged(Kernel::GemmTcSilu, 2, inter, h, lw.gate_up, 2 * inter * h)
-                };
+                let gate_up_pf =
+                    unstaged(Kernel::GemmTcSilu, 2, inter, h, lw.gate_up, 2 * inter * h);
                 let down_pf = unstaged(Kernel::GemmTcAddNorm, 1, h, inter, lw.down, h * inter);
                 // o and down with the residual add, each ending in the norm that follows it
                 // (post-attention; the next layer's input norm, or the final one): the token
@@ -1149,35 +1075,6 @@ impl Plan<'_> {
                     self.tc_launch(k, 1, h, n, inp, &args)
                 };
                 ops.push(add_norm(lw.o, b.attn, qd, lw.post_norm, gate_up_pf));
-                // (The QKV step never stages its weights: `TC_STAGED_KERNELS`.)
-                let next_qkv = self.w.layers.get(l + 1).map_or((0, 0), |nl| {
-                    (nl.qkv, ((qd + 2 * kvd) * h) as i64 * es as i64)
-                });
-                if fused_mlp {
-                    // gate/up + SiLU·up and down + residual add + the next norm in one launch
-                    // (down's weights load while gate/up computes); as down_proj's launch, it
-                    // fetches the next layer's QKV into L2.
-                    ops.push(self.tc_mlp_launch(
-                        n,
-                        &[
-                            Arg::P(lw.gate_up),
-                            Arg::P(b.xn),
-                            Arg::P(b.act),
-                            Arg::I(inter as i32),
-                            Arg::I(h as i32),
-                            Arg::I(n as i32),
-                            Arg::P(lw.down),
-                            Arg::P(b.x),
-                            Arg::P(next_norm),
-                            Arg::F(eps),
-                            Arg::P(b.xn),
-                            Arg::P(b.mlp_tickets),
-                            Arg::P(next_qkv.0),
-                            Arg::L(next_qkv.1),
-                        ],
-                    ));
-                    continue;
-                }
                 ops.push(self.tc_launch(
                     self.tc_kernel(Kernel::GemmTcSilu, n),
                     2,
@@ -1195,6 +1092,10 @@ impl Plan<'_> {
                         Arg::L(down_pf.1),
                     ],
                 ));
+                // (The QKV step never stages its weights: `TC_STAGED_KERNELS`.)
+                let next_qkv = self.w.layers.get(l + 1).map_or((0, 0), |nl| {
+                    (nl.qkv, ((qd + 2 * kvd) * h) as i64 * es as i64)
+                });
                 ops.push(add_norm(lw.down, b.act, inter, next_norm, next_qkv));
                 continue;
             }
@@ -1412,26 +1313,5 @@ mod tests {
         );
         // Qwen2.5-0.5B's gate/up (3 tiles of 2 groups a block, 192 KB) still stages mid.
         assert!(3 * 2 * 8 * 4 * 1024 <= tc_stage_kernel_bytes(Kernel::GemmTcSiluMid, budget));
-    }
-
-    /// The fused MLP's room: on the H200 the Qwen2.5-0.5B shape's down tile (152 KB, the
-    /// larger) and so both kinds staged, within the block's opt-in limit with the kernel's
-    /// static shared memory (the small SiLU GEMM's: the same partial sums and gate/up values);
-    /// SmolLM2-135M's two kinds alike (48 KB: gate/up's 3 chunks a warp in two groups, down's
-    /// 6 in one);
-    /// on a device of ~99 KB a block only the gate/up tile (64 KB); without staging nothing.
-    #[test]
-    fn fused_mlp_room() {
-        let optin = 232_448;
-        let budget = tc_stage_budget(optin);
-        let qwen = tc_mlp_shared(896, 4864, budget);
-        assert_eq!(qwen, 8 * 19 * 1024);
-        assert!(qwen + tc_silu_static_shared(TC_SMALL_TOKENS) + 1024 <= optin);
-        assert_eq!(tc_mlp_shared(576, 1536, budget), 8 * 6 * 1024);
-        assert_eq!(
-            tc_mlp_shared(896, 4864, tc_stage_budget(101_376)),
-            2 * 8 * 4 * 1024
-        );
-        assert_eq!(tc_mlp_shared(896, 4864, 0), 0);
     }
 }

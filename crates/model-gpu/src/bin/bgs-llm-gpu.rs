@@ -112,12 +112,6 @@ struct DeviceArgs {
     /// Do not stage a projection for having more row tiles than multiprocessors.
     #[arg(long)]
     no_tc_stage_waves: bool,
-    /// In the folded form's buckets of at most 8 tokens, gate/up + SiLU·up and down + residual
-    /// add + norm in one launch of ticketed tiles (`bgs_gemm_tc_mlp_small`) instead of two
-    /// (the same bits, which the check compares whatever this flag; off by default: not yet
-    /// measured on a GPU).
-    #[arg(long)]
-    tc_fused_mlp: bool,
     /// Launch the model's kernels without programmatic dependent launch (on by default).
     #[arg(long)]
     no_pdl: bool,
@@ -242,7 +236,6 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         tensor_core_staged_tiles: !dev.no_tc_stage,
         tensor_core_stage_min_rounds: dev.tc_stage_min_rounds,
         tensor_core_stage_waves: !dev.no_tc_stage_waves,
-        tensor_core_fused_mlp: dev.tc_fused_mlp,
         programmatic_launch: !dev.no_pdl,
         attention_warps: dev.attention_warps,
         tensor_core_attention: !dev.attention_per_head,
@@ -671,59 +664,6 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             gpu.set_tc_staged_tiles(!a.dev.no_tc_stage);
         }
         gpu.set_tc_mid_max_tokens(mid_max);
-        // The fused MLP (gate/up and down in one launch of ticketed tiles) against the two
-        // launches: prefill steps of 3 and 5 tokens and decode steps of 1, 3 and 8 sequences,
-        // the folded form's buckets on the small tiles that it takes. With the folded form
-        // widened to the small tiles' width (8) and the fused MLP switched here, whatever
-        // --tc-fold-max-tokens and --tc-fused-mlp (these launches are not captured), so that
-        // every run of the check compares them; staged (where the device holds the tiles)
-        // and in registers. Trivially equal where the bucket is not folded (cuBLAS
-        // projections, --tc-small-max-tokens below the bucket).
-        let fold_max = gpu.tc_fold_max_tokens();
-        gpu.set_tc_fold_max_tokens(bgs_model_gpu::TC_SMALL_TOKENS);
-        let cases: [(&[usize], usize); 5] = [
-            (&[3], 0),
-            (&[2, 3], 0),
-            (&[1], 20),
-            (&[1; 3], 20),
-            (&[1; 8], 20),
-        ];
-        let staging = gpu.set_tc_staged_tiles(true);
-        for staged in [true, false] {
-            if staged && !staging {
-                continue; // nothing is staged on this device or with --no-tc-stage
-            }
-            gpu.set_tc_staged_tiles(staged);
-            let how = if staged { "staged" } else { "registers" };
-            for (lens, pos) in cases {
-                let (toks, tables) = step_inputs(lens, per, vocab);
-                let step = step_items(&toks, &tables, pos);
-                let tokens: usize = lens.iter().sum();
-                let (what, name) = if pos == 0 {
-                    (
-                        format!("prefill step of {tokens} tokens"),
-                        format!("prefill_{tokens}"),
-                    )
-                } else {
-                    (
-                        format!("decode step of {}", lens.len()),
-                        format!("decode_{}", lens.len()),
-                    )
-                };
-                let [apart, fused] = logits_off_on(&mut gpu, &step, GpuModel::set_tc_fused_mlp)?;
-                ok &= report_bitwise(
-                    &format!("fused MLP vs gate/up and down apart ({how}), {what}"),
-                    &format!("tc_fused_mlp_{how}_{name}"),
-                    ("apart", &apart),
-                    ("fused", &fused),
-                    tol,
-                    &mut results,
-                );
-            }
-        }
-        gpu.set_tc_staged_tiles(!a.dev.no_tc_stage);
-        gpu.set_tc_fused_mlp(a.dev.tc_fused_mlp);
-        gpu.set_tc_fold_max_tokens(fold_max);
         gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
     }
 
@@ -839,7 +779,6 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "tc_staged_tiles": !a.dev.no_tc_stage,
         "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
         "tc_stage_waves": !a.dev.no_tc_stage_waves,
-        "tc_fused_mlp": a.dev.tc_fused_mlp,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": gpu.tensor_core_attention(),
         "persistent_buckets": gpu.persistent_buckets(),
@@ -1234,7 +1173,6 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "tc_staged_tiles": !a.dev.no_tc_stage,
         "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
         "tc_stage_waves": !a.dev.no_tc_stage_waves,
-        "tc_fused_mlp": a.dev.tc_fused_mlp,
         "attention_warps": a.dev.attention_warps,
         "tensor_core_attention": m.tensor_core_attention(),
         "persistent_buckets": m.persistent_buckets(),
