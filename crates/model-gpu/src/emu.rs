@@ -2111,8 +2111,8 @@ mod tests {
     /// `TC_MID_TOKENS` tokens (and LM heads of that many rows) launch the `_mid` entry points in
     /// one token block, smaller ones keep the small tiles (where those are on) and larger ones
     /// the wide tiles, in the apart and the folded form; the mid SiLU GEMM stages on the
-    /// emulator's two multiprocessors as the small one does. Off (the default), no bucket
-    /// launches them.
+    /// emulator's two multiprocessors as the small one does. Off (`with_tc_mid_max_tokens(0)`),
+    /// no bucket launches them.
     #[test]
     fn mid_tensor_core_tiles_are_planned_past_the_small_width() {
         let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
