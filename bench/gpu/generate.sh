@@ -12,7 +12,7 @@
 # Runs ON the GPU machine from the repo root. Writes OUT_DIR/summary.json (date, machine,
 # command, revision) and the logs.
 # Usage: bash bench/gpu/generate.sh BIN_DIR OUT_DIR   (BIN_DIR: bgs, bgs-llm-gpu, REVISION)
-# PARTS (default "check hf bench served openai"; also "persistent", "attribution", "tiles") picks parts, STEP_LOOP (host|device) the step
+# PARTS (default "check hf bench served openai"; also "persistent", "attribution", "tiles", "large") picks parts, STEP_LOOP (host|device) the step
 # loop of the served parts; SECS (default 30) is the paper
 # workload's duration per slot count.
 set -uo pipefail
@@ -182,6 +182,47 @@ for r in 1 2; do
         --tc-mid-max-tokens $mid --batches 1,8,12,16,24,32 --context 128 --iters 100 \
         --json "$work/bench-$m-mid$mid-$r.json"
     done
+  done
+done
+fi
+
+# 3e. The large tensor-core tiles (`--tc-large-min-tokens`: buckets of at least that many
+#     tokens run bgs_gemm_tc_large / bgs_gemm_tc_silu_large, blocks of 64 rows x 64 tokens
+#     through shared memory, instead of 16 x 32 tiles from L2). Checks first (large tiles
+#     bitwise against wide ones), then the invariant decode step with and without them,
+#     interleaved, twice, both shapes, then once per operation at 64 and 256 tokens. A geometry
+#     variant's binary (bgs-llm-gpu-<name> beside the others, built with other
+#     plan::TC_LARGE_* constants) is benched once too where present.
+if want large; then
+step check-tiny-qwen2-bf16-large 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 \
+  --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-tiny-qwen2-bf16-large.json"
+step check-qwen-bf16-large 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 \
+  --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-qwen-bf16-large.json"
+step check-smollm2-bf16-large 240 "$bin/bgs-llm-gpu" check --model "$work/smollm2-135m" --dtype bf16 --steps 16 \
+  --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-smollm2-bf16-large.json"
+for r in 1 2; do
+  for m in qwen2.5-0.5b smollm2-135m; do
+    for lg in 0 64; do
+      step "bench-$m-large$lg-$r" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 --invariant-gemm \
+        --tc-large-min-tokens $lg --batches 32,64,128,256 --context 128 --iters 50 \
+        --json "$work/bench-$m-large$lg-$r.json"
+    done
+  done
+done
+for lg in 0 64; do
+  step "bench-qwen2.5-0.5b-large$lg-perop" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 \
+    --invariant-gemm --tc-large-min-tokens $lg --batches 64,256 --context 128 --iters 20 --per-op \
+    --json "$work/bench-qwen2.5-0.5b-large$lg-perop.json"
+done
+for v in "$bin"/bgs-llm-gpu-*; do
+  [ -x "$v" ] || continue
+  name=${v##*/bgs-llm-gpu-}
+  step "check-qwen-bf16-large-$name" 240 "$v" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 \
+    --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-qwen-bf16-large-$name.json"
+  for m in qwen2.5-0.5b smollm2-135m; do
+    step "bench-$m-large64-$name" 240 "$v" bench --arch "$m" --dtype bf16 --invariant-gemm \
+      --tc-large-min-tokens 64 --batches 32,64,128,256 --context 128 --iters 50 \
+      --json "$work/bench-$m-large64-$name.json"
   done
 done
 fi

@@ -74,6 +74,13 @@ pub struct ModelArgs {
     /// (--batch-invariant or --gpu-tc-gemm-max-tokens).
     #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_mid_tiles_max_tokens)]
     pub gpu_tc_mid_max_tokens: usize,
+    /// GPU forward pass: buckets of at least this many tokens run the tensor-core GEMM (the
+    /// plain and the gate/up SiLU one) in large tiles, blocks of 64 weight rows and 64 tokens
+    /// staged through shared memory (each weight and activation read far fewer times; the same
+    /// bits). 0: never. Only where the tensor-core GEMM runs (--batch-invariant or
+    /// --gpu-tc-gemm-max-tokens).
+    #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_large_tiles_min_tokens)]
+    pub gpu_tc_large_min_tokens: usize,
     /// GPU forward pass: launch the model's kernels one after the other, without programmatic
     /// dependent launch (by default, on sm_90+, each may start while the one before it
     /// drains; the same results either way).
@@ -140,6 +147,7 @@ pub const GPU_ONLY_MODEL_FLAGS: &[&str] = &[
     "gpu_fused_max_tokens",
     "gpu_tc_gemm_max_tokens",
     "gpu_tc_mid_max_tokens",
+    "gpu_tc_large_min_tokens",
     "gpu_no_pdl",
 ];
 
@@ -266,6 +274,7 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                 fused_max_tokens: args.gpu_fused_max_tokens,
                 tensor_core_gemm_max_tokens: args.gpu_tc_gemm_max_tokens,
                 tensor_core_mid_tiles_max_tokens: args.gpu_tc_mid_max_tokens,
+                tensor_core_large_tiles_min_tokens: args.gpu_tc_large_min_tokens,
                 programmatic_launch: !args.gpu_no_pdl,
                 device_launch: *step_loop_on_device,
                 ..bgs_model_gpu::GpuModelOptions::default()

@@ -294,6 +294,7 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "gpu_fused_max_tokens",
             "gpu_tc_gemm_max_tokens",
             "gpu_tc_mid_max_tokens",
+            "gpu_tc_large_min_tokens",
             "gpu_no_pdl",
         ])
     {

@@ -300,6 +300,23 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         ],
         &["--batch-invariant", "--executor"],
     );
+    // The tensor-core tile flags are the GPU forward pass's too.
+    refused(
+        &[
+            "generate",
+            "--model",
+            "m",
+            "--prompt",
+            "p",
+            "--gpu-tc-large-min-tokens",
+            "128",
+        ],
+        &["--gpu-tc-large-min-tokens", "--executor"],
+    );
+    refused(
+        &["serve", "--gpu-tc-large-min-tokens", "0"],
+        &["--gpu-tc-large-min-tokens", "--model"],
+    );
 }
 
 #[test]

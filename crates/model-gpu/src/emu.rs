@@ -213,6 +213,10 @@ impl Emu {
     /// x, x + gx, ...: any grid width up to the tiles covers every row, and `shared`, where
     /// given, must hold every block's tiles' weights (or the kernel would load them into
     /// registers: a plan that gives too little has miscounted).
+    /// The large-tile entry points ([`plan::TC_LARGE_KERNELS`]) take one group of
+    /// `TC_WARPS` warps whatever `groups` (the SiLU form's warps pair its gate and up rows),
+    /// a block per [`Kernel::tc_tile_rows`] of the rows (none past them) and exactly
+    /// [`plan::tc_large_shared_bytes`] of dynamic shared memory, their pipeline's.
     #[allow(clippy::too_many_arguments)] // one launch's properties, each checked
     fn check_tc(
         &self,
@@ -226,13 +230,29 @@ impl Emu {
     ) {
         let name = k.name();
         assert_ne!(self.dtype, GpuDtype::F32, "{name}: 16-bit types only");
+        let groups = if k.is_tc_large() { 1 } else { groups };
         assert_eq!(
             block as usize,
             groups * plan::TC_WARPS * 32,
             "{name}: block"
         );
         let tiles = rows.div_ceil(plan::TC_ROWS);
-        if plan::TC_STAGED_KERNELS.contains(&k) {
+        if k.is_tc_large() {
+            let units = k.tc_tile_rows().unwrap();
+            assert!(
+                gx as usize * units >= rows,
+                "{name}: grid misses rows ({gx} blocks of {units} for {rows})"
+            );
+            assert!(
+                (gx as usize - 1) * units < rows,
+                "{name}: a row block past the rows ({gx} blocks of {units} for {rows})"
+            );
+            assert_eq!(
+                shared as usize,
+                plan::tc_large_shared_bytes(),
+                "{name}: dynamic shared memory"
+            );
+        } else if plan::TC_STAGED_KERNELS.contains(&k) {
             assert!(
                 gx >= 1 && gx as usize <= tiles,
                 "{name}: {gx} blocks for {tiles} row tiles"
@@ -301,8 +321,8 @@ impl Emu {
         };
         let es = self.dtype.size() as u64;
         let (gx, gy) = (grid.0 as usize, grid.1 as usize);
-        // A small- or mid-tile entry point computes its wide form's bits over narrower token
-        // blocks.
+        // A small-, mid- or large-tile entry point computes its wide form's bits over other
+        // token blocks (and, for the large ones, other row blocks).
         let tile = k.tc_tile_tokens().unwrap_or(0);
         let named = k;
         let k = k.wide();
@@ -765,7 +785,9 @@ impl Emu {
             | Kernel::GemmTcMid
             | Kernel::GemmTcSiluMid
             | Kernel::GemmTcAddNormMid
-            | Kernel::GemmTcRopeKvMid => unreachable!("k is the wide form (Kernel::wide)"),
+            | Kernel::GemmTcRopeKvMid
+            | Kernel::GemmTcLarge
+            | Kernel::GemmTcSiluLarge => unreachable!("k is the wide form (Kernel::wide)"),
         }
     }
 }
@@ -917,6 +939,7 @@ pub(crate) struct EmuModel {
     tc_fold_max_tokens: usize,
     tc_small_max_tokens: usize,
     tc_mid_max_tokens: usize,
+    tc_large_min_tokens: usize,
     tc_stage_bytes: usize,
     split_argmax: bool,
 }
@@ -972,6 +995,8 @@ impl EmuModel {
             tc_small_max_tokens: crate::GpuModelOptions::default()
                 .tensor_core_small_tiles_max_tokens,
             tc_mid_max_tokens: crate::GpuModelOptions::default().tensor_core_mid_tiles_max_tokens,
+            tc_large_min_tokens: crate::GpuModelOptions::default()
+                .tensor_core_large_tiles_min_tokens,
             // An H100/H200's opt-in limit (227 KB): the plan stages where its rules say.
             tc_stage_bytes: plan::tc_stage_budget(232_448),
             split_argmax: true,
@@ -989,6 +1014,13 @@ impl EmuModel {
     /// tokens (as `GpuModelOptions::tensor_core_mid_tiles_max_tokens`).
     pub(crate) fn with_tc_mid_max_tokens(mut self, n: usize) -> EmuModel {
         self.tc_mid_max_tokens = n;
+        self
+    }
+
+    /// Large tensor-core tiles for buckets of at least `n` tokens (as
+    /// `GpuModelOptions::tensor_core_large_tiles_min_tokens`; 0: none).
+    pub(crate) fn with_tc_large_min_tokens(mut self, n: usize) -> EmuModel {
+        self.tc_large_min_tokens = n;
         self
     }
 
@@ -1069,6 +1101,7 @@ impl EmuModel {
             tc_fold_max_tokens: self.tc_fold_max_tokens,
             tc_small_max_tokens: self.tc_small_max_tokens,
             tc_mid_max_tokens: self.tc_mid_max_tokens,
+            tc_large_min_tokens: self.tc_large_min_tokens,
             staging: plan::TcStaging {
                 bytes: self.tc_stage_bytes,
                 ..plan::TcStaging::from(&crate::GpuModelOptions::default())
@@ -1660,17 +1693,22 @@ mod tests {
     /// long long.
     /// The tensor-core entry points come from a macro (`BGS_TC_ENTRY_POINTS(SUF, TOK, STAGE)`,
     /// its lines continued with backslashes) instantiated for every tile width: `bgs_gemm_tc`,
-    /// `bgs_gemm_tc_small` and `bgs_gemm_tc_mid` are all `bgs_gemm_tc##SUF` there.
+    /// `bgs_gemm_tc_small` and `bgs_gemm_tc_mid` are all `bgs_gemm_tc##SUF` there. The
+    /// large-tile ones (`bgs_gemm_tc_large`, `bgs_gemm_tc_silu_large`) are declared by their
+    /// own names (or, should the macro ever be instantiated for `_large`, come from it too).
     fn signature(name: &str) -> Vec<char> {
         let src = crate::KERNEL_SOURCE.replace("\\\n", "\n");
         let mut base = name;
-        for suf in ["_small", "_mid"] {
+        for suf in ["_small", "_mid", "_large"] {
             if let Some(b) = name.strip_suffix(suf) {
+                let from_macro = src.contains(&format!("BGS_TC_ENTRY_POINTS({suf},"));
                 assert!(
-                    src.contains(&format!("BGS_TC_ENTRY_POINTS({suf},")),
+                    from_macro || suf == "_large",
                     "{name}: no {suf} entry points"
                 );
-                base = b;
+                if from_macro {
+                    base = b;
+                }
             }
         }
         let calls = [format!("{name}("), format!("{base}##SUF(")];
@@ -1738,10 +1776,18 @@ mod tests {
             let silu = EmuModel::new(narrow, &wn, dtype, [16, 8, 64, 8], inv)
                 .with_tc_fold_max_tokens(64)
                 .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
-            // (64 tokens: the wide tensor-core tiles; 8: the small ones; 16: the mid ones.)
+            // (32 tokens: the wide tensor-core tiles; 8: the small ones; 16: the mid ones; 64:
+            // the large ones, by default.)
             let plans = [m, apart, silu].map(|m| {
                 let p = m.plan();
-                [p.body(64), p.body(8), p.head(8), p.body(16), p.head(16)]
+                [
+                    p.body(64),
+                    p.body(32),
+                    p.body(8),
+                    p.head(8),
+                    p.body(16),
+                    p.head(16),
+                ]
             });
             for ops in plans.into_iter().flatten() {
                 for op in ops {
@@ -1863,9 +1909,11 @@ mod tests {
             assert!(tokens > plan::TC_TOKENS, "two token blocks");
             let mut logits = Vec::new();
             for on in [true, false] {
+                // The wide tiles: 64 tokens would otherwise take the large ones.
                 let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 16, 64, 16], true)
                     .with_tc_epilogues(on)
-                    .with_tc_fold_max_tokens(64);
+                    .with_tc_fold_max_tokens(64)
+                    .with_tc_large_min_tokens(0);
                 let ops = m.plan().body(64);
                 let count = |k: Kernel| {
                     ops.iter()
@@ -2225,6 +2273,183 @@ mod tests {
         }
     }
 
+    /// The large tensor-core tiles: buckets of at least `tc_large_min_tokens` tokens (and LM
+    /// heads of at least that many rows) launch `bgs_gemm_tc_large` for the plain GEMMs and
+    /// `bgs_gemm_tc_silu_large` for the gate/up SiLU GEMM, apart and folded, before the mid
+    /// and small tiles would take the bucket; the add-norm and RoPE/KV forms keep their tiles,
+    /// and smaller buckets the wide, mid and small tiles as before. Every large launch is one
+    /// 256-thread block a 64-token block and a block of 64 rows (32 gate/up units), with the
+    /// pipeline's dynamic shared memory (the emulator's `check_tc` checks the grid covers the
+    /// rows). 0: none.
+    #[test]
+    fn large_tensor_core_tiles_are_planned_from_their_min_tokens() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let d = crate::GpuModelOptions::default();
+        let (small_max, mid_max) = (
+            d.tensor_core_small_tiles_max_tokens,
+            d.tensor_core_mid_tiles_max_tokens,
+        );
+        let vocab = cfg.vocab_size;
+        // (kernel, grid, block, shared, rows: the `out` or `inter` argument)
+        type TcLaunch = (Kernel, (u32, u32), u32, u32, usize);
+        let tc_launches = |m: &EmuModel, n: usize| -> Vec<TcLaunch> {
+            let plan = m.plan();
+            [plan.body(n), plan.head(n)]
+                .concat()
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Launch {
+                        kernel,
+                        grid,
+                        block,
+                        shared,
+                        args,
+                    } if kernel.tc_tile_tokens().is_some() => {
+                        let rows = match args[3] {
+                            Arg::I(r) => r as usize,
+                            _ => 0,
+                        };
+                        Some((*kernel, *grid, *block, *shared, rows))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        for (fold, epilogues) in [(false, true), (true, true), (false, false)] {
+            for min in [plan::TC_LARGE_TOKENS, 32, 1, 0] {
+                let m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 512, 512], true)
+                    .with_tc_fold_max_tokens(if fold { 512 } else { 0 })
+                    .with_tc_epilogues(epilogues)
+                    .with_tc_large_min_tokens(min);
+                for n in [1, 8, 16, 32, 64, 128, 256, 512] {
+                    let tc = tc_launches(&m, n);
+                    assert!(!tc.is_empty());
+                    let on = min > 0 && n >= min;
+                    let what = format!("bucket {n}, min {min}, fold {fold}, epilogues {epilogues}");
+                    for &(k, (gx, gy), block, shared, rows) in &tc {
+                        let wide = k.wide();
+                        let want = if on && matches!(wide, Kernel::GemmTc | Kernel::GemmTcSilu) {
+                            wide.large()
+                        } else if n > plan::TC_SMALL_TOKENS && n <= mid_max {
+                            wide.mid()
+                        } else if n <= small_max {
+                            wide.small()
+                        } else {
+                            wide
+                        };
+                        assert_eq!(k, want, "{what}");
+                        assert_eq!(gy as usize, n.div_ceil(k.tc_tile_tokens().unwrap()));
+                        if k.is_tc_large() {
+                            // 64 rows a block (32 gate/up units for the SiLU form): one
+                            // 256-thread block of 8 warps, the pipeline's shared memory.
+                            let units = k.tc_tile_rows().unwrap();
+                            assert_eq!(gx as usize, rows.div_ceil(units), "{what}: {k:?}");
+                            assert_eq!(block as usize, plan::TC_WARPS * 32, "{what}");
+                            assert_eq!(shared as usize, plan::tc_large_shared_bytes(), "{what}");
+                        }
+                    }
+                    let kinds: Vec<Kernel> = tc.iter().map(|&(k, ..)| k).collect();
+                    // The LM head is a plain GEMM in either form; gate/up runs the SiLU GEMM
+                    // where the epilogues are on, the plain one otherwise.
+                    assert_eq!(kinds.contains(&Kernel::GemmTcLarge), on, "{what}");
+                    assert_eq!(
+                        kinds.contains(&Kernel::GemmTcSiluLarge),
+                        on && epilogues,
+                        "{what}"
+                    );
+                }
+            }
+        }
+        // The LM head alone: its rows (sampled rows) decide, as a bucket's tokens do.
+        let m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 512, 512], true)
+            .with_tc_large_min_tokens(plan::TC_LARGE_TOKENS);
+        for (s, large) in [(32, false), (64, true), (512, true)] {
+            let head = m.plan().head(s);
+            let Some(Op::Launch { kernel, grid, .. }) = head.iter().find(
+                |op| matches!(op, Op::Launch { kernel, .. } if kernel.tc_tile_tokens().is_some()),
+            ) else {
+                panic!("no tensor-core LM head at {s}");
+            };
+            assert_eq!(*kernel == Kernel::GemmTcLarge, large, "LM head of {s}");
+            if large {
+                assert_eq!(
+                    *grid,
+                    (
+                        vocab.div_ceil(plan::TC_LARGE_ROWS) as u32,
+                        s.div_ceil(plan::TC_LARGE_TOKENS) as u32
+                    )
+                );
+            }
+        }
+    }
+
+    /// The large tensor-core tiles give exactly the bits of the wide ones: prefill steps of 64
+    /// tokens (30 + 34) and 100 (37 + 63: the 128-token bucket, its second token block part
+    /// padding), each followed by a decode step, and decode steps of 64 and 70 sequences (70:
+    /// the bucket of 128, and an LM head of 128 rows), apart and folded, and with the gate/up
+    /// projection on the plain GEMM (epilogues off).
+    #[test]
+    fn large_tensor_core_tiles_give_the_bits_of_wide_tiles() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let cases: [Vec<usize>; 4] = [
+            vec![30, 34],
+            vec![37, 63],
+            vec![1; 64],
+            (0..70).map(|i| 1 + i % 2).collect(),
+        ];
+        // Blocks a sequence: 63 prompt tokens and a decode token, 16 positions a block.
+        let per = 5u32;
+        for (fold, epilogues) in [(false, true), (true, true), (false, false)] {
+            let model = |min: usize| {
+                EmuModel::new(
+                    cfg.clone(),
+                    &w,
+                    GpuDtype::Bf16,
+                    [16, 70 * per as usize, 128, 128],
+                    true,
+                )
+                .with_tc_fold_max_tokens(if fold { 128 } else { 0 })
+                .with_tc_epilogues(epilogues)
+                .with_tc_large_min_tokens(min)
+            };
+            // (The large tiles are planned at both buckets, the wide ones without them.)
+            for n in [64, 128] {
+                let large = |m: &EmuModel| {
+                    let p = m.plan();
+                    [p.body(n), p.head(n)]
+                        .concat()
+                        .iter()
+                        .any(|op| matches!(op, Op::Launch { kernel, .. } if kernel.is_tc_large()))
+                };
+                assert!(large(&model(plan::TC_LARGE_TOKENS)));
+                assert!(!large(&model(0)));
+            }
+            for lens in &cases {
+                let b = lens.len();
+                let prompts = prompts(cfg.vocab_size, lens);
+                let blocks: Vec<Vec<u32>> = (0..b as u32)
+                    .map(|i| (i * per..(i + 1) * per).collect())
+                    .collect();
+                let next: Vec<Vec<u32>> = (0..b as u32)
+                    .map(|i| vec![(7 * i + 1) % cfg.vocab_size as u32])
+                    .collect();
+                // Large tiles from 64 tokens, then none.
+                let mut logits = Vec::new();
+                for min in [plan::TC_LARGE_TOKENS, 0] {
+                    let mut m = model(min);
+                    let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; b]));
+                    logits.push((first, m.step_logits(&sampled(&next, &blocks, lens))));
+                }
+                let tokens: usize = lens.iter().sum();
+                assert_eq!(
+                    logits[0], logits[1],
+                    "large vs wide tiles, {b} prompts of {tokens} tokens, fold {fold}, \
+                     epilogues {epilogues}"
+                );
+            }
+        }
+    }
+
     /// The persistent form takes every op of the own-kernel plans (the invariant tensor-core
     /// form, the fused form, f32's invariant form) at every bucket, refuses the cuBLAS plan,
     /// and its table decodes back to the very ops (each argument in its signature's kind).
@@ -2239,11 +2464,14 @@ mod tests {
             (SynthArch::TinyQwen2, GpuDtype::F16, false, 8),
         ] {
             let (cfg, w) = synth_weights_for(synth_config(arch), 1, DType::F32);
-            // SiLU·up apart from the gate/up GEMM, as `GpuModel` builds its tables.
+            // SiLU·up apart from the gate/up GEMM and the wide tiles alone, as `GpuModel`
+            // builds its tables.
             let mut m = EmuModel::new(cfg, &w, dtype, [16, 8, 64, 8], inv)
                 .with_attention_warps(4)
                 .with_tc_epilogues(false)
                 .with_tc_small_max_tokens(0)
+                .with_tc_mid_max_tokens(0)
+                .with_tc_large_min_tokens(0)
                 .with_split_argmax(false);
             if fused > 0 {
                 m = m.with_fused_max_tokens(fused).with_tc_gemm_max_tokens(8);
@@ -2296,17 +2524,27 @@ mod tests {
         // Nor are the small tiles' entry points (the same bits as the wide ones).
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(
-            e.contains("op 2 (bgs_gemm_tc_small) is a small- or mid-tile"),
+            e.contains("op 2 (bgs_gemm_tc_small) is a small-, mid- or large-tile"),
             "{e}"
         );
         // Nor the mid tiles' (a 16-token bucket).
         let m = m.with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
         let e = persistent::encode(&m.plan().body(16), GpuDtype::Bf16, 1).unwrap_err();
         assert!(
-            e.contains("op 2 (bgs_gemm_tc_mid) is a small- or mid-tile"),
+            e.contains("op 2 (bgs_gemm_tc_mid) is a small-, mid- or large-tile"),
             "{e}"
         );
-        let m = m.with_tc_mid_max_tokens(0).with_tc_small_max_tokens(0);
+        // Nor the large tiles' (a 64-token bucket: QKV on the plain GEMM's).
+        let m = m.with_tc_large_min_tokens(plan::TC_LARGE_TOKENS);
+        let e = persistent::encode(&m.plan().body(64), GpuDtype::Bf16, 1).unwrap_err();
+        assert!(
+            e.contains("op 2 (bgs_gemm_tc_large) is a small-, mid- or large-tile"),
+            "{e}"
+        );
+        let m = m
+            .with_tc_large_min_tokens(0)
+            .with_tc_mid_max_tokens(0)
+            .with_tc_small_max_tokens(0);
         let e = persistent::encode(&m.plan().body(8), GpuDtype::Bf16, 1).unwrap_err();
         assert!(e.contains("(bgs_gemm_tc_silu)"), "{e}");
         let m = m.with_tc_fold_max_tokens(8);

@@ -23,9 +23,15 @@ mod plan;
 pub use gen_exec::{GenLoopConfig, GenLoopStats, GpuGenError, GpuGenExecutor};
 pub use host::{GpuDtype, StepGeometry};
 pub use model::{DeviceHandles, GpuModel, GpuModelError, GpuModelOptions};
+/// The large tensor-core tiles' block of tokens
+/// (`GpuModelOptions::tensor_core_large_tiles_min_tokens`): the check runs them from it.
+pub use plan::TC_LARGE_TOKENS;
 /// The mid tensor-core tiles' width (`GpuModelOptions::tensor_core_mid_tiles_max_tokens`): the
 /// check runs them up to it.
 pub use plan::TC_MID_TOKENS;
+/// The large tensor-core tiles' dynamic shared memory a block (the device's opt-in limit must
+/// hold it, else they stay off).
+pub use plan::tc_large_shared_bytes;
 
 /// The kernels' CUDA C++ source.
 pub const KERNEL_SOURCE: &str = include_str!("llm_kernels.cu");
@@ -60,6 +66,13 @@ pub fn nvrtc_options(major: i32, minor: i32, dtype: GpuDtype, head_dim: usize) -
         format!("-DBGS_TC_SMALL_TOKENS={}", plan::TC_SMALL_TOKENS),
         format!("-DBGS_TC_MID_TOKENS={}", TC_MID_TOKENS),
         format!("-DBGS_TC_SMALL_UNROLL={}", plan::TC_SMALL_UNROLL),
+        // The large tiles' block (warp rows of 32 weight rows, warp tiles of tokens) and their
+        // shared-memory pipeline (chunks a stage, stages), which the plan's grids and dynamic
+        // shared memory are sized by (`plan::tc_large_shared_bytes`).
+        format!("-DBGS_TC_LARGE_WARP_ROWS={}", plan::TC_LARGE_WARP_ROWS),
+        format!("-DBGS_TC_LARGE_WARP_TOKENS={}", plan::TC_LARGE_WARP_TOKENS),
+        format!("-DBGS_TC_LARGE_CHUNKS={}", plan::TC_LARGE_CHUNKS),
+        format!("-DBGS_TC_LARGE_STAGES={}", plan::TC_LARGE_STAGES),
         // The split argmax's block size.
         format!("-DBGS_ARGMAX_SPLIT_THREADS={}", plan::ARGMAX_SPLIT_THREADS),
         // Row tiles a staged small-tile block takes at most (`Plan::tc_stage`).
@@ -182,6 +195,16 @@ mod tests {
         // A longer name sharing the prefix stays.
         assert_eq!(defs("-DBGS_TC_SMALL_TOKENS="), 1);
         assert_eq!(defs("-DBGS_TC_MID_TOKENS="), 1);
+        for large in [
+            "-DBGS_TC_LARGE_WARP_ROWS=2",
+            "-DBGS_TC_LARGE_WARP_TOKENS=16",
+            "-DBGS_TC_LARGE_CHUNKS=4",
+            "-DBGS_TC_LARGE_STAGES=3",
+        ] {
+            assert_eq!(defs(large), 1, "{large}");
+        }
+        // (Not a prefix of another: each name ends at its `=`.)
+        assert_eq!(defs("-DBGS_TC_LARGE_"), 4);
         assert!(o.contains(&"-fmad=false".to_string()));
     }
 }

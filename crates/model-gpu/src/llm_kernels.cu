@@ -1919,6 +1919,245 @@ BGS_TC_ENTRY_POINTS(, BGS_TC_TOKENS, false)
 BGS_TC_ENTRY_POINTS(_small, BGS_TC_SMALL_TOKENS, true)
 BGS_TC_ENTRY_POINTS(_mid, BGS_TC_MID_TOKENS, true)
 
+// ---- Large tiles: buckets of many tokens (`tensor_core_large_tiles_min_tokens`) ----
+//
+// bgs_gemm_tc and bgs_gemm_tc_silu over blocks of TCL_ROWS weight rows x TCL_TOKENS tokens.
+// A wide tile is 16 rows x 32 tokens, each of its warps taking one class of the input's
+// chunks (w, w + 8, ...) for all of the tile's outputs, its fragments loaded straight from
+// global memory: past a few token blocks each weight is read again per 32 tokens and each
+// token's row per 16 output rows, and the step is bound by those reads. Here the block's
+// weights and token rows go through shared memory and each warp owns a 32-row x TCL_WN-token
+// part of the block's outputs, visiting every chunk itself, class by class: class w's chunks
+// in order into an accumulator with the wide tile's MMAs (the same two k-steps a chunk, the
+// same fragments: a row sits at the same place of its 16-row MMA tile, a token at the same
+// column of its 8), then that class sum added to the total in class order. That is the wide
+// tile's warp w partial sum and its adds in warp order, so the same bits. A stage holds
+// TCL_CH chunks of one class; TCL_ST stages are in flight (cp.async). The weights of the
+// first stages are requested before the wait on the previous kernel, the token rows after.
+// The SiLU form pairs a warp's two 16-row MMA tiles as 16 gate rows and the same 16 up rows,
+// so silu(g) * u is computed in registers. Geometry from the host (`plan::TC_LARGE_*`).
+#if !defined(BGS_TC_LARGE_WARP_ROWS) || !defined(BGS_TC_LARGE_WARP_TOKENS) || \
+    !defined(BGS_TC_LARGE_CHUNKS) || !defined(BGS_TC_LARGE_STAGES)
+#error "BGS_TC_LARGE_WARP_ROWS, _WARP_TOKENS, _CHUNKS and _STAGES must be defined (plan::TC_LARGE_*)"
+#endif
+#define TCL_WR BGS_TC_LARGE_WARP_ROWS
+#define TCL_WC (BGS_TC_WARPS / TCL_WR)
+#define TCL_WN BGS_TC_LARGE_WARP_TOKENS
+#define TCL_NT (TCL_WN / 8)
+#define TCL_ROWS (32 * TCL_WR)
+#define TCL_TOKENS (TCL_WC * TCL_WN)
+#define TCL_CH BGS_TC_LARGE_CHUNKS
+#define TCL_ST BGS_TC_LARGE_STAGES
+#if BGS_TC_WARPS % TCL_WR != 0 || TCL_WN % 8 != 0 || TCL_ST < 2 || TCL_ST > 5 || TCL_CH < 1
+#error "large tiles: warp rows must divide the warps, warp tokens be a multiple of 8, 2..=5 stages"
+#endif
+#if (TCL_CH * TCL_ROWS * 4) % (BGS_TC_WARPS * 32) != 0 || (TCL_CH * TCL_TOKENS * 4) % (BGS_TC_WARPS * 32) != 0
+#error "large tiles: a stage's weight and token copies must be whole rounds of the block's threads"
+#endif
+// One stage in bgs_u4: the weights [TCL_CH][TCL_ROWS][4], then the token rows
+// [TCL_CH][TCL_TOKENS][4] (a chunk of a row is 64 bytes: 4 x 16).
+#define TCL_W_U4 (TCL_CH * TCL_ROWS * 4)
+#define TCL_STAGE_U4 (TCL_CH * (TCL_ROWS + TCL_TOKENS) * 4)
+#if BGS_HAVE_MMA
+// Where the walk over the chunks is: class `cls` (chunks cls, cls + 8, ...), its j0-th chunk
+// on; cls == 8 once past the last.
+struct TclCursor {
+    int cls, j0;
+};
+// Chunks of class cls of `chunks`.
+__device__ __forceinline__ int tcl_class_len(int chunks, int cls) {
+    return cls < chunks ? (chunks - cls + 7) / 8 : 0;
+}
+__device__ __forceinline__ void tcl_settle(TclCursor &c, int chunks) {
+    while (c.cls < 8 && c.j0 >= tcl_class_len(chunks, c.cls)) {
+        c.cls++;
+        c.j0 = 0;
+    }
+}
+__device__ __forceinline__ int tcl_count(const TclCursor &c, int chunks) {
+    return min(TCL_CH, tcl_class_len(chunks, c.cls) - c.j0);
+}
+#endif
+
+// SILU: `out` is the intermediate width; w holds the gate rows then the up rows, yo is act
+// (wt). Otherwise yo is y (f32) of `out` rows.
+template <bool SILU>
+__device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *w, const wt *x,
+                                                   void *yo, int out, int in, int n) {
+#if BGS_HAVE_MMA
+    BGS_SKIP_IF(SILU ? 16 : 32, bk.pdl);
+    extern __shared__ bgs_u4 tcl_smem[];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, q = lane % 4;
+    const int wr = warp / TCL_WC, wc = warp % TCL_WC;
+    const int t0 = bk.y * TCL_TOKENS;
+    const int chunks = in / 32;
+    // The global row of the block's weight row i, or -1 past the end. SiLU: rows 32k .. 32k +
+    // 15 are gate rows (units u0 + 16k ..), rows 32k + 16 .. the same units' up rows.
+    auto grow = [&](int i) -> int {
+        if (SILU) {
+            const int u = bk.x * (TCL_ROWS / 2) + (i / 32) * 16 + i % 16;
+            return u < out ? u + (i % 32 >= 16 ? out : 0) : -1;
+        }
+        const int r = bk.x * TCL_ROWS + i;
+        return r < out ? r : -1;
+    };
+    // The copies of one stage: e = (jj * rows + i) * 4 + quarter, the smem layout itself.
+    auto issue_w = [&](int stage, TclCursor c) {
+        bgs_u4 *s = tcl_smem + stage * TCL_STAGE_U4;
+        const int cnt = tcl_count(c, chunks);
+#pragma unroll
+        for (int k = 0; k < TCL_W_U4 / (BGS_TC_WARPS * 32); k++) {
+            const int e = tid + k * BGS_TC_WARPS * 32;
+            const int q4 = e % 4, i = (e / 4) % TCL_ROWS, jj = e / (4 * TCL_ROWS);
+            if (jj < cnt) {
+                const int r = grow(i), ch = c.cls + 8 * (c.j0 + jj);
+                const wt *src = r >= 0 ? w + (size_t)r * in + ch * 32 + q4 * 8 : w;
+                cp_async16(smem_u32(s + e), src, r >= 0 ? 16 : 0);
+            }
+        }
+    };
+    auto issue_x = [&](int stage, TclCursor c) {
+        bgs_u4 *s = tcl_smem + stage * TCL_STAGE_U4 + TCL_W_U4;
+        const int cnt = tcl_count(c, chunks);
+#pragma unroll
+        for (int k = 0; k < TCL_CH * TCL_TOKENS * 4 / (BGS_TC_WARPS * 32); k++) {
+            const int e = tid + k * BGS_TC_WARPS * 32;
+            const int q4 = e % 4, i = (e / 4) % TCL_TOKENS, jj = e / (4 * TCL_TOKENS);
+            if (jj < cnt) {
+                const int t = t0 + i, ch = c.cls + 8 * (c.j0 + jj);
+                const wt *src = t < n ? x + (size_t)t * in + ch * 32 + q4 * 8 : x;
+                cp_async16(smem_u32(s + e), src, t < n ? 16 : 0);
+            }
+        }
+    };
+    auto advance = [&](TclCursor &c) {
+        c.j0 += TCL_CH;
+        tcl_settle(c, chunks);
+    };
+    TclCursor ic{0, 0};
+    tcl_settle(ic, chunks);
+    const TclCursor first = ic;
+    // The first stages' weights before the wait (weights never change during a step), their
+    // token rows after it; one commit group a stage.
+#pragma unroll
+    for (int s = 0; s < TCL_ST - 1; s++) {
+        if (ic.cls < 8) issue_w(s, ic);
+        if (ic.cls < 8) advance(ic);
+    }
+    if (bk.pdl) BGS_PDL_BEGIN();
+    ic = first;
+#pragma unroll
+    for (int s = 0; s < TCL_ST - 1; s++) {
+        if (ic.cls < 8) {
+            issue_x(s, ic);
+            advance(ic);
+        }
+        cp_async_commit();
+    }
+    float acc[2][TCL_NT][4], tot[2][TCL_NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int j = 0; j < TCL_NT; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[m][j][k] = tot[m][j][k] = 0.f;
+    TclCursor cc = first;
+    int stage = 0;
+    while (cc.cls < 8) {
+        cp_async_wait_pending(TCL_ST - 2);  // this stage's copies (this thread's) are in
+        __syncthreads();                    // ... and every thread's; the stage before is free
+        const int refill = (stage + TCL_ST - 1) % TCL_ST;
+        if (ic.cls < 8) {
+            issue_w(refill, ic);
+            issue_x(refill, ic);
+            advance(ic);
+        }
+        cp_async_commit();
+        const bgs_u4 *sw = tcl_smem + stage * TCL_STAGE_U4, *sx = sw + TCL_W_U4;
+        const int cnt = tcl_count(cc, chunks);
+#pragma unroll
+        for (int jj = 0; jj < TCL_CH; jj++) {
+            if (jj >= cnt) break;
+            bgs_u4 a[2][2], b[TCL_NT];
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    a[m][h] = sw[(jj * TCL_ROWS + wr * 32 + m * 16 + h * 8 + g) * 4 + q];
+#pragma unroll
+            for (int j = 0; j < TCL_NT; j++)
+                b[j] = sx[(jj * TCL_TOKENS + wc * TCL_WN + j * 8 + g) * 4 + q];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const unsigned s0[4] = {a[m][0].a, a[m][1].a, a[m][0].b, a[m][1].b};
+                const unsigned s1[4] = {a[m][0].c, a[m][1].c, a[m][0].d, a[m][1].d};
+#pragma unroll
+                for (int j = 0; j < TCL_NT; j++) {
+                    mma_16816(acc[m][j], s0, b[j].a, b[j].b);
+                    mma_16816(acc[m][j], s1, b[j].c, b[j].d);
+                }
+            }
+        }
+        const int cls = cc.cls;
+        advance(cc);
+        if (cc.cls != cls) {
+            // Class cls is done: its sum into the total (the wide tile's warp-order adds),
+            // then + 0 for each empty class after it (a wide tile's warps without chunks).
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int j = 0; j < TCL_NT; j++)
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        tot[m][j][k] = cls == 0 ? acc[m][j][k] : tot[m][j][k] + acc[m][j][k];
+                        acc[m][j][k] = 0.f;
+                    }
+            for (int e = cls + 1; e < cc.cls; e++)
+#pragma unroll
+                for (int m = 0; m < 2; m++)
+#pragma unroll
+                    for (int j = 0; j < TCL_NT; j++)
+#pragma unroll
+                        for (int k = 0; k < 4; k++) tot[m][j][k] = tot[m][j][k] + 0.f;
+        }
+        stage = stage + 1 == TCL_ST ? 0 : stage + 1;
+    }
+    cp_async_wait_all();
+    // The accumulator fragments: k 0, 1 at (row g, tokens 2q, 2q + 1), k 2, 3 at row g + 8.
+#pragma unroll
+    for (int j = 0; j < TCL_NT; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int t = t0 + wc * TCL_WN + j * 8 + 2 * q + (k & 1);
+            if (t >= n) continue;
+            if (SILU) {
+                const int u = bk.x * (TCL_ROWS / 2) + wr * 16 + g + (k >= 2 ? 8 : 0);
+                if (u < out)
+                    ((wt *)yo)[(size_t)t * out + u] = silu_times(tot[0][j][k], tot[1][j][k]);
+            } else {
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+                    const int r = bk.x * TCL_ROWS + wr * 32 + m * 16 + g + (k >= 2 ? 8 : 0);
+                    if (r < out) ((float *)yo)[(size_t)t * out + r] = tot[m][j][k];
+                }
+            }
+        }
+#else
+    __trap();  // never planned: 16-bit models on sm_80+ only (`plan::tc_gemm_applies`)
+#endif
+}
+extern "C" __global__ void __launch_bounds__(BGS_TC_WARPS * 32)
+    bgs_gemm_tc_large(const wt *w, const wt *x, float *y, int out, int in, int n) {
+    gemm_tc_large_body<false>(BGS_LAUNCH_BLK, w, x, y, out, in, n);
+}
+extern "C" __global__ void __launch_bounds__(BGS_TC_WARPS * 32)
+    bgs_gemm_tc_silu_large(const wt *w, const wt *x, wt *act, int inter, int in, int n,
+                           const void *pf, long long pf_bytes) {
+    prefetch_lines_l2(2, pf, pf_bytes);
+    gemm_tc_large_body<true>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);
+}
+
 // ---- The persistent form: a whole op list in one launch ----
 //
 // bgs_persistent runs a table of ops (struct bgs_op, include/bgs_llm_ops.h, written by

@@ -107,6 +107,17 @@ pub struct GpuModelOptions {
     /// blocks no faster on the Qwen shape (`bench/results/20261207-gpu-tc-mid-tiles-h100`); 0:
     /// none. The persistent form keeps the wide tiles.
     pub tensor_core_mid_tiles_max_tokens: usize,
+    /// Buckets of at least this many tokens, and LM heads of at least this many rows, run the
+    /// plain and the gate/up SiLU tensor-core GEMM on their large-tile entry points
+    /// (`bgs_gemm_tc_large`, `bgs_gemm_tc_silu_large`) wherever those would run on the wide,
+    /// mid or small tiles: a block of 8 warps covers `plan::TC_LARGE_ROWS` (64) weight rows and
+    /// `plan::TC_LARGE_TOKENS` (64) tokens, staging weights and activations through shared
+    /// memory (`plan::tc_large_shared_bytes`, 96 KB a block with the opt-in), so each is read
+    /// far fewer times; the input's chunks are summed in the wide tile's order, for the same
+    /// bits (the check compares them). The add-norm and RoPE/KV forms keep their tiles. 64 by
+    /// default; 0: never. Off (with a log line) where the device's opt-in shared memory a block
+    /// is smaller. The persistent form keeps the wide tiles.
+    pub tensor_core_large_tiles_min_tokens: usize,
     /// Let the small-tile GEMMs stage their weights in shared memory (`plan::Plan::tc_stage`):
     /// where a warp's share of a row tile takes more than one round of loads into registers
     /// (down_proj) or the row tiles outnumber the multiprocessors (gate/up), a block takes up
@@ -185,6 +196,7 @@ impl Default for GpuModelOptions {
             tensor_core_gemm_fold_max_tokens: 4,
             tensor_core_small_tiles_max_tokens: 2 * plan::TC_SMALL_TOKENS,
             tensor_core_mid_tiles_max_tokens: plan::TC_MID_TOKENS,
+            tensor_core_large_tiles_min_tokens: plan::TC_LARGE_TOKENS,
             tensor_core_staged_tiles: true,
             tensor_core_stage_min_rounds: 3,
             tensor_core_stage_waves: true,
@@ -357,6 +369,12 @@ pub struct GpuModel {
     /// `tensor_core_mid_tiles_max_tokens` (`set_tc_mid_max_tokens` changes it for direct
     /// launches).
     tc_mid_max_tokens: usize,
+    /// `tensor_core_large_tiles_min_tokens` (`set_tc_large_min_tokens` changes it for direct
+    /// launches); 0 where the device cannot run the large tiles (`tc_large_fits`).
+    tc_large_min_tokens: usize,
+    /// Whether the device runs the large tiles: sm_80+ and its opt-in shared memory a block
+    /// holds `plan::tc_large_shared_bytes` (their attribute is set at the build).
+    tc_large_fits: bool,
     /// When the small tiles stage (`tensor_core_stage_min_rounds`, `tensor_core_stage_waves`)
     /// and the dynamic shared memory they may take a block (0: never staged).
     tc_stage: plan::TcStaging,
@@ -544,6 +562,18 @@ impl GpuModel {
                 env.name, env.cc.0, env.cc.1
             )));
         }
+        // The large tiles' pipeline takes more dynamic shared memory than a block gets
+        // without the opt-in: where the device's opt-in limit is smaller, they are off.
+        let tc_large_fits = env.cc.0 >= 8 && env.smem_optin >= plan::tc_large_shared_bytes();
+        if !tc_large_fits && opts.tensor_core_large_tiles_min_tokens > 0 && env.cc.0 >= 8 {
+            tracing::info!(
+                "large tensor-core tiles off: a block of them takes {} bytes of shared memory, \
+                 {} allows {} a block",
+                plan::tc_large_shared_bytes(),
+                env.name,
+                env.smem_optin
+            );
+        }
         let mut m = GpuModel {
             cfg,
             dtype: opts.dtype,
@@ -564,6 +594,12 @@ impl GpuModel {
             tc_small_max_tokens: opts.tensor_core_small_tiles_max_tokens,
             tc_small_on: true,
             tc_mid_max_tokens: opts.tensor_core_mid_tiles_max_tokens,
+            tc_large_min_tokens: if tc_large_fits {
+                opts.tensor_core_large_tiles_min_tokens
+            } else {
+                0
+            },
+            tc_large_fits,
             tc_stage: plan::TcStaging {
                 bytes: if opts.tensor_core_staged_tiles && env.cc.0 >= 8 {
                     plan::tc_stage_budget(env.smem_optin)
@@ -656,6 +692,29 @@ impl GpuModel {
                             self.func(k)?,
                             cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             plan::tc_stage_kernel_bytes(k, self.tc_stage.bytes) as i32,
+                        )
+                    },
+                    &format!(
+                        "cuFuncSetAttribute({}, max dynamic shared memory)",
+                        k.name()
+                    ),
+                )?;
+            }
+        }
+        if self.tc_large_fits {
+            // The large tiles' pipeline takes more dynamic shared memory than a block gets
+            // without the opt-in, the same bytes on every launch (`plan::tc_large_shared_bytes`).
+            // Set whatever `tensor_core_large_tiles_min_tokens` (`set_tc_large_min_tokens` may
+            // turn them on for direct launches).
+            for k in plan::TC_LARGE_KERNELS {
+                ck(
+                    // SAFETY: `func(k)` is a kernel of the loaded module; the size is within the
+                    // device's opt-in limit (`tc_large_fits`).
+                    unsafe {
+                        cu::cuFuncSetAttribute(
+                            self.func(k)?,
+                            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            plan::tc_large_shared_bytes() as i32,
                         )
                     },
                     &format!(
@@ -916,6 +975,7 @@ impl GpuModel {
                 0
             },
             tc_mid_max_tokens: self.tc_mid_max_tokens,
+            tc_large_min_tokens: self.tc_large_min_tokens,
             staging: plan::TcStaging {
                 bytes: if self.tc_stage_on {
                     self.tc_stage.bytes
@@ -1166,6 +1226,7 @@ impl GpuModel {
         plan.tc_epilogues = false;
         plan.tc_small_max_tokens = 0;
         plan.tc_mid_max_tokens = 0;
+        plan.tc_large_min_tokens = 0;
         plan.split_argmax = false;
         let mut lists = Vec::new();
         for &n in tb.iter().filter(|&&n| n <= max) {
@@ -1375,6 +1436,24 @@ impl GpuModel {
     /// unless `set_tc_mid_max_tokens` changed it).
     pub fn tc_mid_max_tokens(&self) -> usize {
         self.tc_mid_max_tokens
+    }
+
+    /// Run buckets of at least `n` tokens (and LM heads of at least `n` rows) on the plain and
+    /// the SiLU tensor-core GEMM's large tiles (0: none), for the launches made without graphs
+    /// (the captured graphs keep `tensor_core_large_tiles_min_tokens`). The same bits as the
+    /// wide, mid and small tiles; the check compares them whatever the option. Returns whether
+    /// the device runs the large tiles at all (sm_80+ with the opt-in shared memory for
+    /// `plan::tc_large_shared_bytes`); where it does not, they stay off whatever `n`.
+    pub fn set_tc_large_min_tokens(&mut self, n: usize) -> bool {
+        self.tc_large_min_tokens = if self.tc_large_fits { n } else { 0 };
+        self.tc_large_fits
+    }
+
+    /// The large tiles' threshold for the launches made now
+    /// (`tensor_core_large_tiles_min_tokens` unless `set_tc_large_min_tokens` changed it; 0
+    /// where the device cannot run them).
+    pub fn tc_large_min_tokens(&self) -> usize {
+        self.tc_large_min_tokens
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),

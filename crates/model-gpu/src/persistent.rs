@@ -153,7 +153,8 @@ fn weights(kernel: Kernel, args: &[Arg], dtype: GpuDtype) -> Option<(u64, u64)> 
         _ => None,
     };
     let es = dtype.size() as u64;
-    // (The kernels `encode` refuses, the folded, small- and mid-tile ones, never get here.)
+    // (The kernels `encode` refuses, the folded, small-, mid- and large-tile ones, never get
+    // here.)
     let (w, rows, inp) = match kernel {
         // (w, x, y, out, in, n)
         Kernel::GemmTc | Kernel::Proj | Kernel::ProjAdd => (p(0)?, n(3)?, n(4)?),
@@ -213,10 +214,13 @@ pub(crate) fn encode(
             | Kernel::GemmTcMid
             | Kernel::GemmTcSiluMid
             | Kernel::GemmTcAddNormMid
-            | Kernel::GemmTcRopeKvMid => {
+            | Kernel::GemmTcRopeKvMid
+            | Kernel::GemmTcLarge
+            | Kernel::GemmTcSiluLarge => {
                 return Err(format!(
-                    "op {i} ({}) is a small- or mid-tile tensor-core kernel, which the persistent \
-                     form does not run (build its tables with the wide tiles: the same bits)",
+                    "op {i} ({}) is a small-, mid- or large-tile tensor-core kernel, which the \
+                     persistent form does not run (build its tables with the wide tiles: the \
+                     same bits)",
                     k.name()
                 ));
             }

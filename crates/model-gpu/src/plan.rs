@@ -48,6 +48,40 @@ pub const TC_MID_TOKENS: usize = 16;
 /// wide tiles load 4): registers against loads in flight. (At 4 the mid tiles' SiLU GEMM
 /// meets its 128-register launch bound with 12 bytes spilled, outside its loops.)
 pub const TC_SMALL_UNROLL: usize = 4;
+/// Warp rows of a block of the tensor-core kernels' large-tile entry points
+/// (`bgs_gemm_tc_large`, `bgs_gemm_tc_silu_large`; `-DBGS_TC_LARGE_WARP_ROWS`): a block's
+/// [`TC_WARPS`] warps stand in this many rows of `TC_WARPS / TC_LARGE_WARP_ROWS` warps, each
+/// warp's tile 32 weight rows (two 16-row MMA tiles) by [`TC_LARGE_WARP_TOKENS`] tokens.
+pub const TC_LARGE_WARP_ROWS: usize = 2;
+/// Tokens of one warp's tile in the large-tile entry points (`-DBGS_TC_LARGE_WARP_TOKENS`, a
+/// multiple of 8: the MMA's columns).
+pub const TC_LARGE_WARP_TOKENS: usize = 16;
+/// 32-value chunks of the input width a stage of the large tiles' shared-memory pipeline holds
+/// (`-DBGS_TC_LARGE_CHUNKS`): chunks of one class (w, w + 8, ...: a wide-tile warp's chunks).
+pub const TC_LARGE_CHUNKS: usize = 4;
+/// Stages of the large tiles' `cp.async` pipeline (`-DBGS_TC_LARGE_STAGES`).
+pub const TC_LARGE_STAGES: usize = 3;
+/// Weight rows of a `bgs_gemm_tc_large` block: 32 a warp row ([`TC_LARGE_WARP_ROWS`] of them,
+/// 64). A `bgs_gemm_tc_silu_large` block pairs half as many gate rows with the same up rows.
+pub const TC_LARGE_ROWS: usize = 32 * TC_LARGE_WARP_ROWS;
+/// Tokens of a block of the large-tile entry points: [`TC_LARGE_WARP_TOKENS`] a warp column,
+/// `TC_WARPS / TC_LARGE_WARP_ROWS` of them (64). Buckets of at least
+/// [`Plan::tc_large_min_tokens`] tokens run them: a block reads its weights once for this many
+/// tokens and its activations once for [`TC_LARGE_ROWS`] rows, both staged through shared
+/// memory; the same bits as the wide tiles.
+pub const TC_LARGE_TOKENS: usize = (TC_WARPS / TC_LARGE_WARP_ROWS) * TC_LARGE_WARP_TOKENS;
+/// Dynamic shared memory of every large-tile launch: [`TC_LARGE_STAGES`] stages of
+/// [`TC_LARGE_CHUNKS`] chunks of the block's [`TC_LARGE_ROWS`] weight rows and
+/// [`TC_LARGE_TOKENS`] activation rows, 64 bytes a row and chunk (98,304 bytes, whatever the
+/// input width). More than a block gets without the opt-in: the host allows it with
+/// `cuFuncSetAttribute`, and turns the large tiles off where the device's opt-in limit is
+/// smaller.
+pub const fn tc_large_shared_bytes() -> usize {
+    TC_LARGE_STAGES * TC_LARGE_CHUNKS * (TC_LARGE_ROWS + TC_LARGE_TOKENS) * 64
+}
+/// The large-tile entry points (not staged by [`Plan::tc_stage`]'s rules: they always stage
+/// through their own pipeline, [`tc_large_shared_bytes`]).
+pub(crate) const TC_LARGE_KERNELS: [Kernel; 2] = [Kernel::GemmTcLarge, Kernel::GemmTcSiluLarge];
 /// Row tiles a block of a staged small-tile GEMM takes at most (`-DBGS_TC_STAGE_MAX`; see
 /// [`Plan::tc_stage`]).
 pub const TC_STAGE_MAX: usize = 4;
@@ -178,10 +212,12 @@ pub(crate) enum Kernel {
     GemmTcSiluMid,
     GemmTcAddNormMid,
     GemmTcRopeKvMid,
+    GemmTcLarge,
+    GemmTcSiluLarge,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 25] = [
+    pub(crate) const ALL: [Kernel; 27] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -207,6 +243,8 @@ impl Kernel {
         Kernel::GemmTcSiluMid,
         Kernel::GemmTcAddNormMid,
         Kernel::GemmTcRopeKvMid,
+        Kernel::GemmTcLarge,
+        Kernel::GemmTcSiluLarge,
     ];
 
     /// The `extern "C"` name.
@@ -237,6 +275,8 @@ impl Kernel {
             Kernel::GemmTcSiluMid => "bgs_gemm_tc_silu_mid",
             Kernel::GemmTcAddNormMid => "bgs_gemm_tc_add_norm_mid",
             Kernel::GemmTcRopeKvMid => "bgs_gemm_tc_rope_kv_mid",
+            Kernel::GemmTcLarge => "bgs_gemm_tc_large",
+            Kernel::GemmTcSiluLarge => "bgs_gemm_tc_silu_large",
         }
     }
 
@@ -262,23 +302,41 @@ impl Kernel {
         }
     }
 
-    /// The wide-tile kernel a small- or mid-tile entry point computes the same bits as (itself
-    /// for the others): what the emulator (test builds only) matches on.
+    /// The large-tile entry point of a tensor-core kernel that has one (the plain GEMM and the
+    /// gate/up SiLU GEMM; itself for the others, the add-norm and RoPE/KV forms included).
+    pub(crate) fn large(self) -> Kernel {
+        match self {
+            Kernel::GemmTc => Kernel::GemmTcLarge,
+            Kernel::GemmTcSilu => Kernel::GemmTcSiluLarge,
+            k => k,
+        }
+    }
+
+    /// Whether this is a large-tile entry point ([`TC_LARGE_KERNELS`]).
+    pub(crate) fn is_tc_large(self) -> bool {
+        TC_LARGE_KERNELS.contains(&self)
+    }
+
+    /// The wide-tile kernel a small-, mid- or large-tile entry point computes the same bits as
+    /// (itself for the others): what the emulator (test builds only) matches on.
     #[cfg(test)]
     pub(crate) fn wide(self) -> Kernel {
         match self {
-            Kernel::GemmTcSmall | Kernel::GemmTcMid => Kernel::GemmTc,
-            Kernel::GemmTcSiluSmall | Kernel::GemmTcSiluMid => Kernel::GemmTcSilu,
+            Kernel::GemmTcSmall | Kernel::GemmTcMid | Kernel::GemmTcLarge => Kernel::GemmTc,
+            Kernel::GemmTcSiluSmall | Kernel::GemmTcSiluMid | Kernel::GemmTcSiluLarge => {
+                Kernel::GemmTcSilu
+            }
             Kernel::GemmTcAddNormSmall | Kernel::GemmTcAddNormMid => Kernel::GemmTcAddNorm,
             Kernel::GemmTcRopeKvSmall | Kernel::GemmTcRopeKvMid => Kernel::GemmTcRopeKv,
             k => k,
         }
     }
 
-    /// Tokens of a block of a tensor-core kernel ([`TC_TOKENS`], [`TC_MID_TOKENS`] or
-    /// [`TC_SMALL_TOKENS`]), or `None` for the others.
+    /// Tokens of a block of a tensor-core kernel ([`TC_TOKENS`], [`TC_LARGE_TOKENS`],
+    /// [`TC_MID_TOKENS`] or [`TC_SMALL_TOKENS`]), or `None` for the others.
     pub(crate) fn tc_tile_tokens(self) -> Option<usize> {
         match self {
+            Kernel::GemmTcLarge | Kernel::GemmTcSiluLarge => Some(TC_LARGE_TOKENS),
             Kernel::GemmTc | Kernel::GemmTcSilu | Kernel::GemmTcAddNorm | Kernel::GemmTcRopeKv => {
                 Some(TC_TOKENS)
             }
@@ -291,6 +349,21 @@ impl Kernel {
             | Kernel::GemmTcAddNormSmall
             | Kernel::GemmTcRopeKvSmall => Some(TC_SMALL_TOKENS),
             _ => None,
+        }
+    }
+
+    /// Units of the row dimension a block of a tensor-core kernel covers (its grid's x is the
+    /// rows over this, rounded up): output rows of the plain GEMM, the add-norm and the
+    /// RoPE/KV forms, gate/up row pairs (`inter` units) of the SiLU GEMM. [`TC_ROWS`] (the
+    /// MMA's 16: the SiLU GEMM's two warp groups each take the 16 rows of its half) for every
+    /// tile width but the large one: [`TC_LARGE_ROWS`] for `bgs_gemm_tc_large`, half as many
+    /// gate/up pairs for `bgs_gemm_tc_silu_large` (32 gate rows with the same 32 up rows).
+    /// `None` for the other kernels.
+    pub(crate) fn tc_tile_rows(self) -> Option<usize> {
+        match self {
+            Kernel::GemmTcLarge => Some(TC_LARGE_ROWS),
+            Kernel::GemmTcSiluLarge => Some(TC_LARGE_ROWS / 2),
+            k => k.tc_tile_tokens().map(|_| TC_ROWS),
         }
     }
 }
@@ -571,16 +644,18 @@ pub(crate) fn tc_gemm_covers(cfg: &ModelConfig, dtype: GpuDtype) -> bool {
     .all(|inp| tc_gemm_applies(dtype, inp))
 }
 
-/// A `bgs_gemm_tc` launch (`kernel`: it or its small-tile form) over `out` rows and `n`
-/// tokens with its parameters `args` (w, x, y, out, in, n).
+/// A `bgs_gemm_tc` launch (`kernel`: it or its small-, mid- or large-tile form) over `out`
+/// rows and `n` tokens with its parameters `args` (w, x, y, out, in, n).
 #[cfg(test)]
 pub(crate) fn tc_gemm_launch(kernel: Kernel, out: usize, n: usize, args: &[Arg]) -> Op {
     tc_tiles_launch(kernel, 1, out, n, 0, args)
 }
 
-/// A launch of a tensor-core GEMM kernel over tiles of 16 of `rows` and the kernel's tile
-/// width of `n` tokens, `groups` warp groups a block (each one `bgs_gemm_tc` block's warps),
-/// `shared` bytes of dynamic shared memory.
+/// A launch of a tensor-core GEMM kernel over its tiles of `rows` ([`Kernel::tc_tile_rows`])
+/// and of `n` tokens ([`Kernel::tc_tile_tokens`]), `groups` warp groups a block (each one
+/// `bgs_gemm_tc` block's warps), `shared` bytes of dynamic shared memory. The large-tile entry
+/// points take one group of [`TC_WARPS`] warps whatever `groups` (the SiLU form's warps pair
+/// gate and up rows themselves) and [`tc_large_shared_bytes`] whatever `shared`.
 fn tc_tiles_launch(
     kernel: Kernel,
     groups: usize,
@@ -589,12 +664,17 @@ fn tc_tiles_launch(
     shared: usize,
     args: &[Arg],
 ) -> Op {
-    let tokens = kernel
-        .tc_tile_tokens()
-        .expect("tc_tiles_launch launches tensor-core kernels");
+    let (Some(tokens), Some(units)) = (kernel.tc_tile_tokens(), kernel.tc_tile_rows()) else {
+        panic!("tc_tiles_launch launches tensor-core kernels, not {kernel:?}");
+    };
+    let (groups, shared) = if kernel.is_tc_large() {
+        (1, tc_large_shared_bytes())
+    } else {
+        (groups, shared)
+    };
     Op::Launch {
         kernel,
-        grid: (rows.div_ceil(TC_ROWS) as u32, n.div_ceil(tokens) as u32),
+        grid: (rows.div_ceil(units) as u32, n.div_ceil(tokens) as u32),
         block: (groups * TC_WARPS * 32) as u32,
         shared: shared as u32,
         args: args.to_vec(),
@@ -702,6 +782,11 @@ pub(crate) struct Plan<'a> {
     /// that many rows) run the mid-tile entry points instead ([`Plan::tc_kernel`]): the same
     /// bits (0: none).
     pub tc_mid_max_tokens: usize,
+    /// Buckets of at least this many tokens (and LM heads of at least that many rows) run
+    /// the large-tile entry points of the plain and the SiLU GEMM ([`Plan::tc_kernel`]): the
+    /// same bits (0: none; the host sets 0 where the device's shared memory cannot hold
+    /// [`tc_large_shared_bytes`]).
+    pub tc_large_min_tokens: usize,
     /// When the small and mid tiles stage their weights ([`Plan::tc_stage`]).
     pub staging: TcStaging,
     /// The LM head's argmax over [`ARGMAX_PARTS`] blocks a row (`bgs_argmax_split`) rather
@@ -765,7 +850,8 @@ impl Plan<'_> {
     }
 
     /// [`tc_tiles_launch`] with the staging [`Plan::tc_stage`] decides (`inp`: the input
-    /// width).
+    /// width); the large-tile entry points never take that path (their geometry and shared
+    /// memory are fixed: [`tc_tiles_launch`]).
     fn tc_launch(
         &self,
         kernel: Kernel,
@@ -776,6 +862,9 @@ impl Plan<'_> {
         args: &[Arg],
     ) -> Op {
         let mut op = tc_tiles_launch(kernel, groups, rows, n, 0, args);
+        if kernel.is_tc_large() {
+            return op;
+        }
         if let (Some((gx, bytes)), Op::Launch { grid, shared, .. }) =
             (self.tc_stage(kernel, groups, rows, inp), &mut op)
         {
@@ -786,11 +875,16 @@ impl Plan<'_> {
     }
 
     /// The entry point of tensor-core kernel `k` (its wide-tile name) for a bucket of `n`
-    /// tokens: its mid-tile form where `tc_mid_max_tokens` covers a bucket wider than one small
-    /// tile (one token block rather than several small ones, each reading the weights), else
-    /// its small-tile form where `tc_small_max_tokens` covers the bucket.
+    /// tokens: its large-tile form where it has one (the plain and the SiLU GEMM) and the
+    /// bucket has at least `tc_large_min_tokens` tokens (a block of many rows and tokens,
+    /// staged through shared memory), else its mid-tile form where `tc_mid_max_tokens` covers
+    /// a bucket wider than one small tile (one token block rather than several small ones, each
+    /// reading the weights), else its small-tile form where `tc_small_max_tokens` covers the
+    /// bucket.
     pub(crate) fn tc_kernel(&self, k: Kernel, n: usize) -> Kernel {
-        if n > TC_SMALL_TOKENS && n <= self.tc_mid_max_tokens {
+        if self.tc_large_min_tokens > 0 && n >= self.tc_large_min_tokens && k.large() != k {
+            k.large()
+        } else if n > TC_SMALL_TOKENS && n <= self.tc_mid_max_tokens {
             k.mid()
         } else if n <= self.tc_small_max_tokens {
             k.small()
@@ -1285,6 +1379,143 @@ mod tests {
             );
         }
         assert_eq!(stage(Kernel::GemmTcRopeKvMid, 1, 1152, 896), None);
+    }
+
+    /// The large tiles' constants: 64 weight rows and 64 tokens a block, 96 KB of pipeline
+    /// (more than a block gets without the opt-in, within an H100's or H200's 227 KB), and
+    /// none of the staging rules' kernels.
+    #[test]
+    fn large_tile_constants() {
+        assert_eq!(TC_LARGE_ROWS, 64);
+        assert_eq!(TC_LARGE_TOKENS, 64);
+        assert_eq!(TC_LARGE_WARP_TOKENS % 8, 0);
+        assert_eq!(TC_WARPS % TC_LARGE_WARP_ROWS, 0);
+        assert_eq!(tc_large_shared_bytes(), 98_304);
+        assert!(tc_large_shared_bytes() > MAX_BLOCK_SHARED);
+        assert!(tc_large_shared_bytes() <= 232_448 - 1024);
+        for k in TC_LARGE_KERNELS {
+            assert!(!TC_STAGED_KERNELS.contains(&k));
+            assert_eq!(k.tc_tile_tokens(), Some(TC_LARGE_TOKENS));
+            assert_eq!(k.wide().large(), k);
+            assert!(Kernel::ALL.contains(&k));
+        }
+        assert_eq!(Kernel::GemmTcLarge.tc_tile_rows(), Some(64));
+        assert_eq!(Kernel::GemmTcSiluLarge.tc_tile_rows(), Some(32));
+        // The add-norm and RoPE/KV forms (and the non-tensor-core kernels) have no large form.
+        for k in [Kernel::GemmTcAddNorm, Kernel::GemmTcRopeKv, Kernel::Proj] {
+            assert_eq!(k.large(), k);
+        }
+        // The persistent op ids: the large kernels come last.
+        assert_eq!(
+            Kernel::ALL[Kernel::ALL.len() - 2..],
+            [Kernel::GemmTcLarge, Kernel::GemmTcSiluLarge]
+        );
+    }
+
+    /// The large tiles' launches for the Qwen2.5-0.5B shape (hidden 896, intermediate 4864,
+    /// vocab 151,936; 14 heads and 2 kv heads of 64) on the invariant tensor-core form, at
+    /// buckets (and LM heads) of 64 and 256: a block of 256 threads per 64 rows (QKV's 1,152:
+    /// 18; o and down's 896: 14; the LM head's: 2,374) or 32 gate/up units (152) and per 64
+    /// tokens, 96 KB of dynamic shared memory, never staged; the add-norm and RoPE/KV forms
+    /// (the folded form, at most 4 tokens) do not come in. At 32 tokens the wide tiles.
+    #[test]
+    fn large_tile_launches_for_the_qwen_shape() {
+        let cfg = bgs_model::synth::synth_config(bgs_model::synth::SynthArch::Qwen25_05b);
+        let geo = host::geometry(&cfg, 16, 1024, 512, 256).unwrap();
+        let w = DevWeights {
+            layers: vec![DevLayer::default(); cfg.num_layers],
+            ..Default::default()
+        };
+        let b = Bufs::default();
+        let plan = Plan {
+            cfg: &cfg,
+            geo: &geo,
+            dtype: GpuDtype::Bf16,
+            w: &w,
+            b: &b,
+            cache: 0,
+            inputs: 0,
+            invariant_gemm: false,
+            fused_max_tokens: 0,
+            tc_gemm_max_tokens: usize::MAX,
+            sms: 132,
+            attention_warps: 4,
+            mma_attention: true,
+            tc_epilogues: true,
+            tc_fold_max_tokens: 4,
+            tc_small_max_tokens: 16,
+            tc_mid_max_tokens: 16,
+            tc_large_min_tokens: TC_LARGE_TOKENS,
+            staging: TcStaging {
+                bytes: tc_stage_budget(232_448),
+                min_rounds: 3,
+                waves: true,
+            },
+            split_argmax: true,
+        };
+        // (kernel, grid, block, shared, the input width)
+        type TcLaunch = (Kernel, (u32, u32), u32, u32, i32);
+        let launches = |ops: Vec<Op>| -> Vec<TcLaunch> {
+            ops.into_iter()
+                .filter_map(|op| match op {
+                    Op::Launch {
+                        kernel,
+                        grid,
+                        block,
+                        shared,
+                        args,
+                    } if kernel.tc_tile_tokens().is_some() => {
+                        let Arg::I(inp) = args[4] else {
+                            panic!("{kernel:?}: argument 4 is not the input width")
+                        };
+                        Some((kernel, grid, block, shared, inp))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let big = tc_large_shared_bytes() as u32;
+        for n in [64, 256] {
+            let gy = (n / 64) as u32;
+            let layer = [
+                (Kernel::GemmTcLarge, (18, gy), 256, big, 896),
+                (Kernel::GemmTcLarge, (14, gy), 256, big, 896),
+                (Kernel::GemmTcSiluLarge, (152, gy), 256, big, 896),
+                (Kernel::GemmTcLarge, (14, gy), 256, big, 4864),
+            ];
+            let body = launches(plan.body(n));
+            assert_eq!(body.len(), 4 * cfg.num_layers, "bucket {n}");
+            for (i, l) in body.chunks(4).enumerate() {
+                assert_eq!(l, layer, "bucket {n}, layer {i}");
+            }
+            assert_eq!(
+                launches(plan.head(n)),
+                [(Kernel::GemmTcLarge, (2374, gy), 256, big, 896)],
+                "LM head of {n}"
+            );
+        }
+        // 32 tokens: the wide tiles (16-row blocks, 512 threads for the SiLU GEMM).
+        let body = launches(plan.body(32));
+        assert_eq!(
+            body[..4],
+            [
+                (Kernel::GemmTc, (72, 1), 256, 0, 896),
+                (Kernel::GemmTc, (56, 1), 256, 0, 896),
+                (Kernel::GemmTcSilu, (304, 1), 512, 0, 896),
+                (Kernel::GemmTc, (56, 1), 256, 0, 4864),
+            ]
+        );
+        // Off: the wide tiles at 64 too.
+        let off = Plan {
+            tc_large_min_tokens: 0,
+            ..plan
+        };
+        assert!(
+            launches(off.body(64))
+                .iter()
+                .chain(&launches(off.head(64)))
+                .all(|&(k, ..)| !k.is_tc_large() && k.wide() == k)
+        );
     }
 
     /// Every staged entry point's dynamic shared memory (what the host allows it with

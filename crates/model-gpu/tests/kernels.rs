@@ -25,7 +25,7 @@ const DTYPES: [GpuDtype; 3] = [GpuDtype::F32, GpuDtype::F16, GpuDtype::Bf16];
 const HEAD_DIMS: [usize; 4] = [16, 64, 128, 24];
 
 /// The kernels the model looks up by name.
-const ENTRY_POINTS: [&str; 25] = [
+const ENTRY_POINTS: [&str; 27] = [
     "bgs_embed",
     "bgs_add_rmsnorm",
     "bgs_rope_kv",
@@ -50,6 +50,8 @@ const ENTRY_POINTS: [&str; 25] = [
     "bgs_gemm_tc_silu_mid",
     "bgs_gemm_tc_add_norm_mid",
     "bgs_gemm_tc_rope_kv_mid",
+    "bgs_gemm_tc_large",
+    "bgs_gemm_tc_silu_large",
     "bgs_persistent",
 ];
 

@@ -101,6 +101,11 @@ struct DeviceArgs {
     /// measured).
     #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_mid_tiles_max_tokens)]
     tc_mid_max_tokens: usize,
+    /// Buckets of at least this many tokens (and LM heads of that many rows) run the plain and
+    /// the SiLU tensor-core GEMM on their large tiles (blocks of 64 rows and 64 tokens, staged
+    /// through shared memory; the same bits, which the check compares; 0: never).
+    #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_large_tiles_min_tokens)]
+    tc_large_min_tokens: usize,
     /// Keep the small tiles' weights in registers: no staging in shared memory
     /// (`tensor_core_staged_tiles`, on by default; the same bits, which the check compares).
     #[arg(long)]
@@ -233,6 +238,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         tensor_core_gemm_fold_max_tokens: dev.tc_fold_max_tokens,
         tensor_core_small_tiles_max_tokens: dev.tc_small_max_tokens,
         tensor_core_mid_tiles_max_tokens: dev.tc_mid_max_tokens,
+        tensor_core_large_tiles_min_tokens: dev.tc_large_min_tokens,
         tensor_core_staged_tiles: !dev.no_tc_stage,
         tensor_core_stage_min_rounds: dev.tc_stage_min_rounds,
         tensor_core_stage_waves: !dev.no_tc_stage_waves,
@@ -360,6 +366,10 @@ fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
         .or((a.len() != b.len()).then_some(a.len().min(b.len())))
 }
 
+/// Sequences of the check's largest decode step (the large tiles' 70: the 128-token bucket);
+/// the model is built with blocks and `max_seqs` for it.
+const LARGE_SEQS: usize = 70;
+
 fn check(a: CheckArgs) -> Result<bool, String> {
     let (name, cfg, mut weights): (String, ModelConfig, Weights) = match (&a.arch, &a.model) {
         (Some(arch), _) => {
@@ -387,16 +397,18 @@ fn check(a: CheckArgs) -> Result<bool, String> {
     let vocab = cfg.vocab_size;
     let mut rng = SplitMix64::new(a.seed ^ 0x5eed);
 
-    // Block budget: 33 sequences of at most 1 + 7 * 32 prompt tokens plus the steps.
+    // Block budget: 33 sequences of at most 1 + 7 * 32 prompt tokens plus the steps, and
+    // room for the large tiles' decode steps of up to LARGE_SEQS sequences (`per` blocks each,
+    // as every step of the check gives a sequence).
     let steps = a.steps.max(1);
     let inv_steps = a.invariance_steps.max(1);
     let longest = 1 + 7 * 32 + steps.max(inv_steps) + 1;
     let per = longest.div_ceil(bs);
-    let num_blocks = 33 * per;
+    let num_blocks = LARGE_SEQS.max(33) * per;
     let mut opts = options(&a.dev, a.dtype);
     opts.block_size = bs;
     opts.num_blocks = Some(num_blocks);
-    opts.max_seqs = 64;
+    opts.max_seqs = 128;
     let t0 = std::time::Instant::now();
     let mut gpu = GpuModel::new(cfg.clone(), &weights, &opts).map_err(|e| e.to_string())?;
     let (dev_name, cc) = gpu.device();
@@ -664,6 +676,75 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             gpu.set_tc_staged_tiles(!a.dev.no_tc_stage);
         }
         gpu.set_tc_mid_max_tokens(mid_max);
+        // The large tensor-core tiles (blocks of 64 rows and 64 tokens, staged through shared
+        // memory) against the wide tiles, the small and mid tiles off so that the wide ones
+        // take every bucket: prefill steps of 64 tokens (30 + 34) and of 100 (37 + 63: the
+        // 128-token bucket, its second token block part padding), decode steps of 64 and of 70
+        // sequences (70: the 128-token bucket and an LM head of 128 rows), at the positions of
+        // the mid cases. From TC_LARGE_TOKENS whatever --tc-large-min-tokens (these launches
+        // are not captured), so that every run of the check compares them.
+        let large_min = gpu.tc_large_min_tokens();
+        if gpu.set_tc_large_min_tokens(bgs_model_gpu::TC_LARGE_TOKENS) {
+            let large_on = |g: &mut GpuModel, on: bool| {
+                g.set_tc_large_min_tokens(if on {
+                    bgs_model_gpu::TC_LARGE_TOKENS
+                } else {
+                    0
+                });
+            };
+            let decode_64 = [1; 64];
+            let decode_70 = [1; LARGE_SEQS];
+            let cases: [(&[usize], usize); 4] = [
+                (&[30, 34], 0),
+                (&[37, 63], 0),
+                (&decode_64, 20),
+                (&decode_70, 20),
+            ];
+            gpu.set_tc_small_tiles(false);
+            gpu.set_tc_mid_max_tokens(0);
+            for (lens, pos) in cases {
+                let tokens: usize = lens.iter().sum();
+                let (what, name) = if pos == 0 {
+                    (
+                        format!("prefill step of {tokens} tokens"),
+                        format!("prefill_{tokens}"),
+                    )
+                } else {
+                    (
+                        format!("decode step of {}", lens.len()),
+                        format!("decode_{}", lens.len()),
+                    )
+                };
+                if lens.len() > opts.max_seqs || tokens > opts.max_batched_tokens {
+                    println!(
+                        "[SKIP] tensor-core large tiles vs wide tiles, {what}: the model takes \
+                         at most {} sequences and {} tokens a step",
+                        opts.max_seqs, opts.max_batched_tokens
+                    );
+                    continue;
+                }
+                let (toks, tables) = step_inputs(lens, per, vocab);
+                let step = step_items(&toks, &tables, pos);
+                let [wide, large] = logits_off_on(&mut gpu, &step, large_on)?;
+                ok &= report_bitwise(
+                    &format!("tensor-core large tiles vs wide tiles, {what}"),
+                    &format!("tc_large_tiles_vs_wide_{name}"),
+                    ("wide", &wide),
+                    ("large", &large),
+                    tol,
+                    &mut results,
+                );
+            }
+            gpu.set_tc_small_tiles(true);
+            gpu.set_tc_mid_max_tokens(mid_max);
+        } else {
+            println!(
+                "[SKIP] tensor-core large tiles vs wide tiles: this device cannot run them (sm_80+ \
+                 with {} bytes of shared memory a block)",
+                bgs_model_gpu::tc_large_shared_bytes()
+            );
+        }
+        gpu.set_tc_large_min_tokens(large_min);
         gpu.set_use_graphs(graphs).map_err(|e| e.to_string())?;
     }
 
@@ -776,6 +857,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
         "tc_mid_max_tokens": a.dev.tc_mid_max_tokens,
+        "tc_large_min_tokens": a.dev.tc_large_min_tokens,
         "tc_staged_tiles": !a.dev.no_tc_stage,
         "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
         "tc_stage_waves": !a.dev.no_tc_stage_waves,
@@ -1170,6 +1252,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "tc_fold_max_tokens": a.dev.tc_fold_max_tokens,
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
         "tc_mid_max_tokens": a.dev.tc_mid_max_tokens,
+        "tc_large_min_tokens": a.dev.tc_large_min_tokens,
         "tc_staged_tiles": !a.dev.no_tc_stage,
         "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
         "tc_stage_waves": !a.dev.no_tc_stage_waves,
