@@ -1951,12 +1951,18 @@ BGS_TC_ENTRY_POINTS(_mid, BGS_TC_MID_TOKENS, true)
 #if BGS_TC_WARPS % TCL_WR != 0 || TCL_WN % 8 != 0 || TCL_ST < 2 || TCL_ST > 5 || TCL_CH < 1
 #error "large tiles: warp rows must divide the warps, warp tokens be a multiple of 8, 2..=5 stages"
 #endif
-#if (TCL_CH * TCL_ROWS * 4) % (BGS_TC_WARPS * 32) != 0 || (TCL_CH * TCL_TOKENS * 4) % (BGS_TC_WARPS * 32) != 0
-#error "large tiles: a stage's weight and token copies must be whole rounds of the block's threads"
+#if BGS_TC_WARPS != 8 || TCL_ROWS % 64 != 0 || TCL_TOKENS % 64 != 0
+#error "large tiles: 256 threads a block copying 64 rows a round (rows and tokens multiples of 64)"
 #endif
 // One stage in bgs_u4: the weights [TCL_CH][TCL_ROWS][4], then the token rows
 // [TCL_CH][TCL_TOKENS][4] (a chunk of a row is 64 bytes: 4 x 16).
 #define TCL_W_U4 (TCL_CH * TCL_ROWS * 4)
+// BGS_TCL_SKIP (timing only, through BGS_LLM_KERNEL_DEFINES; 0 by default): bit 1 leaves out
+// the copies into shared memory, bit 2 the MMAs, so a step's time with either gone says what
+// the other costs. The values are wrong with any bit set.
+#ifndef BGS_TCL_SKIP
+#define BGS_TCL_SKIP 0
+#endif
 #define TCL_STAGE_U4 (TCL_CH * (TCL_ROWS + TCL_TOKENS) * 4)
 #if BGS_HAVE_MMA
 // Where the walk over the chunks is: class `cls` (chunks cls, cls + 8, ...), its j0-th chunk
@@ -1992,43 +1998,52 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
     const int wr = warp / TCL_WC, wc = warp % TCL_WC;
     const int t0 = bk.y * TCL_TOKENS;
     const int chunks = in / 32;
-    // The global row of the block's weight row i, or -1 past the end. SiLU: rows 32k .. 32k +
-    // 15 are gate rows (units u0 + 16k ..), rows 32k + 16 .. the same units' up rows.
+    // The global row of the block's weight row i; past the end, the last row (computed, never
+    // stored: as the wide tiles load). SiLU: rows 32k .. 32k + 15 are gate rows (units u0 + 16k
+    // ..), rows 32k + 16 .. the same units' up rows.
     auto grow = [&](int i) -> int {
         if (SILU) {
-            const int u = bk.x * (TCL_ROWS / 2) + (i / 32) * 16 + i % 16;
-            return u < out ? u + (i % 32 >= 16 ? out : 0) : -1;
+            const int u = min(bk.x * (TCL_ROWS / 2) + (i / 32) * 16 + i % 16, out - 1);
+            return u + (i % 32 >= 16 ? out : 0);
         }
-        const int r = bk.x * TCL_ROWS + i;
-        return r < out ? r : -1;
+        return min(bk.x * TCL_ROWS + i, out - 1);
     };
-    // The copies of one stage: e = (jj * rows + i) * 4 + quarter, the smem layout itself.
+    // A stage's copies: 16 bytes a thread a round, e = (jj * rows + i) * 4 + quarter (the smem
+    // layout itself) = tid + 256 k. A round covers 64 rows, so thread tid copies quarter tid % 4
+    // of rows tid / 4 + 64 s (s < TCL_ROWS / 64, and as many token rows): one source row per
+    // s, computed once, and only the chunk's offset per copy. Token rows past n read row n - 1
+    // (never stored).
+    constexpr int WS = TCL_ROWS / 64, XS = TCL_TOKENS / 64;
+    const wt *wsrc[WS];
+    const wt *xsrc[XS];
+#pragma unroll
+    for (int k = 0; k < WS; k++) wsrc[k] = w + (size_t)grow(tid / 4 + 64 * k) * in + (tid % 4) * 8;
+#pragma unroll
+    for (int k = 0; k < XS; k++)
+        xsrc[k] = x + (size_t)min(t0 + tid / 4 + 64 * k, n - 1) * in + (tid % 4) * 8;
+    const unsigned dst0 = smem_u32(tcl_smem) + tid * 16;
     auto issue_w = [&](int stage, TclCursor c) {
-        bgs_u4 *s = tcl_smem + stage * TCL_STAGE_U4;
+        const unsigned d = dst0 + stage * (TCL_STAGE_U4 * 16);
         const int cnt = tcl_count(c, chunks);
 #pragma unroll
-        for (int k = 0; k < TCL_W_U4 / (BGS_TC_WARPS * 32); k++) {
-            const int e = tid + k * BGS_TC_WARPS * 32;
-            const int q4 = e % 4, i = (e / 4) % TCL_ROWS, jj = e / (4 * TCL_ROWS);
-            if (jj < cnt) {
-                const int r = grow(i), ch = c.cls + 8 * (c.j0 + jj);
-                const wt *src = r >= 0 ? w + (size_t)r * in + ch * 32 + q4 * 8 : w;
-                cp_async16(smem_u32(s + e), src, r >= 0 ? 16 : 0);
-            }
+        for (int jj = 0; jj < TCL_CH; jj++) {
+            if ((BGS_TCL_SKIP & 1) || jj >= cnt) break;
+            const int off = (c.cls + 8 * (c.j0 + jj)) * 32;
+#pragma unroll
+            for (int k = 0; k < WS; k++)
+                cp_async16(d + (jj * TCL_ROWS * 4 + 256 * k) * 16, wsrc[k] + off, 16);
         }
     };
     auto issue_x = [&](int stage, TclCursor c) {
-        bgs_u4 *s = tcl_smem + stage * TCL_STAGE_U4 + TCL_W_U4;
+        const unsigned d = dst0 + (stage * TCL_STAGE_U4 + TCL_W_U4) * 16;
         const int cnt = tcl_count(c, chunks);
 #pragma unroll
-        for (int k = 0; k < TCL_CH * TCL_TOKENS * 4 / (BGS_TC_WARPS * 32); k++) {
-            const int e = tid + k * BGS_TC_WARPS * 32;
-            const int q4 = e % 4, i = (e / 4) % TCL_TOKENS, jj = e / (4 * TCL_TOKENS);
-            if (jj < cnt) {
-                const int t = t0 + i, ch = c.cls + 8 * (c.j0 + jj);
-                const wt *src = t < n ? x + (size_t)t * in + ch * 32 + q4 * 8 : x;
-                cp_async16(smem_u32(s + e), src, t < n ? 16 : 0);
-            }
+        for (int jj = 0; jj < TCL_CH; jj++) {
+            if ((BGS_TCL_SKIP & 1) || jj >= cnt) break;
+            const int off = (c.cls + 8 * (c.j0 + jj)) * 32;
+#pragma unroll
+            for (int k = 0; k < XS; k++)
+                cp_async16(d + (jj * TCL_TOKENS * 4 + 256 * k) * 16, xsrc[k] + off, 16);
         }
     };
     auto advance = [&](TclCursor &c) {
@@ -2088,6 +2103,11 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
 #pragma unroll
             for (int j = 0; j < TCL_NT; j++)
                 b[j] = sx[(jj * TCL_TOKENS + wc * TCL_WN + j * 8 + g) * 4 + q];
+            if (BGS_TCL_SKIP & 2) {
+                // (Timing only: keep the fragment loads, drop the MMAs.)
+                acc[0][0][0] += __uint_as_float(a[0][0].a ^ a[1][1].d ^ b[0].a ^ b[TCL_NT - 1].d);
+                continue;
+            }
 #pragma unroll
             for (int m = 0; m < 2; m++) {
                 const unsigned s0[4] = {a[m][0].a, a[m][1].a, a[m][0].b, a[m][1].b};
