@@ -2321,6 +2321,7 @@ mod tests {
                     .with_tc_fold_max_tokens(if fold { 512 } else { 0 })
                     .with_tc_epilogues(epilogues)
                     .with_tc_large_min_tokens(min);
+                let sms = m.plan().sms as usize;
                 for n in [1, 8, 16, 32, 64, 128, 256, 512] {
                     let tc = tc_launches(&m, n);
                     assert!(!tc.is_empty());
@@ -2328,7 +2329,15 @@ mod tests {
                     let what = format!("bucket {n}, min {min}, fold {fold}, epilogues {epilogues}");
                     for &(k, (gx, gy), block, shared, rows) in &tc {
                         let wide = k.wide();
-                        let want = if on && matches!(wide, Kernel::GemmTc | Kernel::GemmTcSilu) {
+                        // Large only where the large grid has a block a multiprocessor
+                        // (`Plan::tc_kernel_over`).
+                        let fills = |units: usize| {
+                            rows.div_ceil(units) * n.div_ceil(plan::TC_LARGE_TOKENS) >= sms
+                        };
+                        let want = if on
+                            && matches!(wide, Kernel::GemmTc | Kernel::GemmTcSilu)
+                            && fills(wide.large().tc_tile_rows().unwrap())
+                        {
                             wide.large()
                         } else if n > plan::TC_SMALL_TOKENS && n <= mid_max {
                             wide.mid()

@@ -809,7 +809,8 @@ impl Plan<'_> {
             return proj_launch(Kernel::Proj, out, n, usize::MAX, 0, &args);
         }
         if self.tc_gemm(n, inp) {
-            return self.tc_launch(self.tc_kernel(Kernel::GemmTc, n), 1, out, n, inp, &args);
+            let k = self.tc_kernel_over(Kernel::GemmTc, n, out);
+            return self.tc_launch(k, 1, out, n, inp, &args);
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
         // op_T(A) · B with A the in × out matrix whose columns are w's rows (lda in) and B
@@ -891,6 +892,29 @@ impl Plan<'_> {
         } else {
             k
         }
+    }
+
+    /// [`Plan::tc_kernel`] for a projection over `rows` output rows (gate/up units for the SiLU
+    /// GEMM): its large-tile form only where that grid has at least a block a multiprocessor,
+    /// else what the bucket would run without the large tiles. A large block computes 64 rows
+    /// × 64 tokens in a chain of stages over the whole input width; with fewer blocks than
+    /// multiprocessors most of the device waits on a few long chains (H100, 192 tokens: the
+    /// Qwen2.5-0.5B shape's down_proj in 42 large blocks took 67 µs alone,
+    /// `bench/results/20261207-gpu-tc-large-probe-h100`), where the wide tiles' many short
+    /// blocks keep every multiprocessor busy.
+    pub(crate) fn tc_kernel_over(&self, k: Kernel, n: usize, rows: usize) -> Kernel {
+        let chosen = self.tc_kernel(k, n);
+        let (Some(units), Some(tokens)) = (chosen.tc_tile_rows(), chosen.tc_tile_tokens()) else {
+            return chosen;
+        };
+        if !chosen.is_tc_large() || rows.div_ceil(units) * n.div_ceil(tokens) >= self.sms as usize {
+            return chosen;
+        }
+        Plan {
+            tc_large_min_tokens: 0,
+            ..*self
+        }
+        .tc_kernel(k, n)
     }
 
     /// Whether a projection of input width `inp` over `n` tokens runs on `bgs_gemm_tc`.
@@ -1137,7 +1161,7 @@ impl Plan<'_> {
                 // where it was measured; the unfolded gate/up launch passes an empty range.
                 let unstaged =
                     |k: Kernel, groups: usize, rows: usize, inp: usize, w: u64, elems: usize| {
-                        match self.tc_stage(self.tc_kernel(k, n), groups, rows, inp) {
+                        match self.tc_stage(self.tc_kernel_over(k, n, rows), groups, rows, inp) {
                             None => (w, elems as i64 * es as i64),
                             Some(_) => (0, 0),
                         }
@@ -1170,7 +1194,7 @@ impl Plan<'_> {
                 };
                 ops.push(add_norm(lw.o, b.attn, qd, lw.post_norm, gate_up_pf));
                 ops.push(self.tc_launch(
-                    self.tc_kernel(Kernel::GemmTcSilu, n),
+                    self.tc_kernel_over(Kernel::GemmTcSilu, n, inter),
                     2,
                     inter,
                     n,
@@ -1199,7 +1223,7 @@ impl Plan<'_> {
                 // gate/up and SiLU·up in one launch (bgs_gemm_tc_silu): two warp groups, the
                 // gate tile and the up tile side by side.
                 ops.push(self.tc_launch(
-                    self.tc_kernel(Kernel::GemmTcSilu, n),
+                    self.tc_kernel_over(Kernel::GemmTcSilu, n, inter),
                     2,
                     inter,
                     n,
@@ -1475,13 +1499,17 @@ mod tests {
                 .collect()
         };
         let big = tc_large_shared_bytes() as u32;
+        // QKV, o and down_proj keep the wide tiles (their large grids, 18 and 14 blocks a
+        // 64-token block, have fewer blocks than the 132 multiprocessors even at 256 tokens:
+        // `Plan::tc_kernel_over`); gate/up (152 blocks) and the LM head (2,374) go large.
         for n in [64, 256] {
             let gy = (n / 64) as u32;
+            let wy = (n / 32) as u32;
             let layer = [
-                (Kernel::GemmTcLarge, (18, gy), 256, big, 896),
-                (Kernel::GemmTcLarge, (14, gy), 256, big, 896),
+                (Kernel::GemmTc, (72, wy), 256, 0, 896),
+                (Kernel::GemmTc, (56, wy), 256, 0, 896),
                 (Kernel::GemmTcSiluLarge, (152, gy), 256, big, 896),
-                (Kernel::GemmTcLarge, (14, gy), 256, big, 4864),
+                (Kernel::GemmTc, (56, wy), 256, 0, 4864),
             ];
             let body = launches(plan.body(n));
             assert_eq!(body.len(), 4 * cfg.num_layers, "bucket {n}");
