@@ -1957,13 +1957,13 @@ BGS_TC_ENTRY_POINTS(_mid, BGS_TC_MID_TOKENS, true)
 // One stage in bgs_u4: the weights [TCL_CH][TCL_ROWS][4], then the token rows
 // [TCL_CH][TCL_TOKENS][4] (a chunk of a row is 64 bytes: 4 x 16).
 #define TCL_W_U4 (TCL_CH * TCL_ROWS * 4)
+#define TCL_STAGE_U4 (TCL_CH * (TCL_ROWS + TCL_TOKENS) * 4)
 // BGS_TCL_SKIP (timing only, through BGS_LLM_KERNEL_DEFINES; 0 by default): bit 1 leaves out
 // the copies into shared memory, bit 2 the MMAs, so a step's time with either gone says what
 // the other costs. The values are wrong with any bit set.
 #ifndef BGS_TCL_SKIP
 #define BGS_TCL_SKIP 0
 #endif
-#define TCL_STAGE_U4 (TCL_CH * (TCL_ROWS + TCL_TOKENS) * 4)
 #if BGS_HAVE_MMA
 // Where the walk over the chunks is: class `cls` (chunks cls, cls + 8, ...), its j0-th chunk
 // on; cls == 8 once past the last.
