@@ -77,7 +77,8 @@ pub struct ModelArgs {
     /// GPU forward pass: buckets of at least this many tokens run the tensor-core GEMM (the
     /// plain and the gate/up SiLU one) in large tiles, blocks of 64 weight rows and 64 tokens
     /// staged through shared memory (each weight and activation read far fewer times; the same
-    /// bits). 0: never. Only where the tensor-core GEMM runs (--batch-invariant or
+    /// bits), where that grid has at least a block a multiprocessor (the others keep their
+    /// tiles). 0: never. Only where the tensor-core GEMM runs (--batch-invariant or
     /// --gpu-tc-gemm-max-tokens).
     #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_large_tiles_min_tokens)]
     pub gpu_tc_large_min_tokens: usize,
