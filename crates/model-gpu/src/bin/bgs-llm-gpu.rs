@@ -370,6 +370,23 @@ fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
 /// the model is built with blocks and `max_seqs` for it.
 const LARGE_SEQS: usize = 70;
 
+/// How a tile check names a step of sequences of `lens` tokens at position `pos` (0: a
+/// prefill of their sum, else a decode of one token each): its text and its result's suffix.
+fn step_labels(lens: &[usize], pos: usize) -> (String, String) {
+    let tokens: usize = lens.iter().sum();
+    if pos == 0 {
+        (
+            format!("prefill step of {tokens} tokens"),
+            format!("prefill_{tokens}"),
+        )
+    } else {
+        (
+            format!("decode step of {}", lens.len()),
+            format!("decode_{}", lens.len()),
+        )
+    }
+}
+
 fn check(a: CheckArgs) -> Result<bool, String> {
     let (name, cfg, mut weights): (String, ModelConfig, Weights) = match (&a.arch, &a.model) {
         (Some(arch), _) => {
@@ -622,17 +639,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             let (toks, tables) = step_inputs(lens, per, vocab);
             let step = step_items(&toks, &tables, pos);
             let tokens: usize = lens.iter().sum();
-            let (what, name) = if pos == 0 {
-                (
-                    format!("prefill step of {tokens} tokens"),
-                    format!("prefill_{tokens}"),
-                )
-            } else {
-                (
-                    format!("decode step of {}", lens.len()),
-                    format!("decode_{}", lens.len()),
-                )
-            };
+            let (what, name) = step_labels(lens, pos);
             if bgs_model_gpu::host::bucket_for(tokens).is_some_and(|n| n <= small_max) {
                 let [small, mid] = logits_off_on(&mut gpu, &step, mid_on)?;
                 ok &= report_bitwise(
@@ -704,17 +711,7 @@ fn check(a: CheckArgs) -> Result<bool, String> {
             gpu.set_tc_mid_max_tokens(0);
             for (lens, pos) in cases {
                 let tokens: usize = lens.iter().sum();
-                let (what, name) = if pos == 0 {
-                    (
-                        format!("prefill step of {tokens} tokens"),
-                        format!("prefill_{tokens}"),
-                    )
-                } else {
-                    (
-                        format!("decode step of {}", lens.len()),
-                        format!("decode_{}", lens.len()),
-                    )
-                };
+                let (what, name) = step_labels(lens, pos);
                 if lens.len() > opts.max_seqs || tokens > opts.max_batched_tokens {
                     println!(
                         "[SKIP] tensor-core large tiles vs wide tiles, {what}: the model takes \
