@@ -524,12 +524,16 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// Wait (up to 20 s) until the process holds no more descriptors than `base`; how many more
-/// it held at the last look.
+/// it held at the last look (and, when some are left, what every descriptor is, to tell a
+/// connection the server kept from a descriptor it opened late).
 fn fds_left_after(base: usize) -> usize {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let left = fd_count().saturating_sub(base);
         if left == 0 || Instant::now() >= deadline {
+            if left > 0 {
+                eprintln!("{left} descriptors above {base}: {:?}", fd_targets());
+            }
             return left;
         }
         std::thread::sleep(Duration::from_millis(2));
@@ -643,11 +647,19 @@ fn start(sqpoll_above: u32) -> Server {
     let addr = transport.local_addr();
     let handle = transport.shutdown_handle();
     let thread = std::thread::spawn(move || transport.run().unwrap());
-    // The transport creates its epoll descriptor when it starts running: wait for it, so that
-    // a test's count of descriptors taken now is the running server's (it raced: one
-    // descriptor "left" at the end, the epoll the transport had opened after the count).
+    // The transport creates its epoll descriptors when it starts running: wait for all of
+    // them, so that a test's count of descriptors taken now is the running server's (it
+    // raced: one descriptor "left" at the end, an epoll the transport had opened after the
+    // count). With adaptive submission there are two, the stage's (`StageWait`) and then the
+    // watchdog's; waiting for the first one only still raced with the second.
+    let epolls = if sqpoll_above > 0 { 2 } else { 1 };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !fd_targets().iter().any(|t| t == "anon_inode:[eventpoll]") {
+    while fd_targets()
+        .iter()
+        .filter(|t| *t == "anon_inode:[eventpoll]")
+        .count()
+        < epolls
+    {
         assert!(
             Instant::now() < deadline,
             "the transport did not start in 10 s"
