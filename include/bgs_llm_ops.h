@@ -78,6 +78,8 @@ BGS_STATIC_ASSERT(sizeof(bgs_u64) == 8, "bgs_u64");
 #define BGS_OP_GEMM_TC_ROPE_KV_MID 24                    /* bgs_gemm_tc_rope_kv_mid */
 #define BGS_OP_GEMM_TC_LARGE 25                          /* bgs_gemm_tc_large */
 #define BGS_OP_GEMM_TC_SILU_LARGE 26                     /* bgs_gemm_tc_silu_large */
+#define BGS_OP_GEMM_TC_LARGE_SPLIT 27                    /* bgs_gemm_tc_large_split */
+#define BGS_OP_GEMM_TC_SILU_LARGE_SPLIT 28               /* bgs_gemm_tc_silu_large_split */
 #define BGS_OP_NOP 65535                                 /* nothing: the barrier alone */
 
 /* One op of a bgs_persistent table (bgs_model_gpu::persistent::OpRecord). */

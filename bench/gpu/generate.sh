@@ -188,31 +188,35 @@ fi
 
 # 3e. The large tensor-core tiles (`--tc-large-min-tokens`: buckets of at least that many
 #     tokens run bgs_gemm_tc_large / bgs_gemm_tc_silu_large, blocks of 64 rows x 64 tokens
-#     through shared memory, instead of 16 x 32 tiles from L2). Checks first (large tiles
-#     bitwise against wide ones), then the invariant decode step with and without them,
-#     interleaved, twice, both shapes, then once per operation at 64 and 256 tokens. A geometry
-#     variant's binary (bgs-llm-gpu-<name> beside the others, built with other
+#     through shared memory, instead of 16 x 32 tiles from L2), and their split form
+#     (`--tc-large-split G`: projections with fewer large tiles than multiprocessors, QKV, o
+#     and down_proj on the Qwen2.5-0.5B shape, cut each tile's chunk classes over G blocks).
+#     Checks first (large and split tiles bitwise against wide ones), then the invariant
+#     decode step for each of LARGE_CONFIGS ("min-tokens:split" pairs, default "0:0 64:0
+#     64:8"), interleaved, twice, both shapes, then once per operation at 64 and 256 tokens.
+#     A geometry variant's binary (bgs-llm-gpu-<name> beside the others, built with other
 #     plan::TC_LARGE_* constants) is benched once too where present.
+LARGE_CONFIGS=${LARGE_CONFIGS:-0:0 64:0 64:8}
 if want large; then
-step check-tiny-qwen2-bf16-large 120 "$bin/bgs-llm-gpu" check --model "$work/tiny-qwen2" --dtype bf16 \
-  --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-tiny-qwen2-bf16-large.json"
-step check-qwen-bf16-large 240 "$bin/bgs-llm-gpu" check --model "$work/qwen2.5-0.5b" --dtype bf16 --steps 8 \
-  --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-qwen-bf16-large.json"
-step check-smollm2-bf16-large 240 "$bin/bgs-llm-gpu" check --model "$work/smollm2-135m" --dtype bf16 --steps 16 \
-  --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-smollm2-bf16-large.json"
+for m in tiny-qwen2 qwen2.5-0.5b smollm2-135m; do
+  step "check-$m-bf16-large" 240 "$bin/bgs-llm-gpu" check --model "$work/$m" --dtype bf16 --steps 8 \
+    --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-$m-bf16-large.json"
+done
 for r in 1 2; do
   for m in qwen2.5-0.5b smollm2-135m; do
-    for lg in 0 64; do
-      step "bench-$m-large$lg-$r" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 --invariant-gemm \
-        --tc-large-min-tokens $lg --batches 32,64,128,256 --context 128 --iters 50 \
-        --json "$work/bench-$m-large$lg-$r.json"
+    for c in $LARGE_CONFIGS; do
+      lg=${c%%:*} sp=${c##*:}
+      step "bench-$m-large$lg-split$sp-$r" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 \
+        --invariant-gemm --tc-large-min-tokens $lg --tc-large-split $sp --batches 32,64,128,256 \
+        --context 128 --iters 50 --json "$work/bench-$m-large$lg-split$sp-$r.json"
     done
   done
 done
-for lg in 0 64; do
-  step "bench-qwen2.5-0.5b-large$lg-perop" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b --dtype bf16 \
-    --invariant-gemm --tc-large-min-tokens $lg --batches 64,256 --context 128 --iters 20 --per-op \
-    --json "$work/bench-qwen2.5-0.5b-large$lg-perop.json"
+for c in $LARGE_CONFIGS; do
+  lg=${c%%:*} sp=${c##*:}
+  step "bench-qwen2.5-0.5b-large$lg-split$sp-perop" 240 "$bin/bgs-llm-gpu" bench --arch qwen2.5-0.5b \
+    --dtype bf16 --invariant-gemm --tc-large-min-tokens $lg --tc-large-split $sp --batches 64,256 \
+    --context 128 --iters 20 --per-op --json "$work/bench-qwen2.5-0.5b-large$lg-split$sp-perop.json"
 done
 for v in "$bin"/bgs-llm-gpu-*; do
   [ -x "$v" ] || continue

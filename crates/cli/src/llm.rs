@@ -82,6 +82,14 @@ pub struct ModelArgs {
     /// --gpu-tc-gemm-max-tokens).
     #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_large_tiles_min_tokens)]
     pub gpu_tc_large_min_tokens: usize,
+    /// GPU forward pass: where a projection's large-tile grid would have fewer blocks than the
+    /// device has multiprocessors (on the Qwen2.5-0.5B shape QKV, o and down_proj), run its
+    /// large tiles split over this many blocks a tile (2..=8, more taken as 8: each block sums
+    /// its share of the input, the tile's last one adds the shares in a fixed order; the same
+    /// bits) instead of the wide tiles. 0 or 1: never. Only where the large tiles run
+    /// (--gpu-tc-large-min-tokens).
+    #[arg(long, default_value_t = bgs_model_gpu::GpuModelOptions::default().tensor_core_large_split)]
+    pub gpu_tc_large_split: usize,
     /// GPU forward pass: launch the model's kernels one after the other, without programmatic
     /// dependent launch (by default, on sm_90+, each may start while the one before it
     /// drains; the same results either way).
@@ -149,6 +157,7 @@ pub const GPU_ONLY_MODEL_FLAGS: &[&str] = &[
     "gpu_tc_gemm_max_tokens",
     "gpu_tc_mid_max_tokens",
     "gpu_tc_large_min_tokens",
+    "gpu_tc_large_split",
     "gpu_no_pdl",
 ];
 
@@ -276,6 +285,7 @@ pub fn load(args: &ModelArgs, slots: usize, device: &ModelDevice) -> Result<Load
                 tensor_core_gemm_max_tokens: args.gpu_tc_gemm_max_tokens,
                 tensor_core_mid_tiles_max_tokens: args.gpu_tc_mid_max_tokens,
                 tensor_core_large_tiles_min_tokens: args.gpu_tc_large_min_tokens,
+                tensor_core_large_split: args.gpu_tc_large_split,
                 programmatic_launch: !args.gpu_no_pdl,
                 device_launch: *step_loop_on_device,
                 ..bgs_model_gpu::GpuModelOptions::default()

@@ -295,6 +295,7 @@ pub fn check_combinations(a: &ServeArgs, m: &ArgMatches) -> Result<()> {
             "gpu_tc_gemm_max_tokens",
             "gpu_tc_mid_max_tokens",
             "gpu_tc_large_min_tokens",
+            "gpu_tc_large_split",
             "gpu_no_pdl",
         ])
     {

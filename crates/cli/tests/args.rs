@@ -317,6 +317,22 @@ fn flags_that_do_nothing_are_refused_naming_both() {
         &["serve", "--gpu-tc-large-min-tokens", "0"],
         &["--gpu-tc-large-min-tokens", "--model"],
     );
+    refused(
+        &[
+            "generate",
+            "--model",
+            "m",
+            "--prompt",
+            "p",
+            "--gpu-tc-large-split",
+            "8",
+        ],
+        &["--gpu-tc-large-split", "--executor"],
+    );
+    refused(
+        &["serve", "--gpu-tc-large-split", "8"],
+        &["--gpu-tc-large-split", "--model"],
+    );
 }
 
 #[test]

@@ -216,7 +216,10 @@ impl Emu {
     /// The large-tile entry points ([`plan::TC_LARGE_KERNELS`]) take one group of
     /// `TC_WARPS` warps whatever `groups` (the SiLU form's warps pair its gate and up rows),
     /// a block per [`Kernel::tc_tile_rows`] of the rows (none past them) and exactly
-    /// [`plan::tc_large_shared_bytes`] of dynamic shared memory, their pipeline's.
+    /// [`plan::tc_large_shared_bytes`] of dynamic shared memory, their pipeline's. The split
+    /// ones ([`Kernel::is_tc_large_split`]) take `split` blocks a tile side by side in x (their
+    /// last argument, 2..=[`plan::TC_LARGE_SPLIT_MAX`]; 0 for the other kernels), so their
+    /// grid's x is the tiles' times that.
     #[allow(clippy::too_many_arguments)] // one launch's properties, each checked
     fn check_tc(
         &self,
@@ -226,10 +229,26 @@ impl Emu {
         block: u32,
         shared: u32,
         groups: usize,
+        split: usize,
         (rows, n, inp): (usize, usize, usize),
     ) {
         let name = k.name();
         assert_ne!(self.dtype, GpuDtype::F32, "{name}: 16-bit types only");
+        let gx = if k.is_tc_large_split() {
+            assert!(
+                (2..=plan::TC_LARGE_SPLIT_MAX).contains(&split),
+                "{name}: {split} class groups"
+            );
+            assert_eq!(
+                gx as usize % split,
+                0,
+                "{name}: {gx} blocks are not whole tiles of {split}"
+            );
+            gx / split as u32
+        } else {
+            assert_eq!(split, 0, "{name}: split");
+            gx
+        };
         let groups = if k.is_tc_large() { 1 } else { groups };
         assert_eq!(
             block as usize,
@@ -302,6 +321,140 @@ impl Emu {
         out
     }
 
+    /// `gemm_tc_large_body<SILU, true>` (`bgs_gemm_tc_large_split`,
+    /// `bgs_gemm_tc_silu_large_split`) over `tiles` (row tiles, token blocks), block by block
+    /// through the scratch as the device goes: block z of a tile sums classes 8z / groups ..
+    /// 8(z + 1) / groups - 1 of the input's chunks (those with chunks: [`tc_class_sum`], the
+    /// wide tile's warp partial sums) for every accumulator element of the tile, padding rows
+    /// and tokens included (the last row or token, as the kernel loads them), and stores each
+    /// class sum to `part` in the kernel's layout ([`tcl_fragment`]); it counts itself in
+    /// `done[tile]` (zero at launch), and the tile's last block reads the eight class sums back
+    /// (0 for an empty class), adds them in class order, stores the outputs in range and zeroes
+    /// the count. `yo` is y (f32, `out` rows) or, for the SiLU form, act (the dtype, `out`
+    /// units: gate rows then up rows in `w`).
+    fn gemm_tc_large_split(
+        &mut self,
+        silu: bool,
+        (tx, ty): (usize, usize),
+        (w, x, yo): (u64, u64, u64),
+        (out, inp, n): (usize, usize, usize),
+        (part, done, groups): (u64, u64, usize),
+    ) {
+        let name = if silu {
+            Kernel::GemmTcSiluLargeSplit.name()
+        } else {
+            Kernel::GemmTcLargeSplit.name()
+        };
+        assert!(
+            self.i32s(done, tx * ty).iter().all(|&c| c == 0),
+            "{name}: a tile's count is not zero at launch"
+        );
+        let classes = plan::TC_WARPS;
+        let chunks = inp / plan::TC_CHUNK;
+        let per_class = plan::TC_LARGE_SPLIT_PART_BYTES / 4;
+        let nt = plan::TC_LARGE_WARP_TOKENS / 8;
+        let ws = self.wts(w, if silu { 2 * out } else { out } * inp);
+        let xs = self.wts(x, n * inp);
+        // The weight row the kernel loads for the block's row i of row tile bx (`grow`).
+        let grow = |bx: usize, i: usize| -> usize {
+            if silu {
+                let u = (bx * (plan::TC_LARGE_ROWS / 2) + (i / 32) * 16 + i % 16).min(out - 1);
+                u + if i % 32 >= 16 { out } else { 0 }
+            } else {
+                (bx * plan::TC_LARGE_ROWS + i).min(out - 1)
+            }
+        };
+        // (the element's index in a class's part, block row i, token of the tile)
+        let elements: Vec<(usize, usize, usize)> = (0..plan::TC_WARPS * 32)
+            .flat_map(|tid| {
+                (0..2).flat_map(move |m| {
+                    (0..nt).flat_map(move |j| {
+                        (0..4).map(move |k| {
+                            let (i, t) = tcl_fragment(tid, m, j, k);
+                            (((m * nt + j) * plan::TC_WARPS * 32 + tid) * 4 + k, i, t)
+                        })
+                    })
+                })
+            })
+            .collect();
+        let mut ys = if silu {
+            self.wts(yo, n * out)
+        } else {
+            self.f32s(yo, n * out)
+        };
+        for by in 0..ty {
+            let t0 = by * plan::TC_LARGE_TOKENS;
+            for bx in 0..tx {
+                let tile = by * tx + bx;
+                let at = |cls: usize| part + ((tile * classes + cls) * per_class * 4) as u64;
+                let count = done + 4 * tile as u64;
+                for z in 0..groups {
+                    for cls in
+                        (classes * z / groups..classes * (z + 1) / groups).filter(|&c| c < chunks)
+                    {
+                        let mut sums = vec![0f32; per_class];
+                        for &(e, i, t) in &elements {
+                            let r = grow(bx, i);
+                            let tok = (t0 + t).min(n - 1);
+                            sums[e] = tc_class_sum(
+                                &ws[r * inp..(r + 1) * inp],
+                                &xs[tok * inp..(tok + 1) * inp],
+                                cls,
+                            );
+                        }
+                        self.put_f32s(at(cls), &sums);
+                    }
+                    let c = self.i32s(count, 1)[0] + 1;
+                    self.put_i32s(count, &[c]);
+                    if c as usize != groups {
+                        continue;
+                    }
+                    assert_eq!(z, groups - 1, "{name}: tile {tile} finished early");
+                    // The last block: the class sums in class order.
+                    let mut tot = vec![0f32; per_class];
+                    for cls in 0..classes {
+                        let v = if cls < chunks {
+                            self.f32s(at(cls), per_class)
+                        } else {
+                            vec![0f32; per_class]
+                        };
+                        for (t, v) in tot.iter_mut().zip(v) {
+                            *t = if cls == 0 { v } else { *t + v };
+                        }
+                    }
+                    self.put_i32s(count, &[0]);
+                    for &(e, i, t) in &elements {
+                        let t = t0 + t;
+                        if t >= n {
+                            continue;
+                        }
+                        if silu {
+                            // Gate rows (m 0) give the unit; its up row (m 1) sits 16 further.
+                            if i % 32 >= 16 {
+                                continue;
+                            }
+                            let u = bx * (plan::TC_LARGE_ROWS / 2) + (i / 32) * 16 + i % 16;
+                            let up = e + nt * plan::TC_WARPS * 32 * 4;
+                            if u < out {
+                                ys[t * out + u] = silu_times(tot[e], tot[up]);
+                            }
+                        } else {
+                            let r = bx * plan::TC_LARGE_ROWS + i;
+                            if r < out {
+                                ys[t * out + r] = tot[e];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if silu {
+            self.put_wts(yo, &ys);
+        } else {
+            self.put_f32s(yo, &ys);
+        }
+    }
+
     fn launch(&mut self, k: Kernel, grid: (u32, u32), block: u32, shared: u32, args: &[Arg]) {
         let p = |i: usize| match args[i] {
             Arg::P(x) => x,
@@ -325,6 +478,27 @@ impl Emu {
         // token blocks (and, for the large ones, other row blocks).
         let tile = k.tc_tile_tokens().unwrap_or(0);
         let named = k;
+        if named.is_tc_large_split() {
+            // (w, x, y, out, in, n), or the SiLU form's (w, x, act, inter, in, n, pf,
+            // pf_bytes); then (part, done, groups).
+            let silu = named.wide() == Kernel::GemmTcSilu;
+            let at = if silu { 8 } else { 6 };
+            assert_eq!(args.len(), at + 3, "{}: arguments", named.name());
+            if silu {
+                let _ = (p(6), ll(7));
+            }
+            let (out, inp, n) = (int(3), int(4), int(5));
+            let (part, done, groups) = (p(at), p(at + 1), int(at + 2));
+            self.check_tc(named, tile, grid, block, shared, 1, groups, (out, n, inp));
+            self.gemm_tc_large_split(
+                silu,
+                (gx / groups, gy),
+                (p(0), p(1), p(2)),
+                (out, inp, n),
+                (part, done, groups),
+            );
+            return;
+        }
         let k = k.wide();
         match k {
             Kernel::Embed => {
@@ -610,7 +784,7 @@ impl Emu {
                 // done): y += the product, then xn = y's rows normed.
                 let (w, x, y, out, inp, n) = (p(0), p(1), p(2), int(3), int(4), int(5));
                 let norm = k == Kernel::GemmTcAddNorm;
-                self.check_tc(named, tile, grid, block, shared, 1, (out, n, inp));
+                self.check_tc(named, tile, grid, block, shared, 1, 0, (out, n, inp));
                 let xs = self.wts(x, n * inp);
                 let mut ys = self.f32s(y, n * out);
                 for r in 0..out {
@@ -637,7 +811,7 @@ impl Emu {
                 // (w, x, act, inter, in, n)
                 let w = p(0);
                 let (act, inter, inp, n) = (p(2), int(3), int(4), int(5));
-                self.check_tc(named, tile, grid, block, shared, 2, (inter, n, inp));
+                self.check_tc(named, tile, grid, block, shared, 2, 0, (inter, n, inp));
                 let xs = self.wts(p(1), n * inp);
                 let mut o = vec![0f32; n * inter];
                 for i in 0..inter {
@@ -687,7 +861,7 @@ impl Emu {
                         "{}: a block per 16 rows",
                         k.name()
                     );
-                    self.check_tc(named, tile, grid, block, shared, 1, (rows, n, inp));
+                    self.check_tc(named, tile, grid, block, shared, 1, 0, (rows, n, inp));
                 } else {
                     self.check_proj(k, (gx, gy), block, n, inp, inp, shared);
                 }
@@ -787,7 +961,9 @@ impl Emu {
             | Kernel::GemmTcAddNormMid
             | Kernel::GemmTcRopeKvMid
             | Kernel::GemmTcLarge
-            | Kernel::GemmTcSiluLarge => unreachable!("k is the wide form (Kernel::wide)"),
+            | Kernel::GemmTcSiluLarge
+            | Kernel::GemmTcLargeSplit
+            | Kernel::GemmTcSiluLargeSplit => unreachable!("k is the wide form (Kernel::wide)"),
         }
     }
 }
@@ -901,21 +1077,53 @@ fn butterfly(v: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
 }
 
 /// `bgs_gemm_tc`'s order: warp w sums the 32-value chunks w, w + TC_WARPS, ... in order (each
-/// chunk's products in order; the MMA's own order inside a chunk is the hardware's), then the
-/// warps' sums are added in warp order.
+/// chunk's products in order; the MMA's own order inside a chunk is the hardware's:
+/// [`tc_class_sum`]), then the warps' sums are added in warp order.
 fn tc_dot(w: &[f32], x: &[f32]) -> f32 {
-    let chunks = w.len() / plan::TC_CHUNK;
     let mut total = 0f32;
     for warp in 0..plan::TC_WARPS {
-        let mut acc = 0f32;
-        for c in (warp..chunks).step_by(plan::TC_WARPS) {
-            for k in c * plan::TC_CHUNK..(c + 1) * plan::TC_CHUNK {
-                acc += w[k] * x[k];
-            }
-        }
+        let acc = tc_class_sum(w, x, warp);
         total = if warp == 0 { acc } else { total + acc };
     }
     total
+}
+
+/// A wide tile's warp `cls` partial sum (0 without chunks): the 32-value chunks cls, cls +
+/// TC_WARPS, ... in order, each chunk's products in order. The large tiles' class `cls` sum.
+fn tc_class_sum(w: &[f32], x: &[f32], cls: usize) -> f32 {
+    let chunks = w.len() / plan::TC_CHUNK;
+    let mut acc = 0f32;
+    for c in (cls..chunks).step_by(plan::TC_WARPS) {
+        for k in c * plan::TC_CHUNK..(c + 1) * plan::TC_CHUNK {
+            acc += w[k] * x[k];
+        }
+    }
+    acc
+}
+
+/// Where element k of thread `tid`'s accumulator fragment (m, j) of a large tile lies:
+/// (the block's weight row, the token within the tile), as `gemm_tc_large_body` stores it
+/// (warp `tid / 32` at warp row wr, column wc; lane group g, quad q: row wr * 32 + m * 16 + g
+/// (+ 8 for k 2, 3), token wc * TC_LARGE_WARP_TOKENS + 8j + 2q (+ 1 for odd k)). The SiLU form
+/// reads row i as gate unit (i / 32) * 16 + i % 16 for i % 32 < 16 (m 0) and that unit's up row
+/// for m 1.
+fn tcl_fragment(tid: usize, m: usize, j: usize, k: usize) -> (usize, usize) {
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (g, q) = (lane / 4, lane % 4);
+    let wcols = plan::TC_WARPS / plan::TC_LARGE_WARP_ROWS;
+    let (wr, wc) = (warp / wcols, warp % wcols);
+    let h = if k >= 2 { 8 } else { 0 };
+    (
+        wr * 32 + m * 16 + g + h,
+        wc * plan::TC_LARGE_WARP_TOKENS + j * 8 + 2 * q + (k & 1),
+    )
+}
+
+/// `plan::alloc_bufs`'s `split_tiles` as `GpuModel::new` passes it (the device's
+/// multiprocessors where the large tiles split, else 0; the emulated device holds the large
+/// tiles' shared memory).
+fn split_tiles(tc_large_split: usize, sms: u32) -> usize {
+    if tc_large_split >= 2 { sms as usize } else { 0 }
 }
 
 /// The GPU model's host side over the emulator (the same plan, packing and buffers).
@@ -940,6 +1148,8 @@ pub(crate) struct EmuModel {
     tc_small_max_tokens: usize,
     tc_mid_max_tokens: usize,
     tc_large_min_tokens: usize,
+    tc_large_split: usize,
+    sms: u32,
     tc_stage_bytes: usize,
     split_argmax: bool,
 }
@@ -957,7 +1167,19 @@ impl EmuModel {
         let w = plan::upload_weights(&mut emu, weights, dtype).unwrap();
         let geo =
             host::geometry(&cfg, block_size, num_blocks, max_batched_tokens, max_seqs).unwrap();
-        let b = plan::alloc_bufs(&mut emu, &cfg, geo.max_tokens, geo.max_samples, dtype).unwrap();
+        // Few multiprocessors: the norm kernels' grids are capped below their units, so the
+        // plan's grid-stride sizing is exercised.
+        let sms = 2;
+        let tc_large_split = crate::GpuModelOptions::default().tensor_core_large_split;
+        let b = plan::alloc_bufs(
+            &mut emu,
+            &cfg,
+            geo.max_tokens,
+            geo.max_samples,
+            dtype,
+            split_tiles(tc_large_split, sms),
+        )
+        .unwrap();
         let cache = emu
             .alloc(
                 num_blocks * host::kv_block_bytes(&cfg, block_size, dtype),
@@ -997,6 +1219,8 @@ impl EmuModel {
             tc_mid_max_tokens: crate::GpuModelOptions::default().tensor_core_mid_tiles_max_tokens,
             tc_large_min_tokens: crate::GpuModelOptions::default()
                 .tensor_core_large_tiles_min_tokens,
+            tc_large_split,
+            sms,
             // An H100/H200's opt-in limit (227 KB): the plan stages where its rules say.
             tc_stage_bytes: plan::tc_stage_budget(232_448),
             split_argmax: true,
@@ -1022,6 +1246,38 @@ impl EmuModel {
     pub(crate) fn with_tc_large_min_tokens(mut self, n: usize) -> EmuModel {
         self.tc_large_min_tokens = n;
         self
+    }
+
+    /// Large tiles split over `groups` blocks a tile where their grid has fewer blocks than
+    /// multiprocessors (as `GpuModelOptions::tensor_core_large_split`; 0 or 1: never). The
+    /// buffers are allocated again with the split form's scratch sized as `GpuModel::new`
+    /// sizes it (a tile a multiprocessor where split is on, else none).
+    pub(crate) fn with_tc_large_split(mut self, groups: usize) -> EmuModel {
+        self.tc_large_split = groups;
+        self.realloc_bufs();
+        self
+    }
+
+    /// `n` multiprocessors for the plan (2 unless set), the split form's scratch sized for
+    /// them (the buffers are allocated again).
+    pub(crate) fn with_sms(mut self, n: u32) -> EmuModel {
+        self.sms = n;
+        self.realloc_bufs();
+        self
+    }
+
+    /// Fresh activation buffers (`plan::alloc_bufs`, as `GpuModel::new` calls it) for the
+    /// current split setting and multiprocessors: only while building, before any step.
+    fn realloc_bufs(&mut self) {
+        self.b = plan::alloc_bufs(
+            &mut self.emu,
+            &self.cfg,
+            self.geo.max_tokens,
+            self.geo.max_samples,
+            self.dtype,
+            split_tiles(self.tc_large_split, self.sms),
+        )
+        .unwrap();
     }
 
     /// The LM head's argmax over `plan::ARGMAX_PARTS` blocks a row (true, as the launched
@@ -1090,9 +1346,7 @@ impl EmuModel {
             invariant_gemm: self.invariant_gemm,
             fused_max_tokens: self.fused_max_tokens,
             tc_gemm_max_tokens: self.tc_gemm_max_tokens,
-            // Few multiprocessors: the norm kernels' grids are capped below their units, so
-            // the plan's grid-stride sizing is exercised.
-            sms: 2,
+            sms: self.sms,
             attention_warps: self.attention_warps,
             mma_attention: self.tensor_core_attention
                 && plan::mma_attention_shared(&self.cfg, self.dtype, self.attention_warps)
@@ -1102,6 +1356,7 @@ impl EmuModel {
             tc_small_max_tokens: self.tc_small_max_tokens,
             tc_mid_max_tokens: self.tc_mid_max_tokens,
             tc_large_min_tokens: self.tc_large_min_tokens,
+            tc_large_split: self.tc_large_split,
             staging: plan::TcStaging {
                 bytes: self.tc_stage_bytes,
                 ..plan::TcStaging::from(&crate::GpuModelOptions::default())
@@ -1694,8 +1949,9 @@ mod tests {
     /// The tensor-core entry points come from a macro (`BGS_TC_ENTRY_POINTS(SUF, TOK, STAGE)`,
     /// its lines continued with backslashes) instantiated for every tile width: `bgs_gemm_tc`,
     /// `bgs_gemm_tc_small` and `bgs_gemm_tc_mid` are all `bgs_gemm_tc##SUF` there. The
-    /// large-tile ones (`bgs_gemm_tc_large`, `bgs_gemm_tc_silu_large`) are declared by their
-    /// own names (or, should the macro ever be instantiated for `_large`, come from it too).
+    /// large-tile ones (`bgs_gemm_tc_large`, `bgs_gemm_tc_silu_large` and their `_split`
+    /// forms) are declared by their own names (or, should the macro ever be instantiated for
+    /// `_large`, come from it too).
     fn signature(name: &str) -> Vec<char> {
         let src = crate::KERNEL_SOURCE.replace("\\\n", "\n");
         let mut base = name;
@@ -1766,6 +2022,11 @@ mod tests {
                 .with_tc_epilogues(false)
                 .with_split_argmax(false)
                 .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
+            // The split large tiles: at 64 tokens every projection's large grid but the LM
+            // head's is short of 8 multiprocessors (QKV, o, gate/up and down split).
+            let split = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
+                .with_sms(8)
+                .with_tc_large_split(8);
             let narrow = ModelConfig {
                 head_dim: 8,
                 num_heads: 2 * cfg.num_heads,
@@ -1778,7 +2039,7 @@ mod tests {
                 .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
             // (32 tokens: the wide tensor-core tiles; 8: the small ones; 16: the mid ones; 64:
             // the large ones, by default.)
-            let plans = [m, apart, silu].map(|m| {
+            let plans = [m, apart, silu, split].map(|m| {
                 let p = m.plan();
                 [
                     p.body(64),
@@ -2320,7 +2581,8 @@ mod tests {
                 let m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 512, 512], true)
                     .with_tc_fold_max_tokens(if fold { 512 } else { 0 })
                     .with_tc_epilogues(epilogues)
-                    .with_tc_large_min_tokens(min);
+                    .with_tc_large_min_tokens(min)
+                    .with_tc_large_split(0);
                 let sms = m.plan().sms as usize;
                 for n in [1, 8, 16, 32, 64, 128, 256, 512] {
                     let tc = tc_launches(&m, n);
@@ -2459,6 +2721,351 @@ mod tests {
         }
     }
 
+    /// The split large tiles where a projection's large grid is short of the multiprocessors
+    /// (`Plan::tc_kernel_over`), on 2 multiprocessors (o_proj and down_proj: one tile at 64
+    /// tokens), on 5 (gate/up's 4 tiles at 64 tokens and QKV's at 128: a tile short of the
+    /// scratch `GpuModel::new` sizes) and on 8 (at 64 tokens QKV, o, gate/up and down; at 128
+    /// QKV, o and down), with
+    /// 8 class groups (a class a block), 3 (3, 3 and 2 classes) and 2: the logits of prefill
+    /// and decode steps over the 64- and 128-token buckets equal those of the large tiles
+    /// unsplit (the wide tiles where their grid is short) and of the wide tiles alone, bit for
+    /// bit, apart and folded, with the gate/up projection on the plain GEMM (epilogues off)
+    /// too. The emulator takes each split tile block by block through the scratch.
+    #[test]
+    fn split_large_tensor_core_tiles_give_the_bits_of_wide_tiles() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let cases: [Vec<usize>; 3] = [
+            vec![30, 34],
+            vec![37, 63],
+            (0..70).map(|i| 1 + i % 2).collect(),
+        ];
+        let per = 5u32;
+        for (fold, epilogues) in [(false, true), (true, true), (false, false)] {
+            for sms in [2, 5, 8] {
+                let model = |min: usize, groups: usize| {
+                    EmuModel::new(
+                        cfg.clone(),
+                        &w,
+                        GpuDtype::Bf16,
+                        [16, 70 * per as usize, 128, 128],
+                        true,
+                    )
+                    .with_tc_fold_max_tokens(if fold { 128 } else { 0 })
+                    .with_tc_epilogues(epilogues)
+                    .with_tc_large_min_tokens(min)
+                    .with_sms(sms)
+                    .with_tc_large_split(groups)
+                };
+                let what = format!("{sms} SMs, fold {fold}, epilogues {epilogues}");
+                // Split launches at 64 tokens (folded, on 8 multiprocessors: gate/up alone).
+                let split = |m: &EmuModel, n: usize| {
+                    let p = m.plan();
+                    [p.body(n), p.head(n)].concat().iter().any(
+                        |op| matches!(op, Op::Launch { kernel, .. } if kernel.is_tc_large_split()),
+                    )
+                };
+                let large = model(plan::TC_LARGE_TOKENS, 8);
+                assert_eq!(split(&large, 64), !fold || sms > 4, "{what}");
+                assert!(!split(&model(plan::TC_LARGE_TOKENS, 0), 64), "{what}");
+                assert!(!split(&model(0, 8), 64), "{what}");
+                for lens in &cases {
+                    let b = lens.len();
+                    let prompts = prompts(cfg.vocab_size, lens);
+                    let blocks: Vec<Vec<u32>> = (0..b as u32)
+                        .map(|i| (i * per..(i + 1) * per).collect())
+                        .collect();
+                    let next: Vec<Vec<u32>> = (0..b as u32)
+                        .map(|i| vec![(7 * i + 1) % cfg.vocab_size as u32])
+                        .collect();
+                    // Split in 8, 3 and 2; unsplit; the wide tiles alone.
+                    let mut logits = Vec::new();
+                    for (min, groups) in [
+                        (plan::TC_LARGE_TOKENS, 8),
+                        (plan::TC_LARGE_TOKENS, 3),
+                        (plan::TC_LARGE_TOKENS, 2),
+                        (plan::TC_LARGE_TOKENS, 0),
+                        (0, 0),
+                    ] {
+                        let mut m = model(min, groups);
+                        let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; b]));
+                        logits.push((first, m.step_logits(&sampled(&next, &blocks, lens))));
+                        // Every tile's count is back to zero.
+                        let tiles = split_tiles(groups, sms);
+                        assert!(
+                            m.emu
+                                .i32s(m.b.split_done, tiles.max(1))
+                                .iter()
+                                .all(|&c| c == 0)
+                        );
+                    }
+                    let tokens: usize = lens.iter().sum();
+                    for (i, l) in logits.iter().enumerate().skip(1) {
+                        assert_eq!(
+                            logits[0], *l,
+                            "split in 8 vs form {i}, {b} prompts of {tokens} tokens, {what}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Which form each projection runs with the split large tiles: the large tiles where their
+    /// grid has a block a multiprocessor, split over the groups (2 or more) where it has fewer,
+    /// the wide, mid or small tiles there without split (0 or 1 groups), on 2, 8 and 32
+    /// multiprocessors; a split launch's grid is its tiles (fewer than the multiprocessors)
+    /// times the groups in x and a block a 64-token block in y, 256 threads, the large tiles'
+    /// shared memory, and its arguments the large form's then the scratch and the groups.
+    #[test]
+    fn split_large_tensor_core_tiles_are_planned_where_the_large_grid_is_short() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let d = crate::GpuModelOptions::default();
+        let (small_max, mid_max) = (
+            d.tensor_core_small_tiles_max_tokens,
+            d.tensor_core_mid_tiles_max_tokens,
+        );
+        let mut seen = Vec::new();
+        for (fold, epilogues) in [(false, true), (true, true), (false, false)] {
+            for sms in [2, 8, 32] {
+                for groups in [0, 1, 3, 8] {
+                    let m =
+                        EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 512, 512], true)
+                            .with_tc_fold_max_tokens(if fold { 512 } else { 0 })
+                            .with_tc_epilogues(epilogues)
+                            .with_sms(sms)
+                            .with_tc_large_split(groups);
+                    let plan = m.plan();
+                    for n in [1, 8, 16, 32, 64, 128, 256, 512] {
+                        let what = format!(
+                            "bucket {n}, {sms} SMs, {groups} groups, fold {fold}, \
+                             epilogues {epilogues}"
+                        );
+                        for op in [plan.body(n), plan.head(n)].concat() {
+                            let Op::Launch {
+                                kernel: k,
+                                grid: (gx, gy),
+                                block,
+                                shared,
+                                args,
+                            } = op
+                            else {
+                                continue;
+                            };
+                            if k.tc_tile_tokens().is_none() {
+                                continue;
+                            }
+                            // (`out` or `inter`; the RoPE/KV form, never large, has none
+                            // there.)
+                            let rows = match args[3] {
+                                Arg::I(r) => r as usize,
+                                _ => 0,
+                            };
+                            let wide = k.wide();
+                            let tiles = |units: usize| {
+                                rows.div_ceil(units) * n.div_ceil(plan::TC_LARGE_TOKENS)
+                            };
+                            let large = matches!(wide, Kernel::GemmTc | Kernel::GemmTcSilu)
+                                && n >= plan::TC_LARGE_TOKENS;
+                            let want = if large
+                                && tiles(wide.large().tc_tile_rows().unwrap()) >= sms as usize
+                            {
+                                wide.large()
+                            } else if large && groups >= 2 {
+                                wide.large().split()
+                            } else if n > plan::TC_SMALL_TOKENS && n <= mid_max {
+                                wide.mid()
+                            } else if n <= small_max {
+                                wide.small()
+                            } else {
+                                wide
+                            };
+                            assert_eq!(k, want, "{what}");
+                            if !k.is_tc_large_split() {
+                                continue;
+                            }
+                            seen.push(k);
+                            let units = k.tc_tile_rows().unwrap();
+                            assert!(tiles(units) < sms as usize, "{what}: {k:?}");
+                            assert_eq!(
+                                (gx as usize, gy as usize),
+                                (
+                                    rows.div_ceil(units) * groups,
+                                    n.div_ceil(plan::TC_LARGE_TOKENS)
+                                ),
+                                "{what}: {k:?}"
+                            );
+                            assert_eq!(block as usize, plan::TC_WARPS * 32, "{what}");
+                            assert_eq!(shared as usize, plan::tc_large_shared_bytes(), "{what}");
+                            let at = if wide == Kernel::GemmTcSilu { 8 } else { 6 };
+                            assert_eq!(
+                                args[at..],
+                                [
+                                    Arg::P(m.b.split_part),
+                                    Arg::P(m.b.split_done),
+                                    Arg::I(groups as i32)
+                                ],
+                                "{what}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        for k in [Kernel::GemmTcLargeSplit, Kernel::GemmTcSiluLargeSplit] {
+            assert!(seen.contains(&k), "{k:?} never planned");
+        }
+    }
+
+    /// What the emulator requires of a split launch, as the kernel would misbehave without it:
+    /// (the plain GEMM's on 8 multiprocessors: QKV, two tiles at 64 tokens) groups 2..=8 in
+    /// the last argument, a grid of whole tiles of that many blocks covering the rows exactly,
+    /// 256 threads, the large tiles' shared memory, a count of zero a tile at launch, and a
+    /// scratch of 8 class sums a tile for every tile (one tile short runs past it). A launch
+    /// that passes leaves every count at zero and the class sums of the input's chunks in the
+    /// scratch (the emulated TinyQwen2's 64-wide input: classes 0 and 1).
+    #[test]
+    fn split_large_tile_launches_check_their_geometry_and_scratch() {
+        let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 128, 64], true)
+            .with_sms(8)
+            .with_tc_large_split(8);
+        // Real activations first: a prefill of 64 tokens (QKV split).
+        let p = prompts(cfg.vocab_size, &[64]);
+        let blocks = vec![(0..5).collect::<Vec<u32>>()];
+        m.step_logits(&sampled(&p, &blocks, &[0]));
+        let qkv = m
+            .plan()
+            .body(64)
+            .into_iter()
+            .find(|op| {
+                matches!(
+                    op,
+                    Op::Launch {
+                        kernel: Kernel::GemmTcLargeSplit,
+                        ..
+                    }
+                )
+            })
+            .unwrap();
+        let Op::Launch {
+            kernel,
+            grid,
+            block,
+            shared,
+            ref args,
+        } = qkv
+        else {
+            unreachable!()
+        };
+        let qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim;
+        assert_eq!(args[3], Arg::I(qkv_rows as i32));
+        assert_eq!(grid, (2 * 8, 1));
+        // As planned: passes, the counts back at zero, the class sums in the scratch (cleared
+        // of the step's: down_proj's 128-wide input has 4 classes).
+        let per_class = plan::TC_LARGE_SPLIT_PART_BYTES / 4;
+        m.emu
+            .put_f32s(m.b.split_part, &vec![0.0; 2 * 8 * per_class]);
+        m.emu.launch(kernel, grid, block, shared, args);
+        assert!(m.emu.i32s(m.b.split_done, 8).iter().all(|&c| c == 0));
+        let part = m.emu.f32s(m.b.split_part, 2 * 8 * per_class);
+        for (i, class) in part.chunks_exact(per_class).enumerate() {
+            let written = class.iter().any(|&v| v != 0.0);
+            assert_eq!(
+                written,
+                i % 8 < cfg.hidden_size / plan::TC_CHUNK,
+                "class {i}"
+            );
+        }
+        let launch = |m: &mut EmuModel, grid, block, shared, args: &[Arg]| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                m.emu.launch(kernel, grid, block, shared, args)
+            }))
+            .is_ok()
+        };
+        let with_groups = |g: i32| {
+            let mut a = args.clone();
+            a[8] = Arg::I(g);
+            a
+        };
+        assert!(launch(&mut m, grid, block, shared, args));
+        for (g, gx) in [(1, 2), (1, 16), (0, 16), (9, 18), (4, 16), (-8, 16)] {
+            assert!(
+                !launch(&mut m, (gx, 1), block, shared, &with_groups(g)),
+                "{g} groups, {gx} blocks"
+            );
+        }
+        // Fewer groups, the grid to match: passes (the plan's only in its argument).
+        assert!(launch(&mut m, (2 * 3, 1), block, shared, &with_groups(3)));
+        assert!(
+            !launch(&mut m, (2 * 8 + 1, 1), block, shared, args),
+            "a partial tile"
+        );
+        assert!(
+            !launch(&mut m, (3 * 8, 1), block, shared, args),
+            "a tile past the rows"
+        );
+        assert!(!launch(&mut m, (8, 1), block, shared, args), "rows missed");
+        assert!(!launch(&mut m, grid, 512, shared, args), "512 threads");
+        assert!(!launch(&mut m, grid, block, 0, args), "no shared memory");
+        // A count left over from before.
+        m.emu.put_i32s(m.b.split_done + 4, &[1]);
+        assert!(
+            !launch(&mut m, grid, block, shared, args),
+            "a count at launch"
+        );
+        m.emu.put_i32s(m.b.split_done + 4, &[0]);
+        assert!(launch(&mut m, grid, block, shared, args));
+        // A scratch of one tile, as a device of a multiprocessor would have: runs past it.
+        for (tiles, ok) in [(1, false), (2, true)] {
+            let b = plan::alloc_bufs(
+                &mut m.emu,
+                &m.cfg,
+                m.geo.max_tokens,
+                m.geo.max_samples,
+                m.dtype,
+                tiles,
+            )
+            .unwrap();
+            let mut a = args.clone();
+            a[6] = Arg::P(b.split_part);
+            a[7] = Arg::P(b.split_done);
+            assert_eq!(launch(&mut m, grid, block, shared, &a), ok, "{tiles} tiles");
+        }
+    }
+
+    /// The split form's scratch layout (`gemm_tc_large_body`'s fragments, [`tcl_fragment`]):
+    /// a class of a tile is 256 threads' 2 x `TC_LARGE_WARP_TOKENS / 8` float4s, every one of
+    /// `TC_LARGE_SPLIT_PART_BYTES` written once, holding each output of the tile's 64 rows x 64
+    /// tokens once; in the SiLU form m 0 holds 32 gate units x 64 tokens once each and m 1 the
+    /// same units' up rows (16 rows further in the block).
+    #[test]
+    fn split_part_layout_holds_each_output_of_a_tile_once() {
+        let nt = plan::TC_LARGE_WARP_TOKENS / 8;
+        let (rows, tokens) = (plan::TC_LARGE_ROWS, plan::TC_LARGE_TOKENS);
+        let mut at = vec![0u8; plan::TC_LARGE_SPLIT_PART_BYTES / 4];
+        let mut out = vec![0u8; rows * tokens];
+        let mut units = vec![0u8; rows / 2 * tokens];
+        for tid in 0..plan::TC_WARPS * 32 {
+            for m in 0..2 {
+                for j in 0..nt {
+                    for k in 0..4 {
+                        at[((m * nt + j) * plan::TC_WARPS * 32 + tid) * 4 + k] += 1;
+                        let (i, t) = tcl_fragment(tid, m, j, k);
+                        out[i * tokens + t] += 1;
+                        assert_eq!(i % 32 >= 16, m == 1);
+                        if m == 0 {
+                            units[((i / 32) * 16 + i % 16) * tokens + t] += 1;
+                            assert_eq!(tcl_fragment(tid, 1, j, k), (i + 16, t));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(at.iter().all(|&c| c == 1));
+        assert!(out.iter().all(|&c| c == 1));
+        assert!(units.iter().all(|&c| c == 1));
+    }
+
     /// The persistent form takes every op of the own-kernel plans (the invariant tensor-core
     /// form, the fused form, f32's invariant form) at every bucket, refuses the cuBLAS plan,
     /// and its table decodes back to the very ops (each argument in its signature's kind).
@@ -2550,6 +3157,22 @@ mod tests {
             e.contains("op 2 (bgs_gemm_tc_large) is a small-, mid- or large-tile"),
             "{e}"
         );
+        // Nor the split large tiles' (o_proj and down_proj: one tile, short of two
+        // multiprocessors).
+        let split = m.with_tc_large_split(8);
+        let ops: Vec<Op> = split
+            .plan()
+            .body(64)
+            .into_iter()
+            .filter(|op| matches!(op, Op::Launch { kernel, .. } if kernel.is_tc_large_split()))
+            .collect();
+        assert_eq!(ops.len(), 2 * split.cfg.num_layers);
+        let e = persistent::encode(&ops, GpuDtype::Bf16, 1).unwrap_err();
+        assert!(
+            e.contains("op 0 (bgs_gemm_tc_large_split) is a small-, mid- or large-tile"),
+            "{e}"
+        );
+        let m = split.with_tc_large_split(0);
         let m = m
             .with_tc_large_min_tokens(0)
             .with_tc_mid_max_tokens(0)

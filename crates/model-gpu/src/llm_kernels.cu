@@ -1966,7 +1966,7 @@ BGS_TC_ENTRY_POINTS(_mid, BGS_TC_MID_TOKENS, true)
 #endif
 #if BGS_HAVE_MMA
 // Where the walk over the chunks is: class `cls` (chunks cls, cls + 8, ...), its j0-th chunk
-// on; cls == 8 once past the last.
+// on; cls == the walk's end class (8 unless split) once past the last.
 struct TclCursor {
     int cls, j0;
 };
@@ -1974,8 +1974,8 @@ struct TclCursor {
 __device__ __forceinline__ int tcl_class_len(int chunks, int cls) {
     return cls < chunks ? (chunks - cls + 7) / 8 : 0;
 }
-__device__ __forceinline__ void tcl_settle(TclCursor &c, int chunks) {
-    while (c.cls < 8 && c.j0 >= tcl_class_len(chunks, c.cls)) {
+__device__ __forceinline__ void tcl_settle(TclCursor &c, int chunks, int cend) {
+    while (c.cls < cend && c.j0 >= tcl_class_len(chunks, c.cls)) {
         c.cls++;
         c.j0 = 0;
     }
@@ -1985,11 +1985,26 @@ __device__ __forceinline__ int tcl_count(const TclCursor &c, int chunks) {
 }
 #endif
 
+// Split (`plan::Plan::tc_large_split`, the `_split` entry points): where a projection has
+// fewer large tiles than multiprocessors (o, down_proj and QKV: 896 or 1,152 rows), each tile
+// is computed by `groups` blocks, block z of a tile taking classes 8z/groups .. 8(z+1)/groups
+// - 1. A split block stores each of its class sums (a warp's accumulator fragments, exactly
+// the values the unsplit walk adds) to `part` as the class ends, instead of adding it to a
+// total; the tile's last block (each counts itself in done[tile] after a fence, as the
+// folded add-norm's blocks do) reads the eight class sums back through L2 and adds them in
+// class order, + 0 for an empty class: the unsplit walk's adds, so the same bits.
+// part: f32 [tiles][8 classes][2 * TCL_NT float4][256 threads] (`plan::TC_LARGE_SPLIT_PART_BYTES`
+// a tile and class); done: u32 [tiles], zero between launches (the last block zeroes its own).
+// Block x of a split grid is tile x / groups, class group x % groups; tile = y * tiles in a row
+// + x / groups.
+//
 // SILU: `out` is the intermediate width; w holds the gate rows then the up rows, yo is act
 // (wt). Otherwise yo is y (f32) of `out` rows.
-template <bool SILU>
+template <bool SILU, bool SPLIT>
 __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *w, const wt *x,
-                                                   void *yo, int out, int in, int n) {
+                                                   void *yo, int out, int in, int n,
+                                                   float *part = nullptr,
+                                                   unsigned *done = nullptr, int groups = 1) {
 #if BGS_HAVE_MMA
     BGS_SKIP_IF(SILU ? 16 : 32, bk.pdl);
     extern __shared__ bgs_u4 tcl_smem[];
@@ -1998,15 +2013,19 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
     const int wr = warp / TCL_WC, wc = warp % TCL_WC;
     const int t0 = bk.y * TCL_TOKENS;
     const int chunks = in / 32;
+    // The block's row tile and the classes it walks ([cbeg, cend): all 8 unless split).
+    const int bx = SPLIT ? bk.x / groups : bk.x;
+    const int cbeg = SPLIT ? 8 * (bk.x % groups) / groups : 0;
+    const int cend = SPLIT ? 8 * (bk.x % groups + 1) / groups : 8;
     // The global row of the block's weight row i; past the end, the last row (computed, never
     // stored: as the wide tiles load). SiLU: rows 32k .. 32k + 15 are gate rows (units u0 + 16k
     // ..), rows 32k + 16 .. the same units' up rows.
     auto grow = [&](int i) -> int {
         if (SILU) {
-            const int u = min(bk.x * (TCL_ROWS / 2) + (i / 32) * 16 + i % 16, out - 1);
+            const int u = min(bx * (TCL_ROWS / 2) + (i / 32) * 16 + i % 16, out - 1);
             return u + (i % 32 >= 16 ? out : 0);
         }
-        return min(bk.x * TCL_ROWS + i, out - 1);
+        return min(bx * TCL_ROWS + i, out - 1);
     };
     // A stage's copies: 16 bytes a thread a round, e = (jj * rows + i) * 4 + quarter (the smem
     // layout itself) = tid + 256 k. A round covers 64 rows, so thread tid copies quarter tid % 4
@@ -2048,23 +2067,23 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
     };
     auto advance = [&](TclCursor &c) {
         c.j0 += TCL_CH;
-        tcl_settle(c, chunks);
+        tcl_settle(c, chunks, cend);
     };
-    TclCursor ic{0, 0};
-    tcl_settle(ic, chunks);
+    TclCursor ic{cbeg, 0};
+    tcl_settle(ic, chunks, cend);
     const TclCursor first = ic;
     // The first stages' weights before the wait (weights never change during a step), their
     // token rows after it; one commit group a stage.
 #pragma unroll
     for (int s = 0; s < TCL_ST - 1; s++) {
-        if (ic.cls < 8) issue_w(s, ic);
-        if (ic.cls < 8) advance(ic);
+        if (ic.cls < cend) issue_w(s, ic);
+        if (ic.cls < cend) advance(ic);
     }
     if (bk.pdl) BGS_PDL_BEGIN();
     ic = first;
 #pragma unroll
     for (int s = 0; s < TCL_ST - 1; s++) {
-        if (ic.cls < 8) {
+        if (ic.cls < cend) {
             issue_x(s, ic);
             advance(ic);
         }
@@ -2079,11 +2098,11 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
             for (int k = 0; k < 4; k++) acc[m][j][k] = tot[m][j][k] = 0.f;
     TclCursor cc = first;
     int stage = 0;
-    while (cc.cls < 8) {
+    while (cc.cls < cend) {
         cp_async_wait_pending(TCL_ST - 2);  // this stage's copies (this thread's) are in
         __syncthreads();                    // ... and every thread's; the stage before is free
         const int refill = (stage + TCL_ST - 1) % TCL_ST;
-        if (ic.cls < 8) {
+        if (ic.cls < cend) {
             issue_w(refill, ic);
             issue_x(refill, ic);
             advance(ic);
@@ -2121,7 +2140,20 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
         }
         const int cls = cc.cls;
         advance(cc);
-        if (cc.cls != cls) {
+        if (SPLIT && cc.cls != cls) {
+            // Class cls is done: its sum to `part` (the last block adds them in class order).
+            float4 *pp = (float4 *)part + ((size_t)(bk.y * (bk.gx / groups) + bx) * 8 + cls) *
+                                              (2 * TCL_NT) * 256 + tid;
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int j = 0; j < TCL_NT; j++) {
+                    pp[(m * TCL_NT + j) * 256] =
+                        make_float4(acc[m][j][0], acc[m][j][1], acc[m][j][2], acc[m][j][3]);
+#pragma unroll
+                    for (int k = 0; k < 4; k++) acc[m][j][k] = 0.f;
+                }
+        } else if (cc.cls != cls) {
             // Class cls is done: its sum into the total (the wide tile's warp-order adds),
             // then + 0 for each empty class after it (a wide tile's warps without chunks).
 #pragma unroll
@@ -2144,6 +2176,38 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
         stage = stage + 1 == TCL_ST ? 0 : stage + 1;
     }
     cp_async_wait_all();
+    if (SPLIT) {
+        // The tile's last block adds the class sums in class order (the unsplit walk's adds).
+        __shared__ unsigned last;
+        const int tile = bk.y * (bk.gx / groups) + bx;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(done + tile, 1u) == (unsigned)groups - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        for (int cls = 0; cls < 8; cls++) {
+            const float4 *pp =
+                (const float4 *)part + ((size_t)tile * 8 + cls) * (2 * TCL_NT) * 256 + tid;
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int j = 0; j < TCL_NT; j++) {
+                    float v[4] = {0.f, 0.f, 0.f, 0.f};
+                    if (cls < chunks) {
+                        const float *e = (const float *)(pp + (m * TCL_NT + j) * 256);
+                        asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                     : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                                     : "l"(e)
+                                     : "memory");
+                    }
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        tot[m][j][k] = cls == 0 ? v[k] : tot[m][j][k] + v[k];
+                }
+        }
+        if (tid == 0) done[tile] = 0u;
+    }
     // The accumulator fragments: k 0, 1 at (row g, tokens 2q, 2q + 1), k 2, 3 at row g + 8.
 #pragma unroll
     for (int j = 0; j < TCL_NT; j++)
@@ -2152,13 +2216,13 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
             const int t = t0 + wc * TCL_WN + j * 8 + 2 * q + (k & 1);
             if (t >= n) continue;
             if (SILU) {
-                const int u = bk.x * (TCL_ROWS / 2) + wr * 16 + g + (k >= 2 ? 8 : 0);
+                const int u = bx * (TCL_ROWS / 2) + wr * 16 + g + (k >= 2 ? 8 : 0);
                 if (u < out)
                     ((wt *)yo)[(size_t)t * out + u] = silu_times(tot[0][j][k], tot[1][j][k]);
             } else {
 #pragma unroll
                 for (int m = 0; m < 2; m++) {
-                    const int r = bk.x * TCL_ROWS + wr * 32 + m * 16 + g + (k >= 2 ? 8 : 0);
+                    const int r = bx * TCL_ROWS + wr * 32 + m * 16 + g + (k >= 2 ? 8 : 0);
                     if (r < out) ((float *)yo)[(size_t)t * out + r] = tot[m][j][k];
                 }
             }
@@ -2169,13 +2233,25 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
 }
 extern "C" __global__ void __launch_bounds__(BGS_TC_WARPS * 32)
     bgs_gemm_tc_large(const wt *w, const wt *x, float *y, int out, int in, int n) {
-    gemm_tc_large_body<false>(BGS_LAUNCH_BLK, w, x, y, out, in, n);
+    gemm_tc_large_body<false, false>(BGS_LAUNCH_BLK, w, x, y, out, in, n);
 }
 extern "C" __global__ void __launch_bounds__(BGS_TC_WARPS * 32)
     bgs_gemm_tc_silu_large(const wt *w, const wt *x, wt *act, int inter, int in, int n,
                            const void *pf, long long pf_bytes) {
     prefetch_lines_l2(2, pf, pf_bytes);
-    gemm_tc_large_body<true>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);
+    gemm_tc_large_body<true, false>(BGS_LAUNCH_BLK, w, x, act, inter, in, n);
+}
+extern "C" __global__ void __launch_bounds__(BGS_TC_WARPS * 32)
+    bgs_gemm_tc_large_split(const wt *w, const wt *x, float *y, int out, int in, int n,
+                            float *part, unsigned *done, int groups) {
+    gemm_tc_large_body<false, true>(BGS_LAUNCH_BLK, w, x, y, out, in, n, part, done, groups);
+}
+extern "C" __global__ void __launch_bounds__(BGS_TC_WARPS * 32)
+    bgs_gemm_tc_silu_large_split(const wt *w, const wt *x, wt *act, int inter, int in, int n,
+                                 const void *pf, long long pf_bytes, float *part,
+                                 unsigned *done, int groups) {
+    prefetch_lines_l2(2, pf, pf_bytes);
+    gemm_tc_large_body<true, true>(BGS_LAUNCH_BLK, w, x, act, inter, in, n, part, done, groups);
 }
 
 // ---- The persistent form: a whole op list in one launch ----

@@ -118,6 +118,15 @@ pub struct GpuModelOptions {
     /// default; 0: never. Off (with a log line) where the device's opt-in shared memory a block
     /// is smaller. The persistent form keeps the wide tiles.
     pub tensor_core_large_tiles_min_tokens: usize,
+    /// Where a projection's large grid would have fewer blocks than the device has
+    /// multiprocessors (on the Qwen2.5-0.5B shape QKV, o and down_proj: 896 or 1,152 rows),
+    /// run it on the large tiles **split** over this many blocks a tile
+    /// (`bgs_gemm_tc_large_split`, `bgs_gemm_tc_silu_large_split`; 2..=8) instead of the wide
+    /// tiles: each block sums its share of the 8 classes of input chunks, stores the class
+    /// sums, and the tile's last block adds them in class order, for the same bits (the check
+    /// compares large against wide tiles whatever this option). The scratch: 128 KB a
+    /// multiprocessor. 0 (or 1): such projections keep the wide tiles.
+    pub tensor_core_large_split: usize,
     /// Let the small-tile GEMMs stage their weights in shared memory (`plan::Plan::tc_stage`):
     /// where a warp's share of a row tile takes more than one round of loads into registers
     /// (down_proj) or the row tiles outnumber the multiprocessors (gate/up), a block takes up
@@ -197,6 +206,7 @@ impl Default for GpuModelOptions {
             tensor_core_small_tiles_max_tokens: 2 * plan::TC_SMALL_TOKENS,
             tensor_core_mid_tiles_max_tokens: plan::TC_MID_TOKENS,
             tensor_core_large_tiles_min_tokens: plan::TC_LARGE_TOKENS,
+            tensor_core_large_split: 0,
             tensor_core_staged_tiles: true,
             tensor_core_stage_min_rounds: 3,
             tensor_core_stage_waves: true,
@@ -375,6 +385,11 @@ pub struct GpuModel {
     /// Whether the device runs the large tiles: sm_80+ and its opt-in shared memory a block
     /// holds `plan::tc_large_shared_bytes` (their attribute is set at the build).
     tc_large_fits: bool,
+    /// `tensor_core_large_split` (at most `plan::TC_LARGE_SPLIT_MAX`; `set_tc_large_split`
+    /// changes it for direct launches up to what the scratch was sized for).
+    tc_large_split: usize,
+    /// `tensor_core_large_split` as built: the scratch is allocated only where it is 2 or more.
+    tc_large_split_built: usize,
     /// When the small tiles stage (`tensor_core_stage_min_rounds`, `tensor_core_stage_waves`)
     /// and the dynamic shared memory they may take a block (0: never staged).
     tc_stage: plan::TcStaging,
@@ -564,7 +579,8 @@ impl GpuModel {
         }
         // The large tiles' pipeline takes more dynamic shared memory than a block gets
         // without the opt-in: where the device's opt-in limit is smaller, they are off.
-        let tc_large_fits = env.cc.0 >= 8 && env.smem_optin >= plan::tc_large_shared_bytes();
+        // (1 KB beside it for the kernels' static shared memory: the split form's flag.)
+        let tc_large_fits = env.cc.0 >= 8 && env.smem_optin >= plan::tc_large_shared_bytes() + 1024;
         if !tc_large_fits && opts.tensor_core_large_tiles_min_tokens > 0 && env.cc.0 >= 8 {
             tracing::info!(
                 "large tensor-core tiles off: a block of them takes {} bytes of shared memory, \
@@ -600,6 +616,8 @@ impl GpuModel {
                 0
             },
             tc_large_fits,
+            tc_large_split: opts.tensor_core_large_split.min(plan::TC_LARGE_SPLIT_MAX),
+            tc_large_split_built: opts.tensor_core_large_split.min(plan::TC_LARGE_SPLIT_MAX),
             tc_stage: plan::TcStaging {
                 bytes: if opts.tensor_core_staged_tiles && env.cc.0 >= 8 {
                     plan::tc_stage_budget(env.smem_optin)
@@ -759,6 +777,12 @@ impl GpuModel {
             provisional.max_tokens,
             provisional.max_samples,
             self.dtype,
+            // A split launch has fewer tiles than multiprocessors (`Plan::tc_kernel_over`).
+            if self.tc_large_fits && self.tc_large_split_built >= 2 {
+                self.sms as usize
+            } else {
+                0
+            },
         )?;
         self.workspace = self.alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?;
 
@@ -976,6 +1000,11 @@ impl GpuModel {
             },
             tc_mid_max_tokens: self.tc_mid_max_tokens,
             tc_large_min_tokens: self.tc_large_min_tokens,
+            tc_large_split: if self.tc_large_split_built >= 2 {
+                self.tc_large_split
+            } else {
+                0
+            },
             staging: plan::TcStaging {
                 bytes: if self.tc_stage_on {
                     self.tc_stage.bytes
@@ -1454,6 +1483,24 @@ impl GpuModel {
     /// where the device cannot run them).
     pub fn tc_large_min_tokens(&self) -> usize {
         self.tc_large_min_tokens
+    }
+
+    /// Split large tiles over `groups` blocks a tile (0 or 1: never split; at most
+    /// `plan::TC_LARGE_SPLIT_MAX`) for the launches made without graphs (the captured graphs
+    /// keep `tensor_core_large_split`). Returns whether the model has the split form's scratch
+    /// (built with `tensor_core_large_split` of 2 or more); where it does not, nothing splits.
+    pub fn set_tc_large_split(&mut self, groups: usize) -> bool {
+        self.tc_large_split = groups.min(plan::TC_LARGE_SPLIT_MAX);
+        self.tc_large_split_built >= 2
+    }
+
+    /// The split large tiles' class groups for the launches made now (0: never split).
+    pub fn tc_large_split(&self) -> usize {
+        if self.tc_large_split_built >= 2 {
+            self.tc_large_split
+        } else {
+            0
+        }
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),

@@ -216,7 +216,9 @@ pub(crate) fn encode(
             | Kernel::GemmTcAddNormMid
             | Kernel::GemmTcRopeKvMid
             | Kernel::GemmTcLarge
-            | Kernel::GemmTcSiluLarge => {
+            | Kernel::GemmTcSiluLarge
+            | Kernel::GemmTcLargeSplit
+            | Kernel::GemmTcSiluLargeSplit => {
                 return Err(format!(
                     "op {i} ({}) is a small-, mid- or large-tile tensor-core kernel, which the \
                      persistent form does not run (build its tables with the wide tiles: the \

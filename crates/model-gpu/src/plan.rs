@@ -79,9 +79,20 @@ pub const TC_LARGE_TOKENS: usize = (TC_WARPS / TC_LARGE_WARP_ROWS) * TC_LARGE_WA
 pub const fn tc_large_shared_bytes() -> usize {
     TC_LARGE_STAGES * TC_LARGE_CHUNKS * (TC_LARGE_ROWS + TC_LARGE_TOKENS) * 64
 }
-/// The large-tile entry points (not staged by [`Plan::tc_stage`]'s rules: they always stage
-/// through their own pipeline, [`tc_large_shared_bytes`]).
-pub(crate) const TC_LARGE_KERNELS: [Kernel; 2] = [Kernel::GemmTcLarge, Kernel::GemmTcSiluLarge];
+/// The large-tile entry points, split or not (not staged by [`Plan::tc_stage`]'s rules: they
+/// always stage through their own pipeline, [`tc_large_shared_bytes`]).
+pub(crate) const TC_LARGE_KERNELS: [Kernel; 4] = [
+    Kernel::GemmTcLarge,
+    Kernel::GemmTcSiluLarge,
+    Kernel::GemmTcLargeSplit,
+    Kernel::GemmTcSiluLargeSplit,
+];
+/// Class groups of a split large tile at most: a tile's 8 classes of input chunks (chunks w,
+/// w + 8, ...), each class summed by one block at most ([`Plan::tc_large_split`]).
+pub const TC_LARGE_SPLIT_MAX: usize = 8;
+/// Bytes of one class sum of one large tile in the split form's scratch (`part`): every output
+/// of the tile in f32, 16 KB.
+pub const TC_LARGE_SPLIT_PART_BYTES: usize = TC_LARGE_ROWS * TC_LARGE_TOKENS * 4;
 /// Row tiles a block of a staged small-tile GEMM takes at most (`-DBGS_TC_STAGE_MAX`; see
 /// [`Plan::tc_stage`]).
 pub const TC_STAGE_MAX: usize = 4;
@@ -214,10 +225,12 @@ pub(crate) enum Kernel {
     GemmTcRopeKvMid,
     GemmTcLarge,
     GemmTcSiluLarge,
+    GemmTcLargeSplit,
+    GemmTcSiluLargeSplit,
 }
 
 impl Kernel {
-    pub(crate) const ALL: [Kernel; 27] = [
+    pub(crate) const ALL: [Kernel; 29] = [
         Kernel::Embed,
         Kernel::AddRmsNorm,
         Kernel::RopeKv,
@@ -245,6 +258,8 @@ impl Kernel {
         Kernel::GemmTcRopeKvMid,
         Kernel::GemmTcLarge,
         Kernel::GemmTcSiluLarge,
+        Kernel::GemmTcLargeSplit,
+        Kernel::GemmTcSiluLargeSplit,
     ];
 
     /// The `extern "C"` name.
@@ -277,6 +292,8 @@ impl Kernel {
             Kernel::GemmTcRopeKvMid => "bgs_gemm_tc_rope_kv_mid",
             Kernel::GemmTcLarge => "bgs_gemm_tc_large",
             Kernel::GemmTcSiluLarge => "bgs_gemm_tc_silu_large",
+            Kernel::GemmTcLargeSplit => "bgs_gemm_tc_large_split",
+            Kernel::GemmTcSiluLargeSplit => "bgs_gemm_tc_silu_large_split",
         }
     }
 
@@ -312,9 +329,26 @@ impl Kernel {
         }
     }
 
-    /// Whether this is a large-tile entry point ([`TC_LARGE_KERNELS`]).
+    /// The split form of a large-tile entry point (itself for the others).
+    pub(crate) fn split(self) -> Kernel {
+        match self {
+            Kernel::GemmTcLarge => Kernel::GemmTcLargeSplit,
+            Kernel::GemmTcSiluLarge => Kernel::GemmTcSiluLargeSplit,
+            k => k,
+        }
+    }
+
+    /// Whether this is a large-tile entry point, split or not ([`TC_LARGE_KERNELS`]).
     pub(crate) fn is_tc_large(self) -> bool {
         TC_LARGE_KERNELS.contains(&self)
+    }
+
+    /// Whether this is a split large-tile entry point ([`Plan::tc_large_split`]).
+    pub(crate) fn is_tc_large_split(self) -> bool {
+        matches!(
+            self,
+            Kernel::GemmTcLargeSplit | Kernel::GemmTcSiluLargeSplit
+        )
     }
 
     /// The wide-tile kernel a small-, mid- or large-tile entry point computes the same bits as
@@ -322,10 +356,14 @@ impl Kernel {
     #[cfg(test)]
     pub(crate) fn wide(self) -> Kernel {
         match self {
-            Kernel::GemmTcSmall | Kernel::GemmTcMid | Kernel::GemmTcLarge => Kernel::GemmTc,
-            Kernel::GemmTcSiluSmall | Kernel::GemmTcSiluMid | Kernel::GemmTcSiluLarge => {
-                Kernel::GemmTcSilu
-            }
+            Kernel::GemmTcSmall
+            | Kernel::GemmTcMid
+            | Kernel::GemmTcLarge
+            | Kernel::GemmTcLargeSplit => Kernel::GemmTc,
+            Kernel::GemmTcSiluSmall
+            | Kernel::GemmTcSiluMid
+            | Kernel::GemmTcSiluLarge
+            | Kernel::GemmTcSiluLargeSplit => Kernel::GemmTcSilu,
             Kernel::GemmTcAddNormSmall | Kernel::GemmTcAddNormMid => Kernel::GemmTcAddNorm,
             Kernel::GemmTcRopeKvSmall | Kernel::GemmTcRopeKvMid => Kernel::GemmTcRopeKv,
             k => k,
@@ -336,7 +374,10 @@ impl Kernel {
     /// [`TC_MID_TOKENS`] or [`TC_SMALL_TOKENS`]), or `None` for the others.
     pub(crate) fn tc_tile_tokens(self) -> Option<usize> {
         match self {
-            Kernel::GemmTcLarge | Kernel::GemmTcSiluLarge => Some(TC_LARGE_TOKENS),
+            Kernel::GemmTcLarge
+            | Kernel::GemmTcSiluLarge
+            | Kernel::GemmTcLargeSplit
+            | Kernel::GemmTcSiluLargeSplit => Some(TC_LARGE_TOKENS),
             Kernel::GemmTc | Kernel::GemmTcSilu | Kernel::GemmTcAddNorm | Kernel::GemmTcRopeKv => {
                 Some(TC_TOKENS)
             }
@@ -361,8 +402,8 @@ impl Kernel {
     /// `None` for the other kernels.
     pub(crate) fn tc_tile_rows(self) -> Option<usize> {
         match self {
-            Kernel::GemmTcLarge => Some(TC_LARGE_ROWS),
-            Kernel::GemmTcSiluLarge => Some(TC_LARGE_ROWS / 2),
+            Kernel::GemmTcLarge | Kernel::GemmTcLargeSplit => Some(TC_LARGE_ROWS),
+            Kernel::GemmTcSiluLarge | Kernel::GemmTcSiluLargeSplit => Some(TC_LARGE_ROWS / 2),
             k => k.tc_tile_tokens().map(|_| TC_ROWS),
         }
     }
@@ -538,16 +579,26 @@ pub(crate) struct Bufs {
     pub argmax_cand: u64,
     /// u32 `[S]`, zero between launches: `bgs_argmax_split`'s finished slices a row.
     pub argmax_done: u64,
+    /// f32 `[tiles][8][TC_LARGE_SPLIT_PART_BYTES / 4]`: the split large tiles' class sums
+    /// ([`Plan::tc_large_split`]; `tiles` is [`alloc_bufs`]'s `split_tiles`).
+    pub split_part: u64,
+    /// u32 `[tiles]`, zero between launches: a split large tile's finished blocks (the last one
+    /// adds the class sums and zeroes its count).
+    pub split_done: u64,
 }
 
 /// Allocate the activation buffers for `t` tokens and `s` sampled rows, and upload the RoPE
-/// frequencies (the CPU oracle's, bit for bit: computed in f64 and rounded).
+/// frequencies (the CPU oracle's, bit for bit: computed in f64 and rounded). `split_tiles`:
+/// the most large tiles a split launch may have, the scratch of the split form
+/// ([`TC_LARGE_SPLIT_PART_BYTES`] a tile and class; 0 where none runs): the device's
+/// multiprocessors, since [`Plan::tc_kernel_over`] splits only grids of fewer tiles.
 pub(crate) fn alloc_bufs(
     d: &mut impl DeviceMem,
     cfg: &ModelConfig,
     t: usize,
     s: usize,
     dt: GpuDtype,
+    split_tiles: usize,
 ) -> Result<Bufs, GpuModelError> {
     let (h, inter, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.kv_dim());
@@ -571,6 +622,11 @@ pub(crate) fn alloc_bufs(
         tiles_done: d.alloc(t.div_ceil(TC_SMALL_TOKENS) * 4, "tile counts")?,
         argmax_cand: d.alloc(s * ARGMAX_PARTS * 8, "argmax slice winners")?,
         argmax_done: d.alloc(s * 4, "argmax slice counts")?,
+        split_part: d.alloc(
+            split_tiles.max(1) * 8 * TC_LARGE_SPLIT_PART_BYTES,
+            "split large tiles' class sums",
+        )?,
+        split_done: d.alloc(split_tiles.max(1) * 4, "split large tiles' counts")?,
     })
 }
 
@@ -787,6 +843,12 @@ pub(crate) struct Plan<'a> {
     /// same bits (0: none; the host sets 0 where the device's shared memory cannot hold
     /// [`tc_large_shared_bytes`]).
     pub tc_large_min_tokens: usize,
+    /// Class groups of the split large tiles (2..=[`TC_LARGE_SPLIT_MAX`]; 0 or 1: never
+    /// split): where a projection's large grid has fewer blocks than multiprocessors,
+    /// [`Plan::tc_kernel_over`] runs it split, each tile's 8 classes of input chunks summed by
+    /// this many blocks and added in class order by the tile's last one (the same bits),
+    /// instead of the wide tiles.
+    pub tc_large_split: usize,
     /// When the small and mid tiles stage their weights ([`Plan::tc_stage`]).
     pub staging: TcStaging,
     /// The LM head's argmax over [`ARGMAX_PARTS`] blocks a row (`bgs_argmax_split`) rather
@@ -862,6 +924,21 @@ impl Plan<'_> {
         inp: usize,
         args: &[Arg],
     ) -> Op {
+        if kernel.is_tc_large_split() {
+            // Each tile's blocks side by side in x (`groups` of them), then the scratch.
+            let split = self.tc_large_split.min(TC_LARGE_SPLIT_MAX);
+            let mut args = args.to_vec();
+            args.extend([
+                Arg::P(self.b.split_part),
+                Arg::P(self.b.split_done),
+                Arg::I(split as i32),
+            ]);
+            let mut op = tc_tiles_launch(kernel, groups, rows, n, 0, &args);
+            if let Op::Launch { grid, .. } = &mut op {
+                grid.0 *= split as u32;
+            }
+            return op;
+        }
         let mut op = tc_tiles_launch(kernel, groups, rows, n, 0, args);
         if kernel.is_tc_large() {
             return op;
@@ -902,6 +979,9 @@ impl Plan<'_> {
     /// Qwen2.5-0.5B shape's down_proj in 42 large blocks took 67 µs alone,
     /// `bench/results/20261207-gpu-tc-large-probe-h100`), where the wide tiles' many short
     /// blocks keep every multiprocessor busy.
+    ///
+    /// With [`Plan::tc_large_split`], such a projection runs the large tiles split instead:
+    /// each tile's chain of chunks cut across that many blocks.
     pub(crate) fn tc_kernel_over(&self, k: Kernel, n: usize, rows: usize) -> Kernel {
         let chosen = self.tc_kernel(k, n);
         let (Some(units), Some(tokens)) = (chosen.tc_tile_rows(), chosen.tc_tile_tokens()) else {
@@ -909,6 +989,9 @@ impl Plan<'_> {
         };
         if !chosen.is_tc_large() || rows.div_ceil(units) * n.div_ceil(tokens) >= self.sms as usize {
             return chosen;
+        }
+        if self.tc_large_split >= 2 {
+            return chosen.split();
         }
         Plan {
             tc_large_min_tokens: 0,
@@ -1420,7 +1503,15 @@ mod tests {
         for k in TC_LARGE_KERNELS {
             assert!(!TC_STAGED_KERNELS.contains(&k));
             assert_eq!(k.tc_tile_tokens(), Some(TC_LARGE_TOKENS));
-            assert_eq!(k.wide().large(), k);
+            let large = k.wide().large();
+            assert_eq!(
+                if k.is_tc_large_split() {
+                    large.split()
+                } else {
+                    large
+                },
+                k
+            );
             assert!(Kernel::ALL.contains(&k));
         }
         assert_eq!(Kernel::GemmTcLarge.tc_tile_rows(), Some(64));
@@ -1429,34 +1520,52 @@ mod tests {
         for k in [Kernel::GemmTcAddNorm, Kernel::GemmTcRopeKv, Kernel::Proj] {
             assert_eq!(k.large(), k);
         }
-        // The persistent op ids: the large kernels come last.
-        assert_eq!(
-            Kernel::ALL[Kernel::ALL.len() - 2..],
-            [Kernel::GemmTcLarge, Kernel::GemmTcSiluLarge]
-        );
+        // The persistent op ids: the large kernels come last, the split ones after them.
+        assert_eq!(Kernel::ALL[Kernel::ALL.len() - 4..], TC_LARGE_KERNELS);
+        for k in [Kernel::GemmTcLargeSplit, Kernel::GemmTcSiluLargeSplit] {
+            assert!(k.is_tc_large() && k.is_tc_large_split());
+            assert_ne!(k.wide().large(), k);
+            assert_eq!(k.wide().large().split(), k);
+            assert_eq!(k.tc_tile_rows(), k.wide().large().tc_tile_rows());
+        }
+        for k in [Kernel::GemmTcLarge, Kernel::GemmTcSiluLarge] {
+            assert!(!k.is_tc_large_split());
+            assert!(k.split().is_tc_large_split());
+        }
+        // A class sum of a tile: every output of 64 rows x 64 tokens in f32.
+        assert_eq!(TC_LARGE_SPLIT_PART_BYTES, 16_384);
+        assert_eq!(TC_LARGE_SPLIT_MAX, TC_WARPS);
     }
 
-    /// The large tiles' launches for the Qwen2.5-0.5B shape (hidden 896, intermediate 4864,
-    /// vocab 151,936; 14 heads and 2 kv heads of 64) on the invariant tensor-core form, at
-    /// buckets (and LM heads) of 64 and 256: a block of 256 threads per 64 rows (QKV's 1,152:
-    /// 18; o and down's 896: 14; the LM head's: 2,374) or 32 gate/up units (152) and per 64
-    /// tokens, 96 KB of dynamic shared memory, never staged; the add-norm and RoPE/KV forms
-    /// (the folded form, at most 4 tokens) do not come in. At 32 tokens the wide tiles.
-    #[test]
-    fn large_tile_launches_for_the_qwen_shape() {
+    /// The Qwen2.5-0.5B shape (hidden 896, intermediate 4864, vocab 151,936; 14 heads and 2 kv
+    /// heads of 64) with up to 512 tokens and 256 sampled rows, weights and buffers at made-up
+    /// addresses (the split form's scratch at 0x1000 and 0x2000).
+    fn qwen_shape() -> (ModelConfig, StepGeometry, DevWeights, Bufs) {
         let cfg = bgs_model::synth::synth_config(bgs_model::synth::SynthArch::Qwen25_05b);
         let geo = host::geometry(&cfg, 16, 1024, 512, 256).unwrap();
         let w = DevWeights {
             layers: vec![DevLayer::default(); cfg.num_layers],
             ..Default::default()
         };
-        let b = Bufs::default();
-        let plan = Plan {
-            cfg: &cfg,
-            geo: &geo,
+        let b = Bufs {
+            split_part: 0x1000,
+            split_done: 0x2000,
+            ..Bufs::default()
+        };
+        (cfg, geo, w, b)
+    }
+
+    /// The invariant tensor-core form of [`qwen_shape`] on an H100/H200 (132 multiprocessors):
+    /// large tiles from 64 tokens, not split.
+    fn qwen_plan<'a>(
+        (cfg, geo, w, b): &'a (ModelConfig, StepGeometry, DevWeights, Bufs),
+    ) -> Plan<'a> {
+        Plan {
+            cfg,
+            geo,
             dtype: GpuDtype::Bf16,
-            w: &w,
-            b: &b,
+            w,
+            b,
             cache: 0,
             inputs: 0,
             invariant_gemm: false,
@@ -1470,34 +1579,52 @@ mod tests {
             tc_small_max_tokens: 16,
             tc_mid_max_tokens: 16,
             tc_large_min_tokens: TC_LARGE_TOKENS,
+            tc_large_split: 0,
             staging: TcStaging {
                 bytes: tc_stage_budget(232_448),
                 min_rounds: 3,
                 waves: true,
             },
             split_argmax: true,
-        };
-        // (kernel, grid, block, shared, the input width)
-        type TcLaunch = (Kernel, (u32, u32), u32, u32, i32);
-        let launches = |ops: Vec<Op>| -> Vec<TcLaunch> {
-            ops.into_iter()
-                .filter_map(|op| match op {
-                    Op::Launch {
-                        kernel,
-                        grid,
-                        block,
-                        shared,
-                        args,
-                    } if kernel.tc_tile_tokens().is_some() => {
-                        let Arg::I(inp) = args[4] else {
-                            panic!("{kernel:?}: argument 4 is not the input width")
-                        };
-                        Some((kernel, grid, block, shared, inp))
-                    }
-                    _ => None,
-                })
-                .collect()
-        };
+        }
+    }
+
+    /// (kernel, grid, block, shared, the input width) of a tensor-core launch.
+    type TcLaunch = (Kernel, (u32, u32), u32, u32, i32);
+
+    /// The tensor-core launches of `ops`.
+    fn tc_launches(ops: Vec<Op>) -> Vec<TcLaunch> {
+        ops.into_iter()
+            .filter_map(|op| match op {
+                Op::Launch {
+                    kernel,
+                    grid,
+                    block,
+                    shared,
+                    args,
+                } if kernel.tc_tile_tokens().is_some() => {
+                    let Arg::I(inp) = args[4] else {
+                        panic!("{kernel:?}: argument 4 is not the input width")
+                    };
+                    Some((kernel, grid, block, shared, inp))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The large tiles' launches for the Qwen2.5-0.5B shape ([`qwen_shape`]) on the invariant
+    /// tensor-core form, at buckets (and LM heads) of 64 and 256: a block of 256 threads per 64
+    /// rows (QKV's 1,152: 18; o and down's 896: 14; the LM head's: 2,374) or 32 gate/up units
+    /// (152) and per 64 tokens, 96 KB of dynamic shared memory, never staged; the add-norm and
+    /// RoPE/KV forms (the folded form, at most 4 tokens) do not come in. At 32 tokens the wide
+    /// tiles.
+    #[test]
+    fn large_tile_launches_for_the_qwen_shape() {
+        let shape = qwen_shape();
+        let cfg = &shape.0;
+        let plan = qwen_plan(&shape);
+        let launches = tc_launches;
         let big = tc_large_shared_bytes() as u32;
         // QKV, o and down_proj keep the wide tiles (their large grids, 18 and 14 blocks a
         // 64-token block, have fewer blocks than the 132 multiprocessors even at 256 tokens:
@@ -1544,6 +1671,222 @@ mod tests {
                 .chain(&launches(off.head(64)))
                 .all(|&(k, ..)| !k.is_tc_large() && k.wide() == k)
         );
+    }
+
+    /// The split large tiles for the Qwen2.5-0.5B shape ([`qwen_shape`], 132 multiprocessors)
+    /// with 8 class groups: QKV (18 tiles a 64-token block), o and down_proj (14) run
+    /// `bgs_gemm_tc_large_split` with 8 blocks a tile side by side in x (144 and 112) at 64,
+    /// 128 and 256 tokens, the large tiles' block and shared memory, their arguments followed
+    /// by the scratch and the groups; gate/up (152 tiles) stays `bgs_gemm_tc_silu_large` and the
+    /// LM head (2,374) `bgs_gemm_tc_large`. At 512 tokens QKV's 144 tiles fill the device and
+    /// it runs unsplit; at 32 the wide tiles whatever the split; 0 or 1 groups: never split.
+    #[test]
+    fn large_tile_split_launches_for_the_qwen_shape() {
+        let shape = qwen_shape();
+        let b = shape.3;
+        let plan = Plan {
+            tc_large_split: 8,
+            ..qwen_plan(&shape)
+        };
+        let big = tc_large_shared_bytes() as u32;
+        for n in [64usize, 128, 256, 512] {
+            let gy = n.div_ceil(64) as u32;
+            let qkv = if n == 512 {
+                (Kernel::GemmTcLarge, (18, gy), 256, big, 896)
+            } else {
+                (Kernel::GemmTcLargeSplit, (18 * 8, gy), 256, big, 896)
+            };
+            let layer = [
+                qkv,
+                (Kernel::GemmTcLargeSplit, (14 * 8, gy), 256, big, 896),
+                (Kernel::GemmTcSiluLarge, (152, gy), 256, big, 896),
+                (Kernel::GemmTcLargeSplit, (14 * 8, gy), 256, big, 4864),
+            ];
+            let ops = plan.body(n);
+            let body = tc_launches(ops.clone());
+            assert_eq!(body.len(), 4 * shape.0.num_layers, "bucket {n}");
+            for (i, l) in body.chunks(4).enumerate() {
+                assert_eq!(l, layer, "bucket {n}, layer {i}");
+            }
+            // The plain GEMM's (w, x, y, out, in, n), then (part, done, groups).
+            for op in &ops {
+                if let Op::Launch {
+                    kernel: Kernel::GemmTcLargeSplit,
+                    args,
+                    ..
+                } = op
+                {
+                    assert_eq!(args.len(), 9);
+                    assert_eq!(args[5], Arg::I(n as i32));
+                    assert_eq!(
+                        args[6..],
+                        [Arg::P(b.split_part), Arg::P(b.split_done), Arg::I(8)],
+                        "bucket {n}"
+                    );
+                }
+            }
+            assert_eq!(
+                tc_launches(plan.head(n.min(256))),
+                [(
+                    Kernel::GemmTcLarge,
+                    (2374, n.min(256).div_ceil(64) as u32),
+                    256,
+                    big,
+                    896
+                )],
+                "LM head of {n}"
+            );
+        }
+        // 3 groups: 3 blocks a tile.
+        let three = Plan {
+            tc_large_split: 3,
+            ..plan
+        };
+        let body = tc_launches(three.body(128));
+        assert_eq!(
+            body[..4],
+            [
+                (Kernel::GemmTcLargeSplit, (18 * 3, 2), 256, big, 896),
+                (Kernel::GemmTcLargeSplit, (14 * 3, 2), 256, big, 896),
+                (Kernel::GemmTcSiluLarge, (152, 2), 256, big, 896),
+                (Kernel::GemmTcLargeSplit, (14 * 3, 2), 256, big, 4864),
+            ]
+        );
+        // 32 tokens: the wide tiles, split or not.
+        assert!(
+            tc_launches(plan.body(32))
+                .iter()
+                .all(|&(k, ..)| !k.is_tc_large() && k.wide() == k)
+        );
+        // 0 or 1 groups: the wide tiles where the large grid is short, as without split.
+        for groups in [0, 1] {
+            let unsplit = Plan {
+                tc_large_split: groups,
+                ..plan
+            };
+            let not_split = qwen_plan(&shape);
+            for n in [64, 256] {
+                assert_eq!(
+                    tc_launches(unsplit.body(n)),
+                    tc_launches(not_split.body(n)),
+                    "{groups} groups, bucket {n}"
+                );
+            }
+        }
+    }
+
+    /// A split launch has fewer tiles than the plan's multiprocessors, the scratch
+    /// `alloc_bufs` sizes for them (`split_tiles`: a tile a multiprocessor) holds every
+    /// tile's 8 class sums and counts, and its grid is its tiles' blocks times the groups
+    /// (at most `TC_LARGE_SPLIT_MAX`): the Qwen2.5-0.5B shape at every bucket and LM head from
+    /// 64 to 512 tokens, apart and with the SiLU GEMM folded, on devices of 2 to 400
+    /// multiprocessors. Only short grids split; the rest run as without split.
+    #[test]
+    fn split_launches_have_fewer_tiles_than_multiprocessors() {
+        let shape = qwen_shape();
+        let mut seen = [false; 2];
+        for sms in [2, 16, 66, 114, 132, 160, 400] {
+            for groups in [2, 3, 7, 8] {
+                for epilogues in [true, false] {
+                    let split = Plan {
+                        sms,
+                        tc_large_split: groups,
+                        tc_epilogues: epilogues,
+                        ..qwen_plan(&shape)
+                    };
+                    let unsplit = Plan {
+                        tc_large_split: 0,
+                        ..split
+                    };
+                    for n in [64, 96, 128, 192, 256, 320, 448, 512] {
+                        let what = format!("{sms} SMs, {groups} groups, bucket {n}");
+                        let ops = [split.body(n), split.head(n.min(256))].concat();
+                        let plain = [unsplit.body(n), unsplit.head(n.min(256))].concat();
+                        assert_eq!(ops.len(), plain.len(), "{what}");
+                        for (op, was) in ops.iter().zip(&plain) {
+                            let (
+                                Op::Launch {
+                                    kernel,
+                                    grid,
+                                    block,
+                                    shared,
+                                    args,
+                                },
+                                Op::Launch {
+                                    kernel: was_kernel,
+                                    args: was_args,
+                                    ..
+                                },
+                            ) = (op, was)
+                            else {
+                                assert_eq!(op, was, "{what}");
+                                continue;
+                            };
+                            if !kernel.is_tc_large_split() {
+                                assert_eq!(op, was, "{what}");
+                                continue;
+                            }
+                            seen[usize::from(*kernel == Kernel::GemmTcSiluLargeSplit)] = true;
+                            // Without split: the wide tiles (the large grid is short).
+                            assert_eq!(*was_kernel, kernel.wide(), "{what}");
+                            assert_eq!(args[..args.len() - 3], was_args[..], "{what}");
+                            let rows = match args[3] {
+                                Arg::I(r) => r as usize,
+                                a => panic!("{what}: rows {a:?}"),
+                            };
+                            let units = kernel.tc_tile_rows().unwrap();
+                            let tiles = rows.div_ceil(units) * n.div_ceil(TC_LARGE_TOKENS);
+                            assert!(tiles < sms as usize, "{what}: {kernel:?}, {tiles} tiles");
+                            assert_eq!(
+                                *grid,
+                                (
+                                    (rows.div_ceil(units) * groups) as u32,
+                                    n.div_ceil(TC_LARGE_TOKENS) as u32
+                                ),
+                                "{what}: {kernel:?}"
+                            );
+                            assert_eq!(
+                                (*block, *shared as usize),
+                                (256, tc_large_shared_bytes()),
+                                "{what}"
+                            );
+                            assert_eq!(
+                                args[args.len() - 3..],
+                                [
+                                    Arg::P(shape.3.split_part),
+                                    Arg::P(shape.3.split_done),
+                                    Arg::I(groups as i32)
+                                ],
+                                "{what}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(seen, [true, true], "both split kernels planned");
+        // The scratch `alloc_bufs` allocates: 8 class sums and a count a tile, for `split_tiles`
+        // tiles (one where none split).
+        struct Sizes(Vec<(String, usize)>);
+        impl DeviceMem for Sizes {
+            fn alloc(&mut self, bytes: usize, what: &str) -> Result<u64, GpuModelError> {
+                self.0.push((what.to_string(), bytes));
+                Ok(0x1000 * self.0.len() as u64)
+            }
+            fn upload(&mut self, bytes: &[u8], what: &str) -> Result<u64, GpuModelError> {
+                self.alloc(bytes.len(), what)
+            }
+        }
+        for (tiles, want) in [(0, 1), (1, 1), (132, 132)] {
+            let mut d = Sizes(Vec::new());
+            alloc_bufs(&mut d, &shape.0, 512, 256, GpuDtype::Bf16, tiles).unwrap();
+            let size = |what: &str| d.0.iter().find(|(w, _)| w == what).unwrap().1;
+            assert_eq!(
+                size("split large tiles' class sums"),
+                want * 8 * TC_LARGE_SPLIT_PART_BYTES
+            );
+            assert_eq!(size("split large tiles' counts"), want * 4);
+        }
     }
 
     /// Every staged entry point's dynamic shared memory (what the host allows it with

@@ -106,6 +106,13 @@ struct DeviceArgs {
     /// through shared memory; the same bits, which the check compares; 0: never).
     #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_large_tiles_min_tokens)]
     tc_large_min_tokens: usize,
+    /// Where a projection's large grid would have fewer blocks than the device has
+    /// multiprocessors (the Qwen2.5-0.5B shape's QKV, o and down_proj), run its large tiles
+    /// split over this many blocks a tile (2..=8, more taken as 8; the same bits, which the
+    /// check compares) instead of the wide tiles (0 or 1: never). `check` builds with at least
+    /// 8 (the split form's scratch), so that it always compares the split tiles.
+    #[arg(long, default_value_t = GpuModelOptions::default().tensor_core_large_split)]
+    tc_large_split: usize,
     /// Keep the small tiles' weights in registers: no staging in shared memory
     /// (`tensor_core_staged_tiles`, on by default; the same bits, which the check compares).
     #[arg(long)]
@@ -239,6 +246,7 @@ fn options(dev: &DeviceArgs, dtype: GpuDtype) -> GpuModelOptions {
         tensor_core_small_tiles_max_tokens: dev.tc_small_max_tokens,
         tensor_core_mid_tiles_max_tokens: dev.tc_mid_max_tokens,
         tensor_core_large_tiles_min_tokens: dev.tc_large_min_tokens,
+        tensor_core_large_split: dev.tc_large_split,
         tensor_core_staged_tiles: !dev.no_tc_stage,
         tensor_core_stage_min_rounds: dev.tc_stage_min_rounds,
         tensor_core_stage_waves: !dev.no_tc_stage_waves,
@@ -366,6 +374,10 @@ fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
         .or((a.len() != b.len()).then_some(a.len().min(b.len())))
 }
 
+/// Class groups the check builds the model with at least (`tensor_core_large_split`: the
+/// split large tiles' scratch, so that it compares them), and the largest it compares.
+const CHECK_SPLIT: usize = 8;
+
 /// Sequences of the check's largest decode step (the large tiles' 70: the 128-token bucket);
 /// the model is built with blocks and `max_seqs` for it.
 const LARGE_SEQS: usize = 70;
@@ -426,6 +438,9 @@ fn check(a: CheckArgs) -> Result<bool, String> {
     opts.block_size = bs;
     opts.num_blocks = Some(num_blocks);
     opts.max_seqs = 128;
+    // With the split large tiles' scratch whatever --tc-large-split (the graphs split where
+    // the large grid is short), so that the large-tile check below compares them.
+    opts.tensor_core_large_split = opts.tensor_core_large_split.max(CHECK_SPLIT);
     let t0 = std::time::Instant::now();
     let mut gpu = GpuModel::new(cfg.clone(), &weights, &opts).map_err(|e| e.to_string())?;
     let (dev_name, cc) = gpu.device();
@@ -707,6 +722,19 @@ fn check(a: CheckArgs) -> Result<bool, String> {
                 (&decode_64, 20),
                 (&decode_70, 20),
             ];
+            // The large tiles unsplit (the wide tiles where their grid is short of the
+            // multiprocessors), and where the model has the split form's scratch (the check
+            // builds it so) split over 8 and 3 blocks a tile there: (class groups, what, name).
+            let large_split = gpu.tc_large_split();
+            let mut forms = vec![(0, "large tiles", "tc_large_tiles")];
+            if gpu.set_tc_large_split(CHECK_SPLIT) {
+                forms.push((
+                    CHECK_SPLIT,
+                    "large tiles split in 8",
+                    "tc_large_split8_tiles",
+                ));
+                forms.push((3, "large tiles split in 3", "tc_large_split3_tiles"));
+            }
             gpu.set_tc_small_tiles(false);
             gpu.set_tc_mid_max_tokens(0);
             for (lens, pos) in cases {
@@ -722,16 +750,20 @@ fn check(a: CheckArgs) -> Result<bool, String> {
                 }
                 let (toks, tables) = step_inputs(lens, per, vocab);
                 let step = step_items(&toks, &tables, pos);
-                let [wide, large] = logits_off_on(&mut gpu, &step, large_on)?;
-                ok &= report_bitwise(
-                    &format!("tensor-core large tiles vs wide tiles, {what}"),
-                    &format!("tc_large_tiles_vs_wide_{name}"),
-                    ("wide", &wide),
-                    ("large", &large),
-                    tol,
-                    &mut results,
-                );
+                for &(groups, form, prefix) in &forms {
+                    gpu.set_tc_large_split(groups);
+                    let [wide, large] = logits_off_on(&mut gpu, &step, large_on)?;
+                    ok &= report_bitwise(
+                        &format!("tensor-core {form} vs wide tiles, {what}"),
+                        &format!("{prefix}_vs_wide_{name}"),
+                        ("wide", &wide),
+                        ("large", &large),
+                        tol,
+                        &mut results,
+                    );
+                }
             }
+            gpu.set_tc_large_split(large_split);
             gpu.set_tc_small_tiles(true);
             gpu.set_tc_mid_max_tokens(mid_max);
         } else {
@@ -855,6 +887,8 @@ fn check(a: CheckArgs) -> Result<bool, String> {
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
         "tc_mid_max_tokens": a.dev.tc_mid_max_tokens,
         "tc_large_min_tokens": a.dev.tc_large_min_tokens,
+        // (As built: the check takes at least 8.)
+        "tc_large_split": gpu.tc_large_split(),
         "tc_staged_tiles": !a.dev.no_tc_stage,
         "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
         "tc_stage_waves": !a.dev.no_tc_stage_waves,
@@ -1250,6 +1284,7 @@ fn bench(a: BenchArgs) -> Result<bool, String> {
         "tc_small_max_tokens": a.dev.tc_small_max_tokens,
         "tc_mid_max_tokens": a.dev.tc_mid_max_tokens,
         "tc_large_min_tokens": a.dev.tc_large_min_tokens,
+        "tc_large_split": m.tc_large_split(),
         "tc_staged_tiles": !a.dev.no_tc_stage,
         "tc_stage_min_rounds": a.dev.tc_stage_min_rounds,
         "tc_stage_waves": !a.dev.no_tc_stage_waves,
