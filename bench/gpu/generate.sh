@@ -195,7 +195,8 @@ fi
 #     decode step for each of LARGE_CONFIGS ("min-tokens:split" pairs, default "0:0 64:0
 #     64:8"), interleaved, twice, both shapes, then once per operation at 64 and 256 tokens.
 #     A geometry variant's binary (bgs-llm-gpu-<name> beside the others, built with other
-#     plan::TC_LARGE_* constants) is benched once too where present.
+#     plan::TC_LARGE_* constants) is benched once too where present, with --tc-large-split
+#     VARIANT_SPLIT (default 0).
 LARGE_CONFIGS=${LARGE_CONFIGS:-0:0 64:0 64:8}
 if want large; then
 for m in tiny-qwen2 qwen2.5-0.5b smollm2-135m; do
@@ -225,8 +226,8 @@ for v in "$bin"/bgs-llm-gpu-*; do
     --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-qwen-bf16-large-$name.json"
   for m in qwen2.5-0.5b smollm2-135m; do
     step "bench-$m-large64-$name" 240 "$v" bench --arch "$m" --dtype bf16 --invariant-gemm \
-      --tc-large-min-tokens 64 --batches 32,64,128,256 --context 128 --iters 50 \
-      --json "$work/bench-$m-large64-$name.json"
+      --tc-large-min-tokens 64 --tc-large-split "${VARIANT_SPLIT:-0}" --batches 32,64,128,256 \
+      --context 128 --iters 50 --json "$work/bench-$m-large64-$name.json"
   done
 done
 fi

@@ -1357,6 +1357,8 @@ impl EmuModel {
             tc_mid_max_tokens: self.tc_mid_max_tokens,
             tc_large_min_tokens: self.tc_large_min_tokens,
             tc_large_split: self.tc_large_split,
+            // Every projection of the tiny models has few chunks: let them split.
+            tc_large_split_min_chunks: 1,
             staging: plan::TcStaging {
                 bytes: self.tc_stage_bytes,
                 ..plan::TcStaging::from(&crate::GpuModelOptions::default())
@@ -2866,6 +2868,12 @@ mod tests {
                             };
                             let large = matches!(wide, Kernel::GemmTc | Kernel::GemmTcSilu)
                                 && n >= plan::TC_LARGE_TOKENS;
+                            // At most a block a chunk of the input (`in`; the emulator's
+                            // plans split down to one chunk a block).
+                            let groups = match args[4] {
+                                Arg::I(inp) => groups.min(inp as usize / plan::TC_CHUNK),
+                                _ => 0,
+                            };
                             let want = if large
                                 && tiles(wide.large().tc_tile_rows().unwrap()) >= sms as usize
                             {
@@ -2959,7 +2967,15 @@ mod tests {
         };
         let qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim;
         assert_eq!(args[3], Arg::I(qkv_rows as i32));
-        assert_eq!(grid, (2 * 8, 1));
+        // Planned over as many blocks a tile as the input has chunks (2: at most one a chunk,
+        // `Plan::tc_large_split_groups`); launched here over 8, which the kernel takes too.
+        let groups = (cfg.hidden_size / plan::TC_CHUNK).min(8);
+        assert_eq!(grid, (2 * groups as u32, 1));
+        assert_eq!(args[8], Arg::I(groups as i32));
+        let mut args = args.clone();
+        args[8] = Arg::I(8);
+        let args = &args;
+        let grid = (2 * 8, 1);
         // As planned: passes, the counts back at zero, the class sums in the scratch (cleared
         // of the step's: down_proj's 128-wide input has 4 classes).
         let per_class = plan::TC_LARGE_SPLIT_PART_BYTES / 4;

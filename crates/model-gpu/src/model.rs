@@ -1005,6 +1005,7 @@ impl GpuModel {
             } else {
                 0
             },
+            tc_large_split_min_chunks: plan::TC_LARGE_SPLIT_MIN_CHUNKS,
             staging: plan::TcStaging {
                 bytes: if self.tc_stage_on {
                     self.tc_stage.bytes

@@ -90,6 +90,15 @@ pub(crate) const TC_LARGE_KERNELS: [Kernel; 4] = [
 /// Class groups of a split large tile at most: a tile's 8 classes of input chunks (chunks w,
 /// w + 8, ...), each class summed by one block at most ([`Plan::tc_large_split`]).
 pub const TC_LARGE_SPLIT_MAX: usize = 8;
+/// Input chunks a block of a split large tile takes at least: a projection of `c` chunks splits
+/// over at most `c / TC_LARGE_SPLIT_MIN_CHUNKS` blocks a tile (`Plan::tc_large_split_min_chunks`) ([`Plan::tc_large_split_groups`];
+/// fewer than 2: the wide tiles). A split block's fixed cost (its pipeline's first stages,
+/// its class sums' stores, the last block's reads of them) needs a long enough chain to pay:
+/// on an H100 with every short projection split over 8 (the Qwen2.5-0.5B shape's o and QKV,
+/// 28 chunks: 3-4 a block) the split kernels' time at 256 tokens was that of the wide tiles
+/// (1.78 against 1.79 ms a step), and SmolLM2-135M's gate/up (18 chunks) split made its
+/// 64-token step 1.55 ms against 1.18 (`bench/results/20261207-gpu-tc-large-split-h100`).
+pub const TC_LARGE_SPLIT_MIN_CHUNKS: usize = 16;
 /// Bytes of one class sum of one large tile in the split form's scratch (`part`): every output
 /// of the tile in f32, 16 KB.
 pub const TC_LARGE_SPLIT_PART_BYTES: usize = TC_LARGE_ROWS * TC_LARGE_TOKENS * 4;
@@ -849,6 +858,9 @@ pub(crate) struct Plan<'a> {
     /// this many blocks and added in class order by the tile's last one (the same bits),
     /// instead of the wide tiles.
     pub tc_large_split: usize,
+    /// Input chunks a split block takes at least ([`TC_LARGE_SPLIT_MIN_CHUNKS`] on the device;
+    /// the emulator's tests take 1, so that the tiny models split).
+    pub tc_large_split_min_chunks: usize,
     /// When the small and mid tiles stage their weights ([`Plan::tc_stage`]).
     pub staging: TcStaging,
     /// The LM head's argmax over [`ARGMAX_PARTS`] blocks a row (`bgs_argmax_split`) rather
@@ -871,7 +883,7 @@ impl Plan<'_> {
             return proj_launch(Kernel::Proj, out, n, usize::MAX, 0, &args);
         }
         if self.tc_gemm(n, inp) {
-            let k = self.tc_kernel_over(Kernel::GemmTc, n, out);
+            let k = self.tc_kernel_over(Kernel::GemmTc, n, out, inp);
             return self.tc_launch(k, 1, out, n, inp, &args);
         }
         // y[n][out] = x[n][in] · w[out][in]ᵀ. Column-major view: C (out × n, ldc out) =
@@ -926,7 +938,8 @@ impl Plan<'_> {
     ) -> Op {
         if kernel.is_tc_large_split() {
             // Each tile's blocks side by side in x (`groups` of them), then the scratch.
-            let split = self.tc_large_split.min(TC_LARGE_SPLIT_MAX);
+            let split = self.tc_large_split_groups(inp);
+            assert!(split >= 2, "{kernel:?} planned with {split} blocks a tile");
             let mut args = args.to_vec();
             args.extend([
                 Arg::P(self.b.split_part),
@@ -980,9 +993,10 @@ impl Plan<'_> {
     /// `bench/results/20261207-gpu-tc-large-probe-h100`), where the wide tiles' many short
     /// blocks keep every multiprocessor busy.
     ///
-    /// With [`Plan::tc_large_split`], such a projection runs the large tiles split instead:
-    /// each tile's chain of chunks cut across that many blocks.
-    pub(crate) fn tc_kernel_over(&self, k: Kernel, n: usize, rows: usize) -> Kernel {
+    /// With [`Plan::tc_large_split`], such a projection of input width `inp` runs the large
+    /// tiles split instead where [`Plan::tc_large_split_groups`] gives it at least 2 blocks a
+    /// tile: each tile's chain of chunks cut across them.
+    pub(crate) fn tc_kernel_over(&self, k: Kernel, n: usize, rows: usize, inp: usize) -> Kernel {
         let chosen = self.tc_kernel(k, n);
         let (Some(units), Some(tokens)) = (chosen.tc_tile_rows(), chosen.tc_tile_tokens()) else {
             return chosen;
@@ -990,7 +1004,7 @@ impl Plan<'_> {
         if !chosen.is_tc_large() || rows.div_ceil(units) * n.div_ceil(tokens) >= self.sms as usize {
             return chosen;
         }
-        if self.tc_large_split >= 2 {
+        if self.tc_large_split_groups(inp) >= 2 {
             return chosen.split();
         }
         Plan {
@@ -998,6 +1012,15 @@ impl Plan<'_> {
             ..*self
         }
         .tc_kernel(k, n)
+    }
+
+    /// Blocks a tile of a split large-tile launch of input width `inp` takes: at most
+    /// [`Plan::tc_large_split`] (and [`TC_LARGE_SPLIT_MAX`]), at most one for every
+    /// [`Plan::tc_large_split_min_chunks`] chunks of the input. Fewer than 2: not split.
+    pub(crate) fn tc_large_split_groups(&self, inp: usize) -> usize {
+        self.tc_large_split
+            .min(TC_LARGE_SPLIT_MAX)
+            .min(inp / TC_CHUNK / self.tc_large_split_min_chunks.max(1))
     }
 
     /// Whether a projection of input width `inp` over `n` tokens runs on `bgs_gemm_tc`.
@@ -1244,7 +1267,8 @@ impl Plan<'_> {
                 // where it was measured; the unfolded gate/up launch passes an empty range.
                 let unstaged =
                     |k: Kernel, groups: usize, rows: usize, inp: usize, w: u64, elems: usize| {
-                        match self.tc_stage(self.tc_kernel_over(k, n, rows), groups, rows, inp) {
+                        match self.tc_stage(self.tc_kernel_over(k, n, rows, inp), groups, rows, inp)
+                        {
                             None => (w, elems as i64 * es as i64),
                             Some(_) => (0, 0),
                         }
@@ -1277,7 +1301,7 @@ impl Plan<'_> {
                 };
                 ops.push(add_norm(lw.o, b.attn, qd, lw.post_norm, gate_up_pf));
                 ops.push(self.tc_launch(
-                    self.tc_kernel_over(Kernel::GemmTcSilu, n, inter),
+                    self.tc_kernel_over(Kernel::GemmTcSilu, n, inter, h),
                     2,
                     inter,
                     n,
@@ -1306,7 +1330,7 @@ impl Plan<'_> {
                 // gate/up and SiLU·up in one launch (bgs_gemm_tc_silu): two warp groups, the
                 // gate tile and the up tile side by side.
                 ops.push(self.tc_launch(
-                    self.tc_kernel_over(Kernel::GemmTcSilu, n, inter),
+                    self.tc_kernel_over(Kernel::GemmTcSilu, n, inter, h),
                     2,
                     inter,
                     n,
@@ -1580,6 +1604,7 @@ mod tests {
             tc_mid_max_tokens: 16,
             tc_large_min_tokens: TC_LARGE_TOKENS,
             tc_large_split: 0,
+            tc_large_split_min_chunks: 1,
             staging: TcStaging {
                 bytes: tc_stage_budget(232_448),
                 min_rounds: 3,
@@ -1673,6 +1698,65 @@ mod tests {
         );
     }
 
+    /// With the device's rule ([`TC_LARGE_SPLIT_MIN_CHUNKS`] chunks a block at least), the
+    /// Qwen2.5-0.5B shape splits only down_proj (152 chunks: 8 blocks a tile, or fewer where
+    /// `tc_large_split` says), never QKV and o (28 chunks: the wide tiles); SmolLM2-135M's
+    /// down_proj (48 chunks) over 3 blocks at most, its gate/up (18 chunks) never.
+    #[test]
+    fn split_takes_at_least_the_min_chunks_a_block() {
+        let shape = qwen_shape();
+        for (split, down_groups) in [(8, 8), (4, 4), (2, 2), (1, 0), (0, 0)] {
+            let plan = Plan {
+                tc_large_split: split,
+                tc_large_split_min_chunks: TC_LARGE_SPLIT_MIN_CHUNKS,
+                ..qwen_plan(&shape)
+            };
+            assert_eq!(plan.tc_large_split_groups(896), split.min(1));
+            for n in [64, 128, 256, 384] {
+                let launches = tc_launches(plan.body(n));
+                for &(k, (gx, _), _, _, inp) in &launches {
+                    match inp {
+                        4864 if down_groups >= 2 => {
+                            assert_eq!(k, Kernel::GemmTcLargeSplit, "down at {n}, split {split}");
+                            assert_eq!(gx, 14 * down_groups as u32, "down at {n}, split {split}");
+                        }
+                        896 if k == Kernel::GemmTcSiluLarge => {}
+                        _ => assert!(
+                            !k.is_tc_large_split(),
+                            "{k:?} of input {inp} at {n}, split {split}"
+                        ),
+                    }
+                }
+            }
+        }
+        let smol = bgs_model::synth::synth_config(bgs_model::synth::SynthArch::Smollm2_135m);
+        let geo = host::geometry(&smol, 16, 1024, 512, 256).unwrap();
+        let w = DevWeights {
+            layers: vec![DevLayer::default(); smol.num_layers],
+            ..Default::default()
+        };
+        let b = Bufs::default();
+        let plan = Plan {
+            cfg: &smol,
+            geo: &geo,
+            w: &w,
+            b: &b,
+            tc_large_split: 8,
+            tc_large_split_min_chunks: TC_LARGE_SPLIT_MIN_CHUNKS,
+            ..qwen_plan(&shape)
+        };
+        assert_eq!(plan.tc_large_split_groups(smol.intermediate_size), 3);
+        assert_eq!(plan.tc_large_split_groups(smol.hidden_size), 1);
+        let launches = tc_launches(plan.body(64));
+        for &(k, (gx, _), _, _, inp) in &launches {
+            if inp as usize == smol.intermediate_size {
+                assert_eq!((k, gx), (Kernel::GemmTcLargeSplit, 9 * 3));
+            } else {
+                assert!(!k.is_tc_large_split(), "{k:?} of input {inp}");
+            }
+        }
+    }
+
     /// The split large tiles for the Qwen2.5-0.5B shape ([`qwen_shape`], 132 multiprocessors)
     /// with 8 class groups: QKV (18 tiles a 64-token block), o and down_proj (14) run
     /// `bgs_gemm_tc_large_split` with 8 blocks a tile side by side in x (144 and 112) at 64,
@@ -1686,6 +1770,7 @@ mod tests {
         let b = shape.3;
         let plan = Plan {
             tc_large_split: 8,
+            tc_large_split_min_chunks: 1,
             ..qwen_plan(&shape)
         };
         let big = tc_large_shared_bytes() as u32;
@@ -1740,6 +1825,7 @@ mod tests {
         // 3 groups: 3 blocks a tile.
         let three = Plan {
             tc_large_split: 3,
+            tc_large_split_min_chunks: 1,
             ..plan
         };
         let body = tc_launches(three.body(128));
@@ -1762,6 +1848,7 @@ mod tests {
         for groups in [0, 1] {
             let unsplit = Plan {
                 tc_large_split: groups,
+                tc_large_split_min_chunks: 1,
                 ..plan
             };
             let not_split = qwen_plan(&shape);
@@ -1791,11 +1878,13 @@ mod tests {
                     let split = Plan {
                         sms,
                         tc_large_split: groups,
+                        tc_large_split_min_chunks: 1,
                         tc_epilogues: epilogues,
                         ..qwen_plan(&shape)
                     };
                     let unsplit = Plan {
                         tc_large_split: 0,
+                        tc_large_split_min_chunks: 1,
                         ..split
                     };
                     for n in [64, 96, 128, 192, 256, 320, 448, 512] {
