@@ -198,17 +198,19 @@ fi
 #     plan::TC_LARGE_* constants) is benched once too where present, with --tc-large-split
 #     VARIANT_SPLIT (default 0).
 LARGE_CONFIGS=${LARGE_CONFIGS:-0:0 64:0 64:8}
+# BENCH_BATCHES (default 32,64,128,256) and BENCH_RUNS (default 2) for the step times.
+BENCH_BATCHES=${BENCH_BATCHES:-32,64,128,256}
 if want large; then
 for m in tiny-qwen2 qwen2.5-0.5b smollm2-135m; do
   step "check-$m-bf16-large" 240 "$bin/bgs-llm-gpu" check --model "$work/$m" --dtype bf16 --steps 8 \
     --invariant-gemm --tc-large-min-tokens 64 --json "$work/check-$m-bf16-large.json"
 done
-for r in 1 2; do
+for r in $(seq "${BENCH_RUNS:-2}"); do
   for m in qwen2.5-0.5b smollm2-135m; do
     for c in $LARGE_CONFIGS; do
       lg=${c%%:*} sp=${c##*:}
       step "bench-$m-large$lg-split$sp-$r" 240 "$bin/bgs-llm-gpu" bench --arch "$m" --dtype bf16 \
-        --invariant-gemm --tc-large-min-tokens $lg --tc-large-split $sp --batches 32,64,128,256 \
+        --invariant-gemm --tc-large-min-tokens $lg --tc-large-split $sp --batches "$BENCH_BATCHES" \
         --context 128 --iters 50 --json "$work/bench-$m-large$lg-split$sp-$r.json"
     done
   done

@@ -2024,9 +2024,14 @@ mod tests {
                 .with_tc_epilogues(false)
                 .with_split_argmax(false)
                 .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
-            // The split large tiles: at 64 tokens every projection's large grid but the LM
-            // head's is short of 8 multiprocessors (QKV, o, gate/up and down split).
+            // The split large tiles where the split grid has a block a multiprocessor, at 64
+            // tokens: on 4 multiprocessors QKV (2 tiles of 2 blocks, a block a chunk) and
+            // down_proj (a tile of 4) split, gate/up's 4 tiles run unsplit; on 8 gate/up
+            // splits (4 tiles of 2 blocks), QKV's 4 blocks and down_proj's 4 fall short.
             let split = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
+                .with_sms(4)
+                .with_tc_large_split(8);
+            let silu_split = EmuModel::new(cfg.clone(), &w, dtype, [16, 8, 64, 8], inv)
                 .with_sms(8)
                 .with_tc_large_split(8);
             let narrow = ModelConfig {
@@ -2041,7 +2046,7 @@ mod tests {
                 .with_tc_mid_max_tokens(plan::TC_MID_TOKENS);
             // (32 tokens: the wide tensor-core tiles; 8: the small ones; 16: the mid ones; 64:
             // the large ones, by default.)
-            let plans = [m, apart, silu, split].map(|m| {
+            let plans = [m, apart, silu, split, silu_split].map(|m| {
                 let p = m.plan();
                 [
                     p.body(64),
@@ -2724,10 +2729,11 @@ mod tests {
     }
 
     /// The split large tiles where a projection's large grid is short of the multiprocessors
-    /// (`Plan::tc_kernel_over`), on 2 multiprocessors (o_proj and down_proj: one tile at 64
-    /// tokens), on 5 (gate/up's 4 tiles at 64 tokens and QKV's at 128: a tile short of the
-    /// scratch `GpuModel::new` sizes) and on 8 (at 64 tokens QKV, o, gate/up and down; at 128
-    /// QKV, o and down), with
+    /// and its split grid is not (`Plan::tc_kernel_over`), on 2 multiprocessors (o_proj and
+    /// down_proj: one tile at 64 tokens), on 5 (gate/up's 4 tiles at 64 tokens and QKV's at
+    /// 128, a tile short of the scratch `GpuModel::new` sizes; at 128 down_proj's 2 tiles
+    /// over 3 or 4 groups, not 2) and on 8 (at 64 tokens gate/up alone; at 128 QKV, and
+    /// down_proj over 4 groups), with
     /// 8 class groups (a class a block), 3 (3, 3 and 2 classes) and 2: the logits of prefill
     /// and decode steps over the 64- and 128-token buckets equal those of the large tiles
     /// unsplit (the wide tiles where their grid is short) and of the wide tiles alone, bit for
@@ -2813,10 +2819,12 @@ mod tests {
     }
 
     /// Which form each projection runs with the split large tiles: the large tiles where their
-    /// grid has a block a multiprocessor, split over the groups (2 or more) where it has fewer,
-    /// the wide, mid or small tiles there without split (0 or 1 groups), on 2, 8 and 32
-    /// multiprocessors; a split launch's grid is its tiles (fewer than the multiprocessors)
-    /// times the groups in x and a block a 64-token block in y, 256 threads, the large tiles'
+    /// grid has a block a multiprocessor, split over the groups (2 or more) where it has fewer
+    /// but its tiles times the groups have a block a multiprocessor, the wide, mid or small
+    /// tiles there without split (0 or 1 groups, or a split grid short of the
+    /// multiprocessors), on 2, 8 and 32 multiprocessors; a split launch's grid is its tiles
+    /// (fewer than the multiprocessors) times the groups in x (at least a block a
+    /// multiprocessor in all) and a block a 64-token block in y, 256 threads, the large tiles'
     /// shared memory, and its arguments the large form's then the scratch and the groups.
     #[test]
     fn split_large_tensor_core_tiles_are_planned_where_the_large_grid_is_short() {
@@ -2827,6 +2835,8 @@ mod tests {
             d.tensor_core_mid_tiles_max_tokens,
         );
         let mut seen = Vec::new();
+        // Short large grids whose split grid is short too: unsplit.
+        let mut short_unsplit = 0;
         for (fold, epilogues) in [(false, true), (true, true), (false, false)] {
             for sms in [2, 8, 32] {
                 for groups in [0, 1, 3, 8] {
@@ -2874,11 +2884,14 @@ mod tests {
                                 Arg::I(inp) => groups.min(inp as usize / plan::TC_CHUNK),
                                 _ => 0,
                             };
-                            let want = if large
-                                && tiles(wide.large().tc_tile_rows().unwrap()) >= sms as usize
-                            {
+                            let large_tiles = if large {
+                                tiles(wide.large().tc_tile_rows().unwrap())
+                            } else {
+                                0
+                            };
+                            let want = if large && large_tiles >= sms as usize {
                                 wide.large()
-                            } else if large && groups >= 2 {
+                            } else if large && groups >= 2 && large_tiles * groups >= sms as usize {
                                 wide.large().split()
                             } else if n > plan::TC_SMALL_TOKENS && n <= mid_max {
                                 wide.mid()
@@ -2888,12 +2901,21 @@ mod tests {
                                 wide
                             };
                             assert_eq!(k, want, "{what}");
+                            if large
+                                && large_tiles < sms as usize
+                                && groups >= 2
+                                && large_tiles * groups < sms as usize
+                            {
+                                short_unsplit += 1;
+                            }
                             if !k.is_tc_large_split() {
                                 continue;
                             }
                             seen.push(k);
                             let units = k.tc_tile_rows().unwrap();
                             assert!(tiles(units) < sms as usize, "{what}: {k:?}");
+                            // Never a split grid short of the multiprocessors.
+                            assert!(gx as usize * gy as usize >= sms as usize, "{what}: {k:?}");
                             assert_eq!(
                                 (gx as usize, gy as usize),
                                 (
@@ -2922,10 +2944,12 @@ mod tests {
         for k in [Kernel::GemmTcLargeSplit, Kernel::GemmTcSiluLargeSplit] {
             assert!(seen.contains(&k), "{k:?} never planned");
         }
+        assert!(short_unsplit > 0, "no short split grid left unsplit");
     }
 
     /// What the emulator requires of a split launch, as the kernel would misbehave without it:
-    /// (the plain GEMM's on 8 multiprocessors: QKV, two tiles at 64 tokens) groups 2..=8 in
+    /// (the plain GEMM's on 4 multiprocessors: QKV, two tiles at 64 tokens, planned over 2
+    /// blocks a tile, a block a multiprocessor; on 8 its 4 blocks would not split) groups 2..=8 in
     /// the last argument, a grid of whole tiles of that many blocks covering the rows exactly,
     /// 256 threads, the large tiles' shared memory, a count of zero a tile at launch, and a
     /// scratch of 8 class sums a tile for every tile (one tile short runs past it). A launch
@@ -2934,8 +2958,9 @@ mod tests {
     #[test]
     fn split_large_tile_launches_check_their_geometry_and_scratch() {
         let (cfg, w) = synth_weights_for(synth_config(SynthArch::TinyQwen2), 3, DType::F32);
+        let sms = 4;
         let mut m = EmuModel::new(cfg.clone(), &w, GpuDtype::Bf16, [16, 64, 128, 64], true)
-            .with_sms(8)
+            .with_sms(sms)
             .with_tc_large_split(8);
         // Real activations first: a prefill of 64 tokens (QKV split).
         let p = prompts(cfg.vocab_size, &[64]);
@@ -2971,6 +2996,7 @@ mod tests {
         // `Plan::tc_large_split_groups`); launched here over 8, which the kernel takes too.
         let groups = (cfg.hidden_size / plan::TC_CHUNK).min(8);
         assert_eq!(grid, (2 * groups as u32, 1));
+        assert!(grid.0 * grid.1 >= sms, "a block a multiprocessor");
         assert_eq!(args[8], Arg::I(groups as i32));
         let mut args = args.clone();
         args[8] = Arg::I(8);
@@ -2982,7 +3008,12 @@ mod tests {
         m.emu
             .put_f32s(m.b.split_part, &vec![0.0; 2 * 8 * per_class]);
         m.emu.launch(kernel, grid, block, shared, args);
-        assert!(m.emu.i32s(m.b.split_done, 8).iter().all(|&c| c == 0));
+        assert!(
+            m.emu
+                .i32s(m.b.split_done, sms as usize)
+                .iter()
+                .all(|&c| c == 0)
+        );
         let part = m.emu.f32s(m.b.split_part, 2 * 8 * per_class);
         for (i, class) in part.chunks_exact(per_class).enumerate() {
             let written = class.iter().any(|&v| v != 0.0);

@@ -995,16 +995,22 @@ impl Plan<'_> {
     ///
     /// With [`Plan::tc_large_split`], such a projection of input width `inp` runs the large
     /// tiles split instead where [`Plan::tc_large_split_groups`] gives it at least 2 blocks a
-    /// tile: each tile's chain of chunks cut across them.
+    /// tile and the split grid at least a block a multiprocessor: each tile's chain of chunks
+    /// cut across them. (On an H100 a split grid short of the multiprocessors was slower than
+    /// the wide tiles: the Qwen2.5-0.5B shape's down_proj at 64 tokens in 112 blocks, 1.59 ms
+    /// a step against 1.55; SmolLM2-135M's over 3 blocks a tile at 64-256 tokens, 27-108
+    /// blocks, 3-12% slower; `bench/results/20261207-gpu-tc-large-split-h100`.)
     pub(crate) fn tc_kernel_over(&self, k: Kernel, n: usize, rows: usize, inp: usize) -> Kernel {
         let chosen = self.tc_kernel(k, n);
         let (Some(units), Some(tokens)) = (chosen.tc_tile_rows(), chosen.tc_tile_tokens()) else {
             return chosen;
         };
-        if !chosen.is_tc_large() || rows.div_ceil(units) * n.div_ceil(tokens) >= self.sms as usize {
+        let tiles = rows.div_ceil(units) * n.div_ceil(tokens);
+        if !chosen.is_tc_large() || tiles >= self.sms as usize {
             return chosen;
         }
-        if self.tc_large_split_groups(inp) >= 2 {
+        let groups = self.tc_large_split_groups(inp);
+        if groups >= 2 && tiles * groups >= self.sms as usize {
             return chosen.split();
         }
         Plan {
@@ -1700,25 +1706,52 @@ mod tests {
 
     /// With the device's rule ([`TC_LARGE_SPLIT_MIN_CHUNKS`] chunks a block at least), the
     /// Qwen2.5-0.5B shape splits only down_proj (152 chunks: 8 blocks a tile, or fewer where
-    /// `tc_large_split` says), never QKV and o (28 chunks: the wide tiles); SmolLM2-135M's
-    /// down_proj (48 chunks) over 3 blocks at most, its gate/up (18 chunks) never.
+    /// `tc_large_split` says), never QKV and o (28 chunks: the wide tiles), and down_proj only
+    /// where its split grid has a block a multiprocessor (132): its 14 tiles a 64-token block
+    /// times 8 groups are 112 blocks at 64 tokens (the wide tiles) and 224 at 128 (split); over
+    /// 4 groups it splits from 256 tokens, over 2 at 384. SmolLM2-135M's down_proj (48 chunks)
+    /// over 3 blocks at most, and only at 512 tokens (its 9 tiles a 64-token block: 27 and 108
+    /// blocks at 64 and 256, 216 at 512); its gate/up (18 chunks) never.
     #[test]
     fn split_takes_at_least_the_min_chunks_a_block() {
         let shape = qwen_shape();
-        for (split, down_groups) in [(8, 8), (4, 4), (2, 2), (1, 0), (0, 0)] {
+        // (tc_large_split, down_proj's groups, the buckets where down_proj splits)
+        let cases: [(usize, usize, &[usize]); 5] = [
+            (8, 8, &[128, 256, 384]),
+            (4, 4, &[256, 384]),
+            (2, 2, &[384]),
+            (1, 0, &[]),
+            (0, 0, &[]),
+        ];
+        for (split, down_groups, split_at) in cases {
             let plan = Plan {
                 tc_large_split: split,
                 tc_large_split_min_chunks: TC_LARGE_SPLIT_MIN_CHUNKS,
                 ..qwen_plan(&shape)
             };
             assert_eq!(plan.tc_large_split_groups(896), split.min(1));
+            assert_eq!(
+                plan.tc_large_split_groups(4864),
+                down_groups.max(split.min(1))
+            );
             for n in [64, 128, 256, 384] {
+                let what = format!("down at {n}, split {split}");
                 let launches = tc_launches(plan.body(n));
-                for &(k, (gx, _), _, _, inp) in &launches {
+                let mut downs = 0;
+                for &(k, (gx, gy), _, _, inp) in &launches {
                     match inp {
-                        4864 if down_groups >= 2 => {
-                            assert_eq!(k, Kernel::GemmTcLargeSplit, "down at {n}, split {split}");
-                            assert_eq!(gx, 14 * down_groups as u32, "down at {n}, split {split}");
+                        4864 => {
+                            downs += 1;
+                            if split_at.contains(&n) {
+                                assert_eq!(k, Kernel::GemmTcLargeSplit, "{what}");
+                                assert_eq!(gx, 14 * down_groups as u32, "{what}");
+                                assert_eq!(gy, n.div_ceil(64) as u32, "{what}");
+                                assert!((gx * gy) as usize >= 132, "{what}");
+                            } else {
+                                // The split grid short of the multiprocessors (or no split):
+                                // the wide tiles.
+                                assert_eq!((k, gx), (Kernel::GemmTc, 56), "{what}");
+                            }
                         }
                         896 if k == Kernel::GemmTcSiluLarge => {}
                         _ => assert!(
@@ -1727,6 +1760,7 @@ mod tests {
                         ),
                     }
                 }
+                assert_eq!(downs, shape.0.num_layers, "{what}");
             }
         }
         let smol = bgs_model::synth::synth_config(bgs_model::synth::SynthArch::Smollm2_135m);
@@ -1747,23 +1781,36 @@ mod tests {
         };
         assert_eq!(plan.tc_large_split_groups(smol.intermediate_size), 3);
         assert_eq!(plan.tc_large_split_groups(smol.hidden_size), 1);
-        let launches = tc_launches(plan.body(64));
-        for &(k, (gx, _), _, _, inp) in &launches {
-            if inp as usize == smol.intermediate_size {
-                assert_eq!((k, gx), (Kernel::GemmTcLargeSplit, 9 * 3));
-            } else {
-                assert!(!k.is_tc_large_split(), "{k:?} of input {inp}");
+        for n in [64, 256, 512] {
+            let launches = tc_launches(plan.body(n));
+            let mut downs = 0;
+            for &(k, (gx, gy), _, _, inp) in &launches {
+                if inp as usize == smol.intermediate_size {
+                    downs += 1;
+                    if n == 512 {
+                        assert_eq!((k, gx, gy), (Kernel::GemmTcLargeSplit, 9 * 3, 8), "{n}");
+                    } else {
+                        assert_eq!((k, gx), (Kernel::GemmTc, 576 / 16), "{n}");
+                    }
+                } else {
+                    assert!(!k.is_tc_large_split(), "{k:?} of input {inp} at {n}");
+                }
             }
+            assert_eq!(downs, smol.num_layers, "{n}");
         }
     }
 
     /// The split large tiles for the Qwen2.5-0.5B shape ([`qwen_shape`], 132 multiprocessors)
     /// with 8 class groups: QKV (18 tiles a 64-token block), o and down_proj (14) run
-    /// `bgs_gemm_tc_large_split` with 8 blocks a tile side by side in x (144 and 112) at 64,
-    /// 128 and 256 tokens, the large tiles' block and shared memory, their arguments followed
-    /// by the scratch and the groups; gate/up (152 tiles) stays `bgs_gemm_tc_silu_large` and the
-    /// LM head (2,374) `bgs_gemm_tc_large`. At 512 tokens QKV's 144 tiles fill the device and
-    /// it runs unsplit; at 32 the wide tiles whatever the split; 0 or 1 groups: never split.
+    /// `bgs_gemm_tc_large_split` with 8 blocks a tile side by side in x (144 and 112) where
+    /// the split grid has a block a multiprocessor, the large tiles' block and shared memory,
+    /// their arguments followed by the scratch and the groups: QKV at 64, 128 and 256 tokens
+    /// (144 blocks and more), o and down_proj at 128 to 512 (224 and more); at 64 tokens o and
+    /// down_proj's 112 blocks are short of the device and they run the wide tiles. Gate/up
+    /// (152 tiles) stays `bgs_gemm_tc_silu_large` and the LM head (2,374) `bgs_gemm_tc_large`.
+    /// At 512 tokens QKV's 144 tiles fill the device and it runs unsplit; over 3 groups
+    /// nothing splits at 128 tokens (108 and 84 blocks) and all three at 256 (216 and 168); at
+    /// 32 the wide tiles whatever the split; 0 or 1 groups: never split.
     #[test]
     fn large_tile_split_launches_for_the_qwen_shape() {
         let shape = qwen_shape();
@@ -1781,11 +1828,24 @@ mod tests {
             } else {
                 (Kernel::GemmTcLargeSplit, (18 * 8, gy), 256, big, 896)
             };
+            // 14 tiles x 8 groups at 64 tokens: 112 blocks, short of 132: the wide tiles (16
+            // rows x 32 tokens a block).
+            let (o, down) = if n == 64 {
+                (
+                    (Kernel::GemmTc, (56, 2), 256, 0, 896),
+                    (Kernel::GemmTc, (56, 2), 256, 0, 4864),
+                )
+            } else {
+                (
+                    (Kernel::GemmTcLargeSplit, (14 * 8, gy), 256, big, 896),
+                    (Kernel::GemmTcLargeSplit, (14 * 8, gy), 256, big, 4864),
+                )
+            };
             let layer = [
                 qkv,
-                (Kernel::GemmTcLargeSplit, (14 * 8, gy), 256, big, 896),
+                o,
                 (Kernel::GemmTcSiluLarge, (152, gy), 256, big, 896),
-                (Kernel::GemmTcLargeSplit, (14 * 8, gy), 256, big, 4864),
+                down,
             ];
             let ops = plan.body(n);
             let body = tc_launches(ops.clone());
@@ -1822,20 +1882,34 @@ mod tests {
                 "LM head of {n}"
             );
         }
-        // 3 groups: 3 blocks a tile.
+        // 3 groups: 3 blocks a tile, at 256 tokens (QKV's 72 tiles in 216 blocks, o and
+        // down_proj's 56 in 168); at 128 (108 and 84 blocks) the wide tiles, as unsplit.
         let three = Plan {
             tc_large_split: 3,
             tc_large_split_min_chunks: 1,
             ..plan
         };
-        let body = tc_launches(three.body(128));
+        let body = tc_launches(three.body(256));
         assert_eq!(
             body[..4],
             [
-                (Kernel::GemmTcLargeSplit, (18 * 3, 2), 256, big, 896),
-                (Kernel::GemmTcLargeSplit, (14 * 3, 2), 256, big, 896),
+                (Kernel::GemmTcLargeSplit, (18 * 3, 4), 256, big, 896),
+                (Kernel::GemmTcLargeSplit, (14 * 3, 4), 256, big, 896),
+                (Kernel::GemmTcSiluLarge, (152, 4), 256, big, 896),
+                (Kernel::GemmTcLargeSplit, (14 * 3, 4), 256, big, 4864),
+            ]
+        );
+        assert_eq!(
+            tc_launches(three.body(128)),
+            tc_launches(qwen_plan(&shape).body(128))
+        );
+        assert_eq!(
+            tc_launches(three.body(128))[..4],
+            [
+                (Kernel::GemmTc, (72, 4), 256, 0, 896),
+                (Kernel::GemmTc, (56, 4), 256, 0, 896),
                 (Kernel::GemmTcSiluLarge, (152, 2), 256, big, 896),
-                (Kernel::GemmTcLargeSplit, (14 * 3, 2), 256, big, 4864),
+                (Kernel::GemmTc, (56, 4), 256, 0, 4864),
             ]
         );
         // 32 tokens: the wide tiles, split or not.
@@ -1862,16 +1936,20 @@ mod tests {
         }
     }
 
-    /// A split launch has fewer tiles than the plan's multiprocessors, the scratch
-    /// `alloc_bufs` sizes for them (`split_tiles`: a tile a multiprocessor) holds every
-    /// tile's 8 class sums and counts, and its grid is its tiles' blocks times the groups
-    /// (at most `TC_LARGE_SPLIT_MAX`): the Qwen2.5-0.5B shape at every bucket and LM head from
-    /// 64 to 512 tokens, apart and with the SiLU GEMM folded, on devices of 2 to 400
-    /// multiprocessors. Only short grids split; the rest run as without split.
+    /// A split launch has fewer tiles than the plan's multiprocessors but a grid of at least
+    /// a block a multiprocessor, the scratch `alloc_bufs` sizes for them (`split_tiles`: a
+    /// tile a multiprocessor) holds every tile's 8 class sums and counts, and its grid is its
+    /// tiles' blocks times the groups (at most `TC_LARGE_SPLIT_MAX`): the Qwen2.5-0.5B shape
+    /// at every bucket and LM head from 64 to 512 tokens, apart and with the SiLU GEMM folded,
+    /// on devices of 2 to 400 multiprocessors. Only short grids split, and of those only where
+    /// the tiles times the groups reach the multiprocessors (`Plan::tc_kernel_over`); the rest
+    /// run as without split (the wide tiles where the large grid is short).
     #[test]
     fn split_launches_have_fewer_tiles_than_multiprocessors() {
         let shape = qwen_shape();
         let mut seen = [false; 2];
+        // Short large grids left unsplit as their split grid is short of the multiprocessors.
+        let mut short_unsplit = 0;
         for sms in [2, 16, 66, 114, 132, 160, 400] {
             for groups in [2, 3, 7, 8] {
                 for epilogues in [true, false] {
@@ -1913,6 +1991,26 @@ mod tests {
                             };
                             if !kernel.is_tc_large_split() {
                                 assert_eq!(op, was, "{what}");
+                                // The wide tiles of a large-tile GEMM (every bucket here has
+                                // 64 tokens or more): its large grid short of the
+                                // multiprocessors and, where it has 2 groups or more, the
+                                // split grid too.
+                                if matches!(kernel, Kernel::GemmTc | Kernel::GemmTcSilu) {
+                                    let (Arg::I(rows), Arg::I(inp)) = (args[3], args[4]) else {
+                                        panic!("{what}: {kernel:?} {args:?}");
+                                    };
+                                    let units = kernel.large().tc_tile_rows().unwrap();
+                                    let tiles = (rows as usize).div_ceil(units)
+                                        * n.div_ceil(TC_LARGE_TOKENS);
+                                    let g = split.tc_large_split_groups(inp as usize);
+                                    assert!(tiles < sms as usize, "{what}: {kernel:?}");
+                                    assert!(g >= 2, "{what}: {kernel:?}, {g} groups");
+                                    assert!(
+                                        tiles * g < sms as usize,
+                                        "{what}: {kernel:?}, {tiles} tiles x {g} not split"
+                                    );
+                                    short_unsplit += 1;
+                                }
                                 continue;
                             }
                             seen[usize::from(*kernel == Kernel::GemmTcSiluLargeSplit)] = true;
@@ -1926,6 +2024,12 @@ mod tests {
                             let units = kernel.tc_tile_rows().unwrap();
                             let tiles = rows.div_ceil(units) * n.div_ceil(TC_LARGE_TOKENS);
                             assert!(tiles < sms as usize, "{what}: {kernel:?}, {tiles} tiles");
+                            // Never a split grid short of the multiprocessors.
+                            assert!(
+                                tiles * groups >= sms as usize
+                                    && grid.0 as usize * grid.1 as usize >= sms as usize,
+                                "{what}: {kernel:?}, {tiles} tiles x {groups} groups"
+                            );
                             assert_eq!(
                                 *grid,
                                 (
@@ -1954,6 +2058,7 @@ mod tests {
             }
         }
         assert_eq!(seen, [true, true], "both split kernels planned");
+        assert!(short_unsplit > 0, "no short split grid left unsplit");
         // The scratch `alloc_bufs` allocates: 8 class sums and a count a tile, for `split_tiles`
         // tiles (one where none split).
         struct Sizes(Vec<(String, usize)>);
