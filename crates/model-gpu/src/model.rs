@@ -120,12 +120,17 @@ pub struct GpuModelOptions {
     pub tensor_core_large_tiles_min_tokens: usize,
     /// Where a projection's large grid would have fewer blocks than the device has
     /// multiprocessors (on the Qwen2.5-0.5B shape QKV, o and down_proj: 896 or 1,152 rows),
-    /// run it on the large tiles **split** over this many blocks a tile
+    /// run it on the large tiles **split** over at most this many blocks a tile
     /// (`bgs_gemm_tc_large_split`, `bgs_gemm_tc_silu_large_split`; 2..=8) instead of the wide
     /// tiles: each block sums its share of the 8 classes of input chunks, stores the class
     /// sums, and the tile's last block adds them in class order, for the same bits (the check
-    /// compares large against wide tiles whatever this option). The scratch: 128 KB a
-    /// multiprocessor. 0 (or 1): such projections keep the wide tiles.
+    /// compares large against wide tiles whatever this option). Only with at least
+    /// `plan::TC_LARGE_SPLIT_MIN_CHUNKS` (16) input chunks a block and a split grid of at least
+    /// a block a multiprocessor (`plan::Plan::tc_kernel_over`): on the Qwen2.5-0.5B shape
+    /// down_proj from 128 tokens, on SmolLM2-135M at 512 only. 8 by default: on an H100 the
+    /// Qwen shape's invariant step 5% faster at 128 tokens and 3% at 256, served saturation
+    /// 4.9% more tokens (`bench/results/20261207-gpu-tc-large-split-h100`). The scratch: 128 KB
+    /// a multiprocessor. 0 (or 1): such projections keep the wide tiles.
     pub tensor_core_large_split: usize,
     /// Let the small-tile GEMMs stage their weights in shared memory (`plan::Plan::tc_stage`):
     /// where a warp's share of a row tile takes more than one round of loads into registers
@@ -206,7 +211,7 @@ impl Default for GpuModelOptions {
             tensor_core_small_tiles_max_tokens: 2 * plan::TC_SMALL_TOKENS,
             tensor_core_mid_tiles_max_tokens: plan::TC_MID_TOKENS,
             tensor_core_large_tiles_min_tokens: plan::TC_LARGE_TOKENS,
-            tensor_core_large_split: 0,
+            tensor_core_large_split: 8,
             tensor_core_staged_tiles: true,
             tensor_core_stage_min_rounds: 3,
             tensor_core_stage_waves: true,
