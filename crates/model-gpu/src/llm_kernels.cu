@@ -2142,14 +2142,19 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
         advance(cc);
         if (SPLIT && cc.cls != cls) {
             // Class cls is done: its sum to `part` (the last block adds them in class order).
-            float4 *pp = (float4 *)part + ((size_t)(bk.y * (bk.gx / groups) + bx) * 8 + cls) *
+            // (16 bytes a store: bgs_u4, the kernels' own vector type, holding the f32 bits.)
+            bgs_u4 *pp = (bgs_u4 *)part + ((size_t)(bk.y * (bk.gx / groups) + bx) * 8 + cls) *
                                               (2 * TCL_NT) * 256 + tid;
 #pragma unroll
             for (int m = 0; m < 2; m++)
 #pragma unroll
                 for (int j = 0; j < TCL_NT; j++) {
-                    pp[(m * TCL_NT + j) * 256] =
-                        make_float4(acc[m][j][0], acc[m][j][1], acc[m][j][2], acc[m][j][3]);
+                    bgs_u4 v;
+                    v.a = __float_as_uint(acc[m][j][0]);
+                    v.b = __float_as_uint(acc[m][j][1]);
+                    v.c = __float_as_uint(acc[m][j][2]);
+                    v.d = __float_as_uint(acc[m][j][3]);
+                    pp[(m * TCL_NT + j) * 256] = v;
 #pragma unroll
                     for (int k = 0; k < 4; k++) acc[m][j][k] = 0.f;
                 }
@@ -2187,8 +2192,8 @@ __device__ __forceinline__ void gemm_tc_large_body(const bgs_blk &bk, const wt *
         if (!last) return;
         __threadfence();
         for (int cls = 0; cls < 8; cls++) {
-            const float4 *pp =
-                (const float4 *)part + ((size_t)tile * 8 + cls) * (2 * TCL_NT) * 256 + tid;
+            const bgs_u4 *pp =
+                (const bgs_u4 *)part + ((size_t)tile * 8 + cls) * (2 * TCL_NT) * 256 + tid;
 #pragma unroll
             for (int m = 0; m < 2; m++)
 #pragma unroll
