@@ -1500,6 +1500,22 @@ mod tests {
             .collect()
     }
 
+    /// The logits of a prefill step of prompts of `lens` tokens (sequence i on blocks
+    /// i·per .. (i + 1)·per), then of a decode step of one token each after them.
+    fn prefill_then_decode_logits(
+        m: &mut EmuModel,
+        lens: &[usize],
+        per: u32,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let vocab = m.cfg.vocab_size;
+        let b = lens.len() as u32;
+        let prompts = prompts(vocab, lens);
+        let blocks: Vec<Vec<u32>> = (0..b).map(|i| (i * per..(i + 1) * per).collect()).collect();
+        let next: Vec<Vec<u32>> = (0..b).map(|i| vec![(7 * i + 1) % vocab as u32]).collect();
+        let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; lens.len()]));
+        (first, m.step_logits(&sampled(&next, &blocks, lens)))
+    }
+
     fn prompts(vocab: usize, lens: &[usize]) -> Vec<Vec<u32>> {
         let mut rng = SplitMix64::new(99);
         lens.iter()
@@ -2704,19 +2720,10 @@ mod tests {
             }
             for lens in &cases {
                 let b = lens.len();
-                let prompts = prompts(cfg.vocab_size, lens);
-                let blocks: Vec<Vec<u32>> = (0..b as u32)
-                    .map(|i| (i * per..(i + 1) * per).collect())
-                    .collect();
-                let next: Vec<Vec<u32>> = (0..b as u32)
-                    .map(|i| vec![(7 * i + 1) % cfg.vocab_size as u32])
-                    .collect();
                 // Large tiles from 64 tokens, then none.
                 let mut logits = Vec::new();
                 for min in [plan::TC_LARGE_TOKENS, 0] {
-                    let mut m = model(min);
-                    let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; b]));
-                    logits.push((first, m.step_logits(&sampled(&next, &blocks, lens))));
+                    logits.push(prefill_then_decode_logits(&mut model(min), lens, per));
                 }
                 let tokens: usize = lens.iter().sum();
                 assert_eq!(
@@ -2778,13 +2785,6 @@ mod tests {
                 assert!(!split(&model(0, 8), 64), "{what}");
                 for lens in &cases {
                     let b = lens.len();
-                    let prompts = prompts(cfg.vocab_size, lens);
-                    let blocks: Vec<Vec<u32>> = (0..b as u32)
-                        .map(|i| (i * per..(i + 1) * per).collect())
-                        .collect();
-                    let next: Vec<Vec<u32>> = (0..b as u32)
-                        .map(|i| vec![(7 * i + 1) % cfg.vocab_size as u32])
-                        .collect();
                     // Split in 8, 3 and 2; unsplit; the wide tiles alone.
                     let mut logits = Vec::new();
                     for (min, groups) in [
@@ -2795,8 +2795,7 @@ mod tests {
                         (0, 0),
                     ] {
                         let mut m = model(min, groups);
-                        let first = m.step_logits(&sampled(&prompts, &blocks, &vec![0; b]));
-                        logits.push((first, m.step_logits(&sampled(&next, &blocks, lens))));
+                        logits.push(prefill_then_decode_logits(&mut m, lens, per));
                         // Every tile's count is back to zero.
                         let tiles = split_tiles(groups, sms);
                         assert!(

@@ -391,10 +391,11 @@ pub struct GpuModel {
     /// holds `plan::tc_large_shared_bytes` (their attribute is set at the build).
     tc_large_fits: bool,
     /// `tensor_core_large_split` (at most `plan::TC_LARGE_SPLIT_MAX`; `set_tc_large_split`
-    /// changes it for direct launches up to what the scratch was sized for).
+    /// changes it for direct launches); 0 where the model has no split scratch.
     tc_large_split: usize,
-    /// `tensor_core_large_split` as built: the scratch is allocated only where it is 2 or more.
-    tc_large_split_built: usize,
+    /// Whether the split form's scratch is allocated: the large tiles fit the device and
+    /// `tensor_core_large_split` is 2 or more.
+    tc_large_split_scratch: bool,
     /// When the small tiles stage (`tensor_core_stage_min_rounds`, `tensor_core_stage_waves`)
     /// and the dynamic shared memory they may take a block (0: never staged).
     tc_stage: plan::TcStaging,
@@ -621,8 +622,12 @@ impl GpuModel {
                 0
             },
             tc_large_fits,
-            tc_large_split: opts.tensor_core_large_split.min(plan::TC_LARGE_SPLIT_MAX),
-            tc_large_split_built: opts.tensor_core_large_split.min(plan::TC_LARGE_SPLIT_MAX),
+            tc_large_split: if tc_large_fits && opts.tensor_core_large_split >= 2 {
+                opts.tensor_core_large_split.min(plan::TC_LARGE_SPLIT_MAX)
+            } else {
+                0
+            },
+            tc_large_split_scratch: tc_large_fits && opts.tensor_core_large_split >= 2,
             tc_stage: plan::TcStaging {
                 bytes: if opts.tensor_core_staged_tiles && env.cc.0 >= 8 {
                     plan::tc_stage_budget(env.smem_optin)
@@ -783,7 +788,7 @@ impl GpuModel {
             provisional.max_samples,
             self.dtype,
             // A split launch has fewer tiles than multiprocessors (`Plan::tc_kernel_over`).
-            if self.tc_large_fits && self.tc_large_split_built >= 2 {
+            if self.tc_large_split_scratch {
                 self.sms as usize
             } else {
                 0
@@ -1005,11 +1010,7 @@ impl GpuModel {
             },
             tc_mid_max_tokens: self.tc_mid_max_tokens,
             tc_large_min_tokens: self.tc_large_min_tokens,
-            tc_large_split: if self.tc_large_split_built >= 2 {
-                self.tc_large_split
-            } else {
-                0
-            },
+            tc_large_split: self.tc_large_split,
             tc_large_split_min_chunks: plan::TC_LARGE_SPLIT_MIN_CHUNKS,
             staging: plan::TcStaging {
                 bytes: if self.tc_stage_on {
@@ -1496,17 +1497,17 @@ impl GpuModel {
     /// keep `tensor_core_large_split`). Returns whether the model has the split form's scratch
     /// (built with `tensor_core_large_split` of 2 or more); where it does not, nothing splits.
     pub fn set_tc_large_split(&mut self, groups: usize) -> bool {
-        self.tc_large_split = groups.min(plan::TC_LARGE_SPLIT_MAX);
-        self.tc_large_split_built >= 2
+        self.tc_large_split = if self.tc_large_split_scratch {
+            groups.min(plan::TC_LARGE_SPLIT_MAX)
+        } else {
+            0
+        };
+        self.tc_large_split_scratch
     }
 
     /// The split large tiles' class groups for the launches made now (0: never split).
     pub fn tc_large_split(&self) -> usize {
-        if self.tc_large_split_built >= 2 {
-            self.tc_large_split
-        } else {
-            0
-        }
+        self.tc_large_split
     }
 
     /// Replay (or launch, without graphs) the persistent form where a bucket has one (true),

@@ -90,9 +90,10 @@ pub(crate) const TC_LARGE_KERNELS: [Kernel; 4] = [
 /// Class groups of a split large tile at most: a tile's 8 classes of input chunks (chunks w,
 /// w + 8, ...), each class summed by one block at most ([`Plan::tc_large_split`]).
 pub const TC_LARGE_SPLIT_MAX: usize = 8;
-/// Input chunks a block of a split large tile takes at least: a projection of `c` chunks splits
-/// over at most `c / TC_LARGE_SPLIT_MIN_CHUNKS` blocks a tile (`Plan::tc_large_split_min_chunks`) ([`Plan::tc_large_split_groups`];
-/// fewer than 2: the wide tiles). A split block's fixed cost (its pipeline's first stages,
+/// Input chunks a block of a split large tile takes at least (the device's
+/// [`Plan::tc_large_split_min_chunks`]): a projection of `c` chunks splits over at most
+/// `c / TC_LARGE_SPLIT_MIN_CHUNKS` blocks a tile ([`Plan::tc_large_split_groups`]; fewer than 2:
+/// the wide tiles). A split block's fixed cost (its pipeline's first stages,
 /// its class sums' stores, the last block's reads of them) needs a long enough chain to pay:
 /// on an H100 with every short projection split over 8 (the Qwen2.5-0.5B shape's o and QKV,
 /// 28 chunks: 3-4 a block) the split kernels' time at 256 tokens was that of the wide tiles
